@@ -1,0 +1,1 @@
+"""Engine: request lifecycle, the step loop and the offline ``LLM`` API."""

@@ -1,0 +1,28 @@
+"""RMSNorm, computed in fp32 and cast back, as Hugging Face's Llama-family models do."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)`` over the last dimension."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm with an optional fused residual add: ``forward(x, residual)`` returns
+    ``(norm(x + residual), x + residual)``, which saves a pass over the hidden states."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        x = x + residual
+        return rms_norm(x, self.weight, self.eps), x

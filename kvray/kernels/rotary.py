@@ -1,0 +1,75 @@
+"""Rotary position embedding (the "rotate half" layout of Hugging Face Llama-family
+checkpoints), with Llama-3 and linear frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(rot_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [rot_dim / 2] in fp32, after the checkpoint's scaling rule."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(
+        f"rope scaling type '{rope_type}' is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    factor = float(s["factor"])
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Applies rotary embedding to q and k given each token's absolute position.
+
+    cos/sin are precomputed in fp32 for ``max_positions`` and grown on demand.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self._build(max_positions)
+
+    def _build(self, n: int) -> None:
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
+        self.cos, self.sin = freqs.cos(), freqs.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hk, D], positions: [T] -> rotated (q, k)."""
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            self._build(2 * int(positions.max()) + 1)
+        if self.cos.device != q.device:
+            self.cos, self.sin = self.cos.to(q.device), self.sin.to(q.device)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+

@@ -1,0 +1,1 @@
+"""Decoder model definitions (tensor/pipeline-parallel aware) and weight loading."""

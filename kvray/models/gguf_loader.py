@@ -1,0 +1,137 @@
+"""Read a llama.cpp GGUF file as a Hugging Face config plus HF-named tensors.
+
+Quantized tensors are dequantized with the ``gguf`` package to fp32 and cast to the
+model dtype by the loader. llama.cpp stores Llama-architecture Q/K rows interleaved
+for its rotary kernel; they are permuted back to the Hugging Face layout here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvray.models.spec import UnsupportedModelError
+
+# GGUF architecture -> (HF architecture, HF config class name, permutes q/k)
+_ARCHS = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", True),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", False),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", False),
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if not m or m.group(2) not in _LAYER_NAMES:
+        raise UnsupportedModelError(f"GGUF tensor '{gguf_name}' has no Hugging Face equivalent")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's rotary row interleaving of a Q or K projection."""
+    head_dim = w.shape[0] // n_head
+    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint:
+    """A GGUF file opened for loading: ``hf_config`` and ``iter_weights()``."""
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        self.reader = gguf.GGUFReader(str(self.path))
+        arch = _field(self.reader, "general.architecture")
+        if arch not in _ARCHS:
+            raise UnsupportedModelError(
+                f"GGUF architecture '{arch}' is not supported; supported: {', '.join(_ARCHS)}")
+        self.arch = arch
+        names = {t.name for t in self.reader.tensors}
+        if "rope_freqs.weight" in names:
+            raise UnsupportedModelError(
+                "GGUF with precomputed rope_freqs (Llama-3.1 rope scaling) is not supported; "
+                "load the Hugging Face checkpoint instead")
+        self.hf_config = self._build_config(tied="output.weight" not in names)
+
+    def _build_config(self, tied: bool) -> Any:
+        import transformers
+
+        a, r = self.arch, self.reader
+        hf_arch, config_cls, _ = _ARCHS[a]
+        embd = next(t for t in r.tensors if t.name == "token_embd.weight")
+        n_head = int(_field(r, f"{a}.attention.head_count"))
+        hidden = int(_field(r, f"{a}.embedding_length"))
+        kwargs = dict(
+            architectures=[hf_arch],
+            vocab_size=int(embd.shape[1]),
+            hidden_size=hidden,
+            intermediate_size=int(_field(r, f"{a}.feed_forward_length")),
+            num_hidden_layers=int(_field(r, f"{a}.block_count")),
+            num_attention_heads=n_head,
+            num_key_value_heads=int(_field(r, f"{a}.attention.head_count_kv", n_head)),
+            head_dim=int(_field(r, f"{a}.attention.key_length", hidden // n_head)),
+            rms_norm_eps=float(_field(r, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            max_position_embeddings=int(_field(r, f"{a}.context_length", 2048)),
+            rope_theta=float(_field(r, f"{a}.rope.freq_base", 10000.0)),
+            tie_word_embeddings=tied,
+            bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
+            eos_token_id=_field(r, "tokenizer.ggml.eos_token_id"),
+            torch_dtype="bfloat16",
+        )
+        return getattr(transformers, config_cls)(**kwargs)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (Hugging Face name, fp32 tensor) for every tensor, dequantized."""
+        import gguf
+
+        permute = _ARCHS[self.arch][2]
+        cfg = self.hf_config
+        for t in self.reader.tensors:
+            name = _hf_name(t.name)
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+            data = np.asarray(data, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+            if permute and ".q_proj." in name:
+                data = _unpermute(data, cfg.num_attention_heads)
+            elif permute and ".k_proj." in name:
+                data = _unpermute(data, cfg.num_key_value_heads)
+            yield name, torch.from_numpy(np.array(data, copy=True, order="C"))
+
+    def load_tokenizer(self) -> Any:
+        """The tokenizer (with chat template) embedded in the GGUF, via transformers."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(
+            str(self.path.parent), gguf_file=self.path.name, local_files_only=True)

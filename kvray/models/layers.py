@@ -1,0 +1,191 @@
+"""Tensor-parallel building blocks: linears, vocab-parallel embedding and LM head.
+
+Each parameter carries a ``weight_loader(param, full_tensor, shard_id=None)`` that
+copies this rank's slice out of the full checkpoint tensor, so a rank never keeps
+more than its shard. With ``tp_size == 1`` every slice is the whole tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvray.parallel import ParallelContext
+
+
+def _check_shape(param: nn.Parameter, shard: torch.Tensor, what: str) -> None:
+    if tuple(param.shape) != tuple(shard.shape):
+        raise ValueError(
+            f"{what}: checkpoint slice has shape {tuple(shard.shape)}, "
+            f"model expects {tuple(param.shape)}"
+        )
+
+
+def _split(size: int, parts: int, what: str) -> int:
+    if size % parts:
+        raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size ({parts})")
+    return size // parts
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with W of shape [out_local, in_local]."""
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype), False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_local, dtype=dtype), False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across TP ranks; no communication in forward."""
+
+    def __init__(self, ctx: ParallelContext, in_features: int, out_features: int,
+                 bias: bool, dtype: torch.dtype) -> None:
+        self.ctx = ctx
+        super().__init__(in_features, _split(out_features, ctx.tp_size, "output size"), bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        shard = loaded.narrow(0, self.ctx.tp_rank * size, size)
+        _check_shape(param, shard, "column-parallel weight")
+        param.data.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul
+    (gate and up of the MLP); ``shard_id`` is the index of the projection."""
+
+    def __init__(self, ctx: ParallelContext, in_features: int, out_sizes: Sequence[int],
+                 bias: bool, dtype: torch.dtype) -> None:
+        self.out_local = [_split(s, ctx.tp_size, "output size") for s in out_sizes]
+        super().__init__(ctx, in_features, sum(out_sizes), bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        assert isinstance(shard_id, int)
+        size = self.out_local[shard_id]
+        offset = sum(self.out_local[:shard_id])
+        shard = loaded.narrow(0, self.ctx.tp_rank * size, size)
+        target = param.data.narrow(0, offset, size)
+        if tuple(target.shape) != tuple(shard.shape):
+            raise ValueError(f"merged projection {shard_id}: checkpoint slice has shape "
+                             f"{tuple(shard.shape)}, model expects {tuple(target.shape)}")
+        target.copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused Q, K, V projection. Q heads are split across ranks; KV heads too, or
+    replicated (each rank keeps the one it needs) when there are fewer KV heads than ranks."""
+
+    def __init__(self, ctx: ParallelContext, hidden_size: int, head_dim: int,
+                 num_heads: int, num_kv_heads: int, bias: bool, dtype: torch.dtype) -> None:
+        tp = ctx.tp_size
+        self.head_dim = head_dim
+        self.num_heads = _split(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = _split(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_head_start = ctx.tp_rank * self.num_kv_heads
+        else:
+            if tp % num_kv_heads:
+                raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of "
+                                 f"num_key_value_heads ({num_kv_heads}) when it exceeds it")
+            self.num_kv_heads = 1
+            self.kv_head_start = ctx.tp_rank * num_kv_heads // tp
+        out = (num_heads + 2 * self.num_kv_heads * tp) * head_dim
+        super().__init__(ctx, hidden_size, out, bias, dtype)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        assert shard_id in ("q", "k", "v")
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.ctx.tp_rank * self.q_size
+        else:
+            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            size, start = self.kv_size, self.kv_head_start * self.head_dim
+        shard = loaded.narrow(0, start, size)
+        target = param.data.narrow(0, offset, size)
+        if tuple(target.shape) != tuple(shard.shape):
+            raise ValueError(f"{shard_id}_proj: checkpoint slice has shape "
+                             f"{tuple(shard.shape)}, model expects {tuple(target.shape)}")
+        target.copy_(shard)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across TP ranks; partial outputs summed by one all-reduce."""
+
+    def __init__(self, ctx: ParallelContext, in_features: int, out_features: int,
+                 bias: bool, dtype: torch.dtype) -> None:
+        self.ctx = ctx
+        super().__init__(_split(in_features, ctx.tp_size, "input size"), out_features, bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # the bias is not split; it is added once, after the reduce
+            shard = loaded
+        else:
+            size = param.shape[1]
+            shard = loaded.narrow(1, self.ctx.tp_rank * size, size)
+        _check_shape(param, shard, "row-parallel weight")
+        param.data.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across TP ranks (vocab padded to a multiple of tp_size);
+    each rank looks up its own rows, zeros the rest, and an all-reduce combines them."""
+
+    def __init__(self, ctx: ParallelContext, vocab_size: int, hidden_size: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // ctx.tp_size)
+        self.vocab_start = ctx.tp_rank * self.rows_per_rank
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size, dtype=dtype), False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
+            raise ValueError(f"embedding: checkpoint has shape {tuple(loaded.shape)}, model "
+                             f"expects ({self.vocab_size}, {param.shape[1]})")
+        end = min(self.vocab_start + self.rows_per_rank, self.vocab_size)
+        param.data.zero_()
+        param.data[: end - self.vocab_start].copy_(loaded[self.vocab_start:end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.ctx.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocab-parallel output projection; full logits are gathered for sampling."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.ctx.all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,160 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3), tensor- and pipeline-parallel
+aware. Parameter names mirror Hugging Face's so checkpoints map one to one, except the fused
+``qkv_proj`` and ``gate_up_proj`` (see :data:`STACKED_PARAMS`).
+
+The forward pass takes a flat batch of tokens with positions (no padding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvray.kernels.attention import AttentionMetadata, attention
+from kvray.kernels.norm import RMSNorm
+from kvray.kernels.rotary import RotaryEmbedding
+from kvray.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from kvray.models.spec import ModelSpec
+from kvray.parallel import ParallelContext, pp_layer_range
+
+# checkpoint projection name -> (fused parameter name, shard id)
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, ctx: ParallelContext, layer_idx: int,
+                 rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = spec.head_dim
+        self.qkv_proj = QKVParallelLinear(ctx, spec.hidden_size, spec.head_dim, spec.num_heads,
+                                          spec.num_kv_heads, spec.qkv_bias, dtype)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(ctx, spec.num_heads * spec.head_dim, spec.hidden_size,
+                                        spec.o_bias, dtype)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype) if spec.qk_norm else None
+        self.rotary = rotary
+        self.scale = spec.head_dim ** -0.5
+        self.sliding_window = spec.layer_windows[layer_idx]
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(meta.positions, q, k)
+        out = attention(q, k, v, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(-1, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = spec.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(ctx, spec.hidden_size, [size, size],
+                                                       spec.mlp_bias, dtype)
+        self.down_proj = RowParallelLinear(ctx, size, spec.hidden_size, spec.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, ctx: ParallelContext, layer_idx: int,
+                 rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(spec, ctx, layer_idx, rotary, dtype)
+        self.mlp = LlamaMLP(spec, ctx, dtype)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack of one pipeline stage: embedding on the first stage, layers
+    [start, end), final norm on the last. Other stages' layers are ``None`` placeholders so
+    parameter names keep their global layer index."""
+
+    def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.start_layer, self.end_layer = pp_layer_range(spec.num_layers, ctx.pp_rank,
+                                                          ctx.pp_size)
+        rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_positions)
+        self.embed_tokens = (VocabParallelEmbedding(ctx, spec.vocab_size, spec.hidden_size, dtype)
+                             if ctx.is_first_stage or spec.tie_word_embeddings else None)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(spec, ctx, i, rotary, dtype)
+            if self.start_layer <= i < self.end_layer else nn.Identity()
+            for i in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype) if ctx.is_last_stage \
+            else None
+
+    def forward(self, input_ids: torch.Tensor | None, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+        """First stage: embed ``input_ids``; later stages: continue from ``hidden``/``residual``.
+        Returns the final normed hidden states on the last stage, else (hidden, residual)."""
+        if self.ctx.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        for i in range(self.start_layer, self.end_layer):
+            hidden, residual = self.layers[i](hidden, residual, meta)
+        if not self.ctx.is_last_stage:
+            return hidden, residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. ``forward`` returns hidden states; ``compute_logits`` projects the
+    rows that need sampling, so prefill tokens that sample nothing cost no vocab matmul."""
+
+    def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.ctx = ctx
+        self.model = LlamaModel(spec, ctx, dtype, max_positions)
+        self.lm_head = None
+        if ctx.is_last_stage:
+            self.lm_head = ParallelLMHead(ctx, spec.vocab_size, spec.hidden_size, dtype)
+            if spec.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor | None, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+        return self.model(input_ids, meta, hidden, residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
+        return self.lm_head.compute_logits(hidden)

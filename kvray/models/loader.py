@@ -1,0 +1,225 @@
+"""Build a model and fill it from a Hugging Face directory or a GGUF file.
+
+Loading is local only: nothing is fetched from a model hub. Every checkpoint tensor
+must land in a parameter and every parameter must be filled; otherwise the error
+names the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from kvray.models.llama import STACKED_PARAMS, LlamaForCausalLM
+from kvray.models.spec import ModelSpec
+from kvray.parallel import ParallelContext
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+# Tensors some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightLoadError(ValueError):
+    """Checkpoint tensors and model parameters do not match; the message names them."""
+
+
+def resolve_dtype(name: str, spec: ModelSpec) -> torch.dtype:
+    """``auto`` means the checkpoint's own dtype (bf16 when it does not say)."""
+    if name == "auto":
+        name = spec.torch_dtype if spec.torch_dtype in DTYPES else "bfloat16"
+    return DTYPES[name]
+
+
+def load_hf_config(model_path: str | Path) -> Any:
+    """Read ``config.json`` of a local Hugging Face model directory."""
+    from transformers import AutoConfig
+
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a Hugging Face model directory (no config.json); pass a local "
+            "directory or a .gguf file — kvray never downloads weights"
+        )
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every ``*.safetensors`` shard, via the index when present."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        paths = [model_dir / f for f in files]
+    else:
+        paths = sorted(model_dir.glob("*.safetensors"))
+    if not paths:
+        raise WeightLoadError(f"no *.safetensors files in {model_dir}")
+    for path in paths:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                yield name, f.get_tensor(name)
+
+
+def default_weight_loader(param: torch.nn.Parameter, loaded: torch.Tensor,
+                          shard_id: Any = None) -> None:
+    """Copy a replicated (unsharded) tensor, e.g. a norm weight."""
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"checkpoint has shape {tuple(loaded.shape)}, "
+                         f"model expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def build_model(spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype,
+                max_positions: int, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    with torch.device(device):
+        return LlamaForCausalLM(spec, ctx, dtype, max_positions).eval()
+
+
+def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy each checkpoint tensor's shard into its parameter; raise WeightLoadError naming
+    unexpected, missing or mis-shaped tensors."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    start, end = model.model.start_layer, model.model.end_layer
+    filled: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        m = _LAYER_RE.match(name)
+        if m and not start <= int(m.group(1)) < end:
+            continue  # another pipeline stage's layer
+        target, shard_id = _target_param(name)
+        if target not in params:
+            if _belongs_to_other_stage(target, model) or (
+                    target == "lm_head.weight" and model.spec.tie_word_embeddings):
+                continue
+            unexpected.append(name)
+            continue
+        param = params[target]
+        try:
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor.to(param.dtype), shard_id)
+        except (ValueError, RuntimeError) as err:  # RuntimeError: slice out of range
+            raise WeightLoadError(
+                f"tensor '{name}' of shape {tuple(tensor.shape)} does not fit parameter "
+                f"'{target}' of shape {tuple(param.shape)}: {err}") from None
+        filled.add(target if shard_id is None else f"{target}#{shard_id}")
+    _check_complete(model, params, filled, unexpected)
+
+
+def _target_param(name: str) -> tuple[str, Any]:
+    for ckpt, (fused, shard_id) in STACKED_PARAMS.items():
+        if f".{ckpt}." in name:
+            return name.replace(f".{ckpt}.", f".{fused}."), shard_id
+    return name, None
+
+
+def _belongs_to_other_stage(name: str, model: LlamaForCausalLM) -> bool:
+    return (name.startswith("model.embed_tokens.") and model.model.embed_tokens is None) or (
+        (name.startswith("model.norm.") or name.startswith("lm_head.")) and model.lm_head is None)
+
+
+def _expected_keys(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter]) -> set[str]:
+    expected = set()
+    for name in params:
+        if name == "lm_head.weight" and model.spec.tie_word_embeddings:
+            continue
+        fused = [(f, s) for f, s in STACKED_PARAMS.values() if f".{f}." in name]
+        expected.update(f"{name}#{s}" for _, s in fused) if fused else expected.add(name)
+    return expected
+
+
+def _check_complete(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter],
+                    filled: set[str], unexpected: list[str]) -> None:
+    problems = []
+    if unexpected:
+        problems.append(f"unexpected tensors in checkpoint: {', '.join(unexpected[:10])}"
+                        + (f" (+{len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
+    missing = sorted(_expected_keys(model, params) - filled)
+    if missing:
+        names = [_checkpoint_name(m) for m in missing]
+        problems.append(f"tensors missing from checkpoint: {', '.join(names[:10])}"
+                        + (f" (+{len(names) - 10} more)" if len(names) > 10 else ""))
+    if problems:
+        raise WeightLoadError(f"{model.spec.architecture}: " + "; ".join(problems))
+
+
+def _checkpoint_name(key: str) -> str:
+    if "#" not in key:
+        return key
+    name, shard = key.split("#")
+    for ckpt, (fused, shard_id) in STACKED_PARAMS.items():
+        if f".{fused}." in name and str(shard_id) == shard:
+            return name.replace(f".{fused}.", f".{ckpt}.")
+    return key
+
+
+class HFCheckpoint:
+    """A local Hugging Face model directory opened for loading."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.hf_config = load_hf_config(self.path)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_safetensors(self.path)
+
+    def load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+
+
+def open_checkpoint(path: str | Path) -> Any:
+    """Open a Hugging Face directory or a ``.gguf`` file (both expose ``hf_config``,
+    ``iter_weights()`` and ``load_tokenizer()``)."""
+    from kvray.models.gguf_loader import GGUFCheckpoint
+
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return GGUFCheckpoint(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {path} does not exist; pass a local Hugging Face directory or a "
+            ".gguf file (kvray never downloads weights), or omit it for the built-in model")
+    return HFCheckpoint(path)
+
+
+def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = None) -> Any:
+    """The tokenizer from ``tokenizer_path`` if given, else the checkpoint's own."""
+    if tokenizer_path is not None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer_path), local_files_only=True)
+    return open_checkpoint(model_path).load_tokenizer()
+
+
+def resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
+    """The configured context length, bounded by what the model was trained for."""
+    limit = spec.max_position_embeddings
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len = {requested} exceeds the model's "
+                         f"max_position_embeddings ({limit}); use a value <= {limit}")
+    return requested
+
+
+def load_model(model_path: str | Path, dtype: str, ctx: ParallelContext | None = None,
+               max_model_len: int | None = None, device: torch.device | str = "cpu",
+               ) -> tuple[LlamaForCausalLM, ModelSpec]:
+    """Build this rank's shard of the model at ``model_path`` and load its weights."""
+    ckpt = open_checkpoint(model_path)
+    spec = ModelSpec.from_hf_config(ckpt.hf_config)
+    max_len = resolve_max_model_len(max_model_len, spec)
+    model = build_model(spec, ctx or ParallelContext(), resolve_dtype(dtype, spec), max_len,
+                        device)
+    load_weights(model, ckpt.iter_weights())
+    return model, spec

@@ -1,0 +1,138 @@
+"""The architecture facts kvray needs, read once from a Hugging Face config.
+
+The Llama family differs in a handful of switches (biases, q/k norm, rope scaling,
+sliding windows, tied embeddings); :class:`ModelSpec` names them so the model code
+has no per-architecture branches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvray.kernels.rotary import SUPPORTED_ROPE_TYPES
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or one of its options is not supported."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    layer_windows: tuple[int | None, ...]
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelSpec:
+        """Build from a ``transformers.PretrainedConfig``; raise UnsupportedModelError if
+        the architecture or an option (activation, rope type) is not one kvray runs."""
+        arch = _architecture(config)
+        family = SUPPORTED_ARCHITECTURES[arch]
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"{arch}: hidden_act '{act}' is not supported (only silu)")
+        theta, scaling = _rope(config)
+        num_heads = config.num_attention_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=True if family == "qwen2" else attention_bias,
+            o_bias=False if family == "qwen2" else attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            layer_windows=_layer_windows(config, family),
+            eos_token_ids=_eos_ids(getattr(config, "eos_token_id", None)),
+            torch_dtype=_dtype_name(getattr(config, "dtype", None)
+                                    or getattr(config, "torch_dtype", None)),
+        )
+
+
+def _architecture(config: Any) -> str:
+    archs = list(getattr(config, "architectures", None) or [])
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+    model_type = getattr(config, "model_type", None)
+    if not archs and model_type in by_type:
+        return by_type[model_type]
+    raise UnsupportedModelError(
+        f"architecture {archs or model_type!r} is not supported; kvray runs "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _rope(config: Any) -> tuple[float, dict[str, Any] | None]:
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None)
+    if legacy and not params.get("rope_type"):
+        params.update(legacy)
+    theta = float(params.pop("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope scaling type '{rope_type}' is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    return theta, (params if rope_type != "default" else None)
+
+
+def _layer_windows(config: Any, family: str) -> tuple[int | None, ...]:
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if family == "mistral":
+        return (window,) * n
+    layer_types = getattr(config, "layer_types", None)
+    if window and getattr(config, "use_sliding_window", False) and layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return (None,) * n
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list | tuple) else (int(value),)
+
+
+def _dtype_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    return str(value).removeprefix("torch.")

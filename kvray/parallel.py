@@ -1,0 +1,67 @@
+"""Where this process sits in a model replica's TP x PP grid, and its collectives.
+
+Passed explicitly to every parallel layer (no module-level state). With
+``tp_size == 1`` the collectives are no-ops, so the single-process path pays nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This worker's coordinates and process groups.
+
+    Attributes:
+        tp_rank / tp_size: position in the tensor-parallel group.
+        pp_rank / pp_size: pipeline stage index and count.
+        tp_group: torch.distributed group of this stage's TP ranks (None when tp_size == 1).
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tp_group: Any = None
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.tp_rank < self.tp_size, (self.tp_rank, self.tp_size)
+        assert 0 <= self.pp_rank < self.pp_size, (self.pp_rank, self.pp_size)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the TP group (in place when distributed)."""
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate each TP rank's ``x`` along the last dimension, in rank order."""
+        if self.tp_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=-1)
+
+
+def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """Contiguous [start, end) layers of stage ``pp_rank``; earlier stages take the remainder."""
+    if num_layers < pp_size:
+        raise ValueError(
+            f"pipeline_parallel_size ({pp_size}) exceeds the model's {num_layers} layers"
+        )
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random models on disk (built once per session)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import ARCHS, make_tiny_model  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Return a function arch -> path of a saved tiny model of that architecture."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    cache: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = make_tiny_model(arch, root / arch)
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def all_archs():
+    return list(ARCHS)
+
+
+def builtin_model_or_skip() -> Path:
+    from kvray.default_model import default_model_dir, is_default_model_ready
+
+    if not is_default_model_ready():
+        if os.environ.get("CI"):
+            pytest.fail("built-in model not set up in CI: .ci/run must run `kvray setup`")
+        pytest.skip("built-in model not set up (run `kvray setup`)")
+    return default_model_dir()

@@ -1,0 +1,64 @@
+"""The `kvray` command line: help, generate on a local model, and clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import builtin_model_or_skip
+
+from kvray.cli import main
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvray.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_help_lists_the_subcommands():
+    out = _run("--help")
+    assert out.returncode == 0
+    assert "setup" in out.stdout and "generate" in out.stdout
+
+
+def test_generate_help_lists_config_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--block-size", "--tensor-parallel-size", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching", "--config", "--chat"):
+        assert flag in text
+
+
+def test_generate_on_a_local_model_prints_text(tiny_model_dir, capsys):
+    rc = main(["generate", "--model", str(tiny_model_dir("llama_gqa")), "--prompt", "Hello",
+               "--max-tokens", "5", "--dtype", "float32"])
+    assert rc == 0
+    assert capsys.readouterr().out.strip() != ""
+
+
+def test_flag_overrides_config_file_and_bad_value_fails_with_field_name(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("block_size: 16\n")
+    rc = main(["generate", "--config", str(tmp_path / "c.yaml"), "--prompt", "x",
+               "--block-size", "0"])
+    assert rc == 2
+    assert "block_size" in capsys.readouterr().err
+
+
+def test_unknown_key_in_config_file_fails(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("blocksize: 16\n")
+    assert main(["generate", "--config", str(tmp_path / "c.yaml"), "--prompt", "x"]) == 2
+    assert "unknown config key 'blocksize'" in capsys.readouterr().err
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_builtin_model_completion_through_the_cli():
+    builtin_model_or_skip()
+    out = _run("generate", "--prompt", "The capital of France is", "--max-tokens", "8")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout

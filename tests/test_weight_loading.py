@@ -1,0 +1,95 @@
+"""Weight loading: sharded checkpoints, and errors that name what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import load_hf
+
+from kvray.kernels.attention import AttentionMetadata
+from kvray.models.loader import WeightLoadError, load_model, load_tokenizer
+from kvray.models.spec import UnsupportedModelError
+
+
+def _copy_model(src, dst, mutate):
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    mutate(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_sharded_checkpoint_with_index_loads_identically(tiny_model_dir, tmp_path):
+    hf = load_hf(tiny_model_dir("llama_gqa"))
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    a, _ = load_model(tiny_model_dir("llama_gqa"), "float32")
+    b, _ = load_model(tmp_path / "sharded", "float32")
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert na == nb and torch.equal(pa, pb)
+
+
+def test_missing_tensor_is_named(tiny_model_dir, tmp_path):
+    path = _copy_model(tiny_model_dir("llama_gqa"), tmp_path / "m",
+                       lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(WeightLoadError, match=r"missing.*model\.layers\.1\.self_attn\.k_proj"):
+        load_model(path, "float32")
+
+
+def test_unexpected_tensor_is_named(tiny_model_dir, tmp_path):
+    path = _copy_model(tiny_model_dir("llama_gqa"), tmp_path / "m",
+                       lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
+    with pytest.raises(WeightLoadError, match=r"unexpected.*model\.extra\.weight"):
+        load_model(path, "float32")
+
+
+def test_mismatched_shape_is_named(tiny_model_dir, tmp_path):
+    def shrink(t):
+        t["model.layers.0.mlp.down_proj.weight"] = torch.zeros(64, 100)
+
+    path = _copy_model(tiny_model_dir("llama_gqa"), tmp_path / "m", shrink)
+    with pytest.raises(WeightLoadError, match=r"down_proj\.weight.*\(64, 100\)"):
+        load_model(path, "float32")
+
+
+def test_unsupported_architecture_is_named(tiny_model_dir, tmp_path):
+    path = _copy_model(tiny_model_dir("llama_gqa"), tmp_path / "m", lambda t: None)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        load_model(path, "float32")
+
+
+def test_missing_directory_says_nothing_is_downloaded(tmp_path):
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        load_model(tmp_path / "absent", "float32")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path, "float32")
+
+
+def test_max_model_len_beyond_the_model_is_rejected(tiny_model_dir):
+    with pytest.raises(ValueError, match="max_model_len = 4096 exceeds"):
+        load_model(tiny_model_dir("llama_gqa"), "float32", max_model_len=4096)
+
+
+def test_tokenizer_and_chat_template_load_from_the_directory(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir("qwen2_bias"))
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert tok.decode(tok("Hello world")["input_ids"]) == "Hello world"
+
+
+def test_auto_dtype_uses_the_checkpoint_dtype(tiny_model_dir):
+    model, _ = load_model(tiny_model_dir("llama_gqa"), "auto")
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    out = model(torch.tensor([3, 4]), AttentionMetadata.for_full_sequences([2]))
+    assert out.shape == (2, 64)

@@ -1,0 +1,77 @@
+"""Small random-weight Hugging Face models of every supported architecture, saved with
+``save_pretrained`` together with a small trained BPE tokenizer and a chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+VOCAB_SIZE = 384
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Hello world! kvray serves language models with a paged KV cache on Ray.",
+    "Once upon a time there was a small model that generated tokens one at a time.",
+    "numbers 0123456789 and symbols .,;:!?()[]{}<>+-*/=_ and unicode: héllo, 日本語, 🙂",
+]
+
+_BASE = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+# name -> (config class, overrides)
+ARCHS: dict[str, tuple[str, dict]] = {
+    "llama_gqa": ("LlamaConfig", {}),
+    "llama3_rope_tied": ("LlamaConfig", dict(
+        tie_word_embeddings=True, num_key_value_heads=1,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64})),
+    "mistral": ("MistralConfig", dict(sliding_window=None, num_key_value_heads=4)),
+    "qwen2_bias": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3_qknorm_headdim": ("Qwen3Config", dict(head_dim=24, num_key_value_heads=2)),
+}
+
+
+def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(arch: str, path: str | Path, seed: int = 0, **overrides) -> Path:
+    """Save a random ``arch`` model (fp32) and tokenizer to ``path``; return the path."""
+    cls_name, arch_overrides = ARCHS[arch]
+    config = getattr(transformers, cls_name)(**{**_BASE, **arch_overrides, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger than default init so logits are not all near-uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            elif "norm" not in "".join(n for n, q in model.named_parameters() if q is p):
+                p.normal_(0, 0.02)
+    path = Path(path)
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def load_hf(path: str | Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, local_files_only=True).eval()
