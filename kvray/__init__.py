@@ -1,6 +1,21 @@
-"""kvray: LLM inference and serving on Ray."""
+"""kvray: LLM inference and serving on Ray.
+
+``from kvray import LLM, SamplingParams`` is the offline API.
+"""
 
 from kvray.config import ConfigError, EngineConfig, load_config
+from kvray.engine.outputs import CompletionOutput, RequestOutput
+from kvray.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "EngineConfig", "load_config", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "ConfigError", "EngineConfig", "RequestOutput",
+           "SamplingParams", "load_config", "__version__"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and transformers; import it only when asked for.
+    if name == "LLM":
+        from kvray.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'kvray' has no attribute {name!r}")

@@ -52,7 +52,8 @@ class LlamaAttention(nn.Module):
         self.scale = spec.head_dim ** -0.5
         self.sliding_window = spec.layer_windows[layer_idx]
 
-    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor | None) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -62,7 +63,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(meta.positions, q, k)
-        out = attention(q, k, v, meta, self.scale, self.sliding_window)
+        out = attention(q, k, v, meta, self.scale, self.sliding_window, kv_cache)
         return self.o_proj(out.reshape(-1, q_size))
 
 
@@ -89,12 +90,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, kv_cache: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, meta)
+        hidden = self.self_attn(hidden, meta, kv_cache)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -122,13 +124,16 @@ class LlamaModel(nn.Module):
             else None
 
     def forward(self, input_ids: torch.Tensor | None, meta: AttentionMetadata,
-                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                kv_caches: list[torch.Tensor | None] | None = None):
         """First stage: embed ``input_ids``; later stages: continue from ``hidden``/``residual``.
+        ``kv_caches[i]`` is layer i's paged cache (None: attend within the batch only).
         Returns the final normed hidden states on the last stage, else (hidden, residual)."""
         if self.ctx.is_first_stage:
             hidden, residual = self.embed_tokens(input_ids), None
         for i in range(self.start_layer, self.end_layer):
-            hidden, residual = self.layers[i](hidden, residual, meta)
+            cache = kv_caches[i] if kv_caches is not None else None
+            hidden, residual = self.layers[i](hidden, residual, meta, cache)
         if not self.ctx.is_last_stage:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
@@ -152,8 +157,9 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor | None, meta: AttentionMetadata,
-                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
-        return self.model(input_ids, meta, hidden, residual)
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                kv_caches: list[torch.Tensor | None] | None = None):
+        return self.model(input_ids, meta, hidden, residual, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "only the last pipeline stage computes logits"

@@ -1,0 +1,215 @@
+"""Turns each incremental SchedulerOutput into tensors, runs the model, samples.
+
+Keeps per-request state (token ids, block table, progress, generator) between steps, so
+the scheduler only sends what changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvray.actors.cache_engine import CacheEngine, kv_bytes_per_block, num_blocks_for_budget
+from kvray.config import EngineConfig
+from kvray.kernels.attention import AttentionMetadata
+from kvray.kernels.sampling import SamplingBatch, sample
+from kvray.models.loader import load_model, resolve_dtype, resolve_max_model_len
+from kvray.parallel import ParallelContext
+from kvray.sampling_params import SamplingParams
+from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    meta: AttentionMetadata
+    req_ids: list[str]  # batch order: decodes first
+    sample_rows: list[int]  # batch index of each request that samples
+    logits_index: torch.Tensor  # token index whose hidden state feeds each sampling row
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: str, ctx: ParallelContext,
+                 device: torch.device) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.device = device
+        self.model, self.spec = load_model(model_path, config.model.dtype, ctx,
+                                           config.model.max_model_len, device)
+        self.dtype = resolve_dtype(config.model.dtype, self.spec)
+        self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.spec)
+        self.block_size = config.cache.block_size
+        self.requests: dict[str, CachedRequestState] = {}
+        self.generators: dict[str, torch.Generator] = {}  # survive preemption
+        self.default_generator = torch.Generator(device).manual_seed(config.model.seed)
+        self.cache: CacheEngine | None = None
+
+    # ---- KV cache ---------------------------------------------------------------------
+    def _local_kv_shape(self) -> tuple[int, int, int]:
+        attn = self.model.model.layers[self.model.model.start_layer].self_attn
+        num_local_layers = self.model.model.end_layer - self.model.model.start_layer
+        return num_local_layers, attn.num_kv_heads, attn.head_dim
+
+    def determine_num_blocks(self) -> int:
+        layers, heads, dim = self._local_kv_shape()
+        per_block = kv_bytes_per_block(layers, self.block_size, heads, dim, self.dtype)
+        return num_blocks_for_budget(self.config.cache, per_block, self.device)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        _, heads, dim = self._local_kv_shape()
+        layer_range = (self.model.model.start_layer, self.model.model.end_layer)
+        self.cache = CacheEngine(self.spec.num_layers, layer_range, num_blocks,
+                                 self.block_size, heads, dim, self.dtype, self.device)
+
+    # ---- per-request state --------------------------------------------------------------
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.generators.pop(req_id, None)
+        for req_id in out.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.new_requests:
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
+                list(new.block_ids), new.num_computed_tokens,
+                list(new.token_ids[new.num_prompt_tokens:]))
+            if new.seed is not None and new.req_id not in self.generators:
+                self.generators[new.req_id] = torch.Generator(self.device).manual_seed(new.seed)
+        for cached in out.cached_requests:
+            state = self.requests[cached.req_id]
+            state.token_ids.extend(cached.new_token_ids)
+            state.output_token_ids.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ---- inputs -------------------------------------------------------------------------
+    def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        sched = out.num_scheduled_tokens
+        req_ids = sorted(sched, key=lambda r: sched[r] != 1)  # decodes first (stable)
+        num_decodes = sum(1 for r in req_ids if sched[r] == 1)
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens, query_lens, tables, sample_rows, logits_index = [], [], [], [], []
+        for b, req_id in enumerate(req_ids):
+            state, n = self.requests[req_id], sched[req_id]
+            start = state.num_computed_tokens
+            end = start + n
+            tokens.extend(state.token_ids[start:end])
+            pos = range(start, end)
+            positions.extend(pos)
+            table = state.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            seq_lens.append(end)
+            query_lens.append(n)
+            tables.append(table)
+            if end == len(state.token_ids):
+                sample_rows.append(b)
+                logits_index.append(len(tokens) - 1)
+        max_blocks = max(len(t) for t in tables)
+        table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
+                                    dtype=torch.int64)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, *query_lens], dtype=torch.int64).cumsum(0).to(dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=table_tensor.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            seq_lens_list=seq_lens, query_lens_list=query_lens, num_decodes=num_decodes)
+        return StepInputs(torch.tensor(tokens, dtype=torch.int64, device=dev), meta, req_ids,
+                          sample_rows, torch.tensor(logits_index, dtype=torch.int64, device=dev))
+
+    # ---- one step -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step. Returns the sampled tokens on the last pipeline stage's TP rank 0
+        (None elsewhere)."""
+        self._update_states(out)
+        if out.is_empty:
+            return ModelRunnerOutput([], [], [], [])
+        inputs = self._prepare_inputs(out)
+        hidden = self.model(inputs.input_ids, inputs.meta, kv_caches=self.cache.kv_caches)
+        prompt_logprobs = self._prompt_logprobs(inputs, out, hidden)
+        logits = self.model.compute_logits(hidden[inputs.logits_index])
+        return self._sample(inputs, logits, prompt_logprobs)
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor,
+                prompt_logprobs: dict) -> ModelRunnerOutput:
+        rows = [self.requests[inputs.req_ids[b]] for b in inputs.sample_rows]
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[dict[int, float]] | None] = {}
+        sampled_lp: dict[str, list[float]] = {}
+        if rows:
+            batch = SamplingBatch.from_params(
+                [s.params for s in rows], [self.generators.get(s.req_id) for s in rows],
+                [s.token_ids[: s.num_prompt_tokens] for s in rows],
+                [s.output_token_ids for s in rows], device=self.device)
+            result = sample(logits, batch, self.default_generator)
+            tokens = result.token_ids.tolist()
+            lps = result.logprobs.tolist()
+            tops = _top_logprobs(result, rows)
+            for i, state in enumerate(rows):
+                sampled[state.req_id] = [tokens[i]]
+                sampled_lp[state.req_id] = [lps[i]]
+                logprobs[state.req_id] = None if tops[i] is None else [
+                    {tokens[i]: lps[i], **tops[i]}]
+        req_ids = inputs.req_ids
+        return ModelRunnerOutput(
+            req_ids, [sampled.get(r, []) for r in req_ids], [logprobs.get(r) for r in req_ids],
+            [sampled_lp.get(r, []) for r in req_ids], prompt_logprobs)
+
+    def _prompt_logprobs(self, inputs: StepInputs, out: SchedulerOutput, hidden: torch.Tensor
+                         ) -> dict[str, list[dict[int, float] | None]]:
+        """For requests asking prompt_logprobs, the logprobs of each prompt token in this
+        chunk given the tokens before it (None for the first prompt token)."""
+        result = {}
+        starts = inputs.meta.query_start_loc.tolist()
+        for b, req_id in enumerate(inputs.req_ids):
+            state = self.requests[req_id]
+            k = state.params.prompt_logprobs
+            start = state.num_computed_tokens
+            if k is None or start >= state.num_prompt_tokens:
+                continue
+            end = min(start + out.num_scheduled_tokens[req_id], state.num_prompt_tokens)
+            # hidden at position p predicts token p + 1
+            rows = torch.arange(starts[b], starts[b] + end - start)
+            targets = state.token_ids[start + 1: min(end + 1, state.num_prompt_tokens)]
+            rows = rows[: len(targets)]
+            lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+            entries: list[dict[int, float] | None] = [None] if start == 0 else []
+            top = lp.topk(k, dim=-1) if k else None
+            for i, tok in enumerate(targets):
+                entry = {tok: float(lp[i, tok])}
+                if top is not None:
+                    entry.update(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
+                    entry[tok] = float(lp[i, tok])
+                entries.append(entry)
+            result[req_id] = entries
+        return result
+
+
+def _top_logprobs(result, rows: list[CachedRequestState]) -> list[dict[int, float] | None]:
+    out: list[dict[int, float] | None] = []
+    top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
+    top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+    for i, state in enumerate(rows):
+        k = state.params.logprobs
+        if k is None:
+            out.append(None)
+        else:
+            out.append(dict(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if k else {})
+    return out

@@ -1,0 +1,107 @@
+"""The offline API: ``LLM(model=None, **config).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvray.config import EngineConfig, config_from_flat, load_config
+from kvray.engine.llm_engine import LLMEngine, PromptType
+from kvray.engine.outputs import RequestOutput
+from kvray.sampling_params import SamplingParams
+
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    """Generate text for batches of prompts with the paged, continuously batched engine.
+
+    Args:
+        model: Hugging Face directory or .gguf file; None = the built-in SmolLM2-135M.
+        config: a flat YAML config file; ``kwargs`` override it.
+        **kwargs: any config key (``dtype``, ``block_size``, ``max_num_seqs`` ...).
+    """
+
+    def __init__(self, model: str | None = None, config: str | None = None,
+                 **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model"] = model
+        engine_config: EngineConfig = (load_config(config, **kwargs) if config is not None
+                                       else config_from_flat(kwargs))
+        self.llm_engine = LLMEngine(engine_config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in input order.
+
+        Prompts may be strings, ``{"prompt_token_ids": [...]}`` dicts, or a mix; one
+        SamplingParams for all or one per prompt.
+        """
+        if isinstance(prompts, str | dict) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        priority = list(priority) if priority is not None else [0] * len(prompts)
+        ids = []
+        for prompt, p, prio in zip(prompts, params, priority, strict=True):
+            request_id = str(next(self._counter))
+            self.llm_engine.add_request(request_id, prompt, p, priority=prio)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        in_toks = out_toks = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        in_toks += len(out.prompt_token_ids)
+                        out_toks += sum(len(c.token_ids) for c in out.outputs)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(f"input {in_toks / elapsed:.1f} tok/s, "
+                                            f"output {out_toks / elapsed:.1f} tok/s")
+                        bar.update(1)
+        except BaseException:
+            for request_id in ids:  # leave the engine clean for the next call
+                engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them via the chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate()")
+        prompts = []
+        for conv in convs:
+            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                          tokenize=True, return_dict=True)["input_ids"]
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False)
+            prompts.append({"prompt_token_ids": list(ids), "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm)

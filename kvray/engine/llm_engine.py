@@ -1,0 +1,252 @@
+"""LLMEngine: requests in, one scheduling + execution step at a time, outputs out.
+
+``add_request`` tokenizes and queues; ``step`` schedules, runs the executor, applies the
+sampled tokens, detokenizes, checks stop strings and returns the outputs that changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvray.config import EngineConfig
+from kvray.default_model import resolve_model_path
+from kvray.engine.detokenizer import IncrementalDetokenizer
+from kvray.engine.executor import UniProcExecutor
+from kvray.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvray.engine.request import Request, RequestStatus
+from kvray.engine.stats import EngineStats
+from kvray.models.loader import load_tokenizer
+from kvray.sampling_params import SamplingParams
+from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvray.scheduler.scheduler import Scheduler
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one of a request's n sequences."""
+
+    request: Request
+    detok: IncrementalDetokenizer
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[_Sequence] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    """The engine core of one model replica (in-process executor)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = str(resolve_model_path(config.model.model))
+        self.tokenizer = load_tokenizer(self.model_path, config.model.tokenizer)
+        self.executor = UniProcExecutor(config, self.model_path)
+        self.spec = self.executor.spec
+        self.max_model_len = self.executor.max_model_len
+        num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
+                                   self.max_model_len)
+        eos = set(self.spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.stats = EngineStats(num_blocks=num_blocks)
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, tuple[str, int]] = {}
+
+    # ---- requests -----------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}: give a string, a "
+                         "list of token ids or {'prompt_token_ids': [...]}")
+
+    def _check_token_ids(self, ids: list[int], what: str) -> None:
+        vocab = self.spec.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{what} holds token ids outside the vocabulary [0, {vocab}): "
+                             f"{bad[:5]}")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request; raise ValueError (the request is not queued) if it is invalid
+        or can never fit."""
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        self._check_token_ids(ids, "the prompt")
+        self._check_token_ids(list(params.logit_bias or {}), "logit_bias")
+        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
+        max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        parent = _Parent(request_id, text, ids, params,
+                         prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seed = None if params.seed is None else params.seed + i
+            children.append(Request(child_id, ids, params, arrival, priority, max_tokens, seed))
+        for child in children:  # validate all before queueing any
+            self.scheduler.check_request(child)
+        for i, child in enumerate(children):
+            self.scheduler.add_request(child)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                           params.skip_special_tokens)
+            parent.seqs.append(_Sequence(child, detok, [] if params.logprobs is not None
+                                         else None))
+            self._child_to_parent[child.request_id] = (request_id, i)
+        self._parents[request_id] = parent
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request (all its n sequences); False if it is unknown or done."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return False
+        for seq in parent.seqs:
+            self.scheduler.abort_request(seq.request.request_id)
+            self._child_to_parent.pop(seq.request.request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; return outputs of requests that changed."""
+        out = self.scheduler.schedule()
+        start = time.perf_counter()
+        result = self.executor.execute_model(out)
+        elapsed = time.perf_counter() - start
+        self._record_step(out, elapsed)
+        updated = self.scheduler.update_from_output(out, result)
+        touched = self._apply_prompt_logprobs(result)
+        touched |= self._apply_tokens(updated, result)
+        self._update_gauges()
+        outputs = [self._make_output(self._parents[p]) for p in touched if p in self._parents]
+        for o in outputs:
+            if o.finished:
+                self._drop(o.request_id)
+        return outputs
+
+    def _record_step(self, out: SchedulerOutput, elapsed: float) -> None:
+        s = self.stats
+        s.num_steps += 1
+        if out.is_empty:
+            return
+        reqs = self.scheduler.requests
+        pure_decode = all(n == 1 and reqs[r].num_computed_tokens >= reqs[r].num_prompt_tokens
+                          for r, n in out.num_scheduled_tokens.items())
+        prompt_tokens = sum(
+            max(0, min(reqs[r].num_prompt_tokens - reqs[r].num_computed_tokens, n))
+            for r, n in out.num_scheduled_tokens.items())
+        s.prompt_tokens_total += prompt_tokens
+        if pure_decode:
+            s.decode_time_s += elapsed
+            s.decode_tokens += len(out.num_scheduled_tokens)
+            s.decode_context_tokens += sum(reqs[r].num_computed_tokens + 1
+                                           for r in out.num_scheduled_tokens)
+
+    def _apply_prompt_logprobs(self, result: ModelRunnerOutput) -> set[str]:
+        touched = set()
+        for req_id, entries in result.prompt_logprobs.items():
+            parent_id, index = self._child_to_parent.get(req_id, (None, 0))
+            parent = self._parents.get(parent_id)
+            if parent is None or index != 0 or parent.prompt_logprobs is None:
+                continue
+            room = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
+            parent.prompt_logprobs.extend(entries[:room])  # a recompute repeats; keep first
+            touched.add(parent_id)
+        return touched
+
+    def _apply_tokens(self, updated: list[Request], result: ModelRunnerOutput) -> set[str]:
+        lp_by_req = dict(zip(result.req_ids, result.logprobs, strict=True))
+        slp_by_req = dict(zip(result.req_ids, result.sampled_logprobs, strict=True))
+        touched = set()
+        for req in updated:
+            parent_id, index = self._child_to_parent[req.request_id]
+            seq = self._parents[parent_id].seqs[index]
+            new = slp_by_req[req.request_id]
+            seq.cumulative_logprob += sum(new)
+            if seq.logprobs is not None and lp_by_req[req.request_id]:
+                seq.logprobs.extend(lp_by_req[req.request_id])
+            self.stats.generation_tokens_total += len(new)
+            self._detokenize(seq, req, len(new))
+            touched.add(parent_id)
+        return touched
+
+    def _detokenize(self, seq: _Sequence, req: Request, num_new: int) -> None:
+        new_tokens = req.output_token_ids[-num_new:]
+        if req.status is RequestStatus.FINISHED_STOPPED and isinstance(req.stop_reason, int):
+            new_tokens = new_tokens[:-1]  # the stop token itself produces no text
+        if not new_tokens:
+            return
+        stop = seq.detok.add_tokens(new_tokens)
+        if stop is not None and not req.is_finished:
+            req.stop_reason = stop
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+
+    def _update_gauges(self) -> None:
+        s, sched = self.stats, self.scheduler
+        s.num_running = len(sched.running)
+        s.num_waiting = len(sched.waiting)
+        s.kv_cache_usage = sched.kv.usage
+        s.prefix_cache_queries = sched.kv.stats.queries
+        s.prefix_cache_hits = sched.kv.stats.hits
+        s.num_preemptions = sched.num_preemptions
+
+    # ---- outputs ------------------------------------------------------------------------
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        outs = []
+        for i, seq in enumerate(parent.seqs):
+            req = seq.request
+            outs.append(CompletionOutput(
+                index=i, text=seq.detok.output_text, token_ids=list(req.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                finish_reason=req.finish_reason, stop_reason=req.stop_reason))
+        first = parent.seqs[0].request
+        metrics = RequestMetrics(
+            first.arrival_time, first.first_scheduled_time,
+            min((s.request.first_token_time for s in parent.seqs
+                 if s.request.first_token_time is not None), default=None),
+            max((s.request.finished_time or 0.0) for s in parent.seqs) or None,
+            max(first.num_cached_tokens, 0),
+            sum(s.request.num_preemptions for s in parent.seqs))
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             parent.prompt_logprobs, outs, parent.finished, metrics)
+
+    def _drop(self, request_id: str) -> None:
+        parent = self._parents.pop(request_id)
+        for seq in parent.seqs:
+            self._child_to_parent.pop(seq.request.request_id, None)

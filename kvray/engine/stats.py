@@ -1,0 +1,23 @@
+"""Engine-level counters the server's metrics will expose (plain numbers for now)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use
+    num_blocks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0  # prompt tokens computed (cache hits excluded)
+    generation_tokens_total: int = 0
+    num_steps: int = 0
+    # pure-decode steps (every scheduled request advanced one generated token)
+    decode_time_s: float = 0.0
+    decode_tokens: int = 0
+    decode_context_tokens: int = 0  # sum of context lengths attended in those steps

@@ -1,0 +1,266 @@
+"""Vectorised sampling for one engine step: logit processors, filters and a per-row-seeded draw.
+
+Order (vLLM's): logit_bias -> banned ids -> repetition penalty -> presence/frequency penalties
+-> greedy rows take the argmax | other rows: temperature -> top-k -> top-p -> min-p -> draw.
+
+The draw is an exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` picks token i with
+probability ``probs[i] / sum(probs)``, so no renormalisation or cumulative search is needed and
+each row's randomness is one independent noise vector. A non-greedy row with its own generator
+draws exactly one ``exponential_`` of size V from it per step, whatever else is in the batch, so a
+seeded request gives the same tokens alone or batched. Greedy rows draw nothing: a request's
+temperature never changes, so its generator still stays in step. Rows without a generator share
+one batched draw from ``default_generator``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from kvray.sampling_params import SamplingParams
+
+_GREEDY_EPS = 1e-5  # the same threshold as SamplingParams.is_greedy
+_TENSOR_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty")
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling state for one step; row i = i-th sequence that samples this step.
+
+    The flags are derived at construction so the hot path skips work no row asks for. Deriving
+    them reads the tensors, so build on CPU and move with ``to`` (``from_params`` does this) to
+    avoid a device sync. Token ids at or beyond the vocabulary (in ``logit_bias``,
+    ``banned_token_ids`` or the token lists) are ignored; the engine rejects them at admission.
+    """
+
+    temperature: torch.Tensor  # [B] float32; < 1e-5 (0.0) means greedy for that row
+    top_p: torch.Tensor  # [B] float32 in (0, 1]; 1.0 = off
+    top_k: torch.Tensor  # [B] int64; <= 0 or >= vocab = off
+    min_p: torch.Tensor  # [B] float32; 0.0 = off
+    repetition_penalty: torch.Tensor  # [B] float32; 1.0 = off
+    presence_penalty: torch.Tensor  # [B] float32; 0.0 = off
+    frequency_penalty: torch.Tensor  # [B] float32; 0.0 = off
+    generators: list[torch.Generator | None]  # per row; None = the shared default generator
+    prompt_token_ids: list[list[int]]  # per row; used by repetition_penalty only
+    output_token_ids: list[list[int]]  # per row, generated so far
+    logit_bias: list[dict[int, float] | None]
+    banned_token_ids: list[list[int]]  # per row ids set to -inf (stop/eos before min_tokens)
+    num_logprobs: int  # most top logprobs any row asked for (0 = none)
+    all_greedy: bool = field(init=False)
+    no_top_k: bool = field(init=False)
+    no_top_p: bool = field(init=False)
+    no_min_p: bool = field(init=False)
+    no_bias: bool = field(init=False)
+    no_banned: bool = field(init=False)
+    no_repetition_penalty: bool = field(init=False)
+    no_presence_frequency: bool = field(init=False)
+    no_penalties: bool = field(init=False)  # no repetition, presence or frequency penalty
+    seeded_random_rows: list[int] = field(init=False)  # non-greedy rows with own generator
+
+    def __post_init__(self) -> None:
+        greedy = (self.temperature < _GREEDY_EPS).tolist()
+        self.all_greedy = all(greedy)
+        self.seeded_random_rows = [i for i, (gen, is_greedy) in
+                                   enumerate(zip(self.generators, greedy, strict=True))
+                                   if gen is not None and not is_greedy]
+        self.no_top_k = not bool((self.top_k > 0).any())
+        self.no_top_p = bool((self.top_p >= 1.0).all())
+        self.no_min_p = bool((self.min_p <= 0.0).all())
+        self.no_bias = not any(self.logit_bias)
+        self.no_banned = not any(self.banned_token_ids)
+        self.no_repetition_penalty = bool((self.repetition_penalty == 1.0).all())
+        self.no_presence_frequency = bool(
+            ((self.presence_penalty == 0.0) & (self.frequency_penalty == 0.0)).all())
+        self.no_penalties = self.no_repetition_penalty and self.no_presence_frequency
+
+    def to(self, device: torch.device | str) -> SamplingBatch:
+        """A copy with its tensors on ``device``; the flags are kept, not recomputed."""
+        moved = copy.copy(self)
+        for name in _TENSOR_FIELDS:
+            setattr(moved, name, getattr(self, name).to(device, non_blocking=True))
+        return moved
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams],
+                    generators: list[torch.Generator | None],
+                    prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+                    device: torch.device | str = "cpu") -> SamplingBatch:
+        """Build the batch for rows ``params[i]`` (greedy rows get temperature 0.0)."""
+        assert len(params) == len(generators) == len(prompt_token_ids) == len(output_token_ids)
+
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype)
+
+        batch = cls(
+            temperature=column([0.0 if p.is_greedy else p.temperature for p in params],
+                               torch.float32),
+            top_p=column([p.top_p for p in params], torch.float32),
+            top_k=column([p.top_k for p in params], torch.int64),
+            min_p=column([p.min_p for p in params], torch.float32),
+            repetition_penalty=column([p.repetition_penalty for p in params], torch.float32),
+            presence_penalty=column([p.presence_penalty for p in params], torch.float32),
+            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32),
+            generators=list(generators),
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+            logit_bias=[p.logit_bias or None for p in params],
+            banned_token_ids=[sorted(p.all_stop_token_ids) if len(out) < p.min_tokens else []
+                              for p, out in zip(params, output_token_ids, strict=True)],
+            num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        )
+        return batch.to(device)
+
+
+@dataclass
+class SamplerOutput:
+    """What one step sampled. Log-probs are of the RAW model distribution (before processing)."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32, of each sampled token
+    top_token_ids: torch.Tensor | None  # [B, num_logprobs] int64; None if num_logprobs == 0
+    top_logprobs: torch.Tensor | None  # [B, num_logprobs] float32
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           default_generator: torch.Generator | None = None) -> SamplerOutput:
+    """Pick one token per row of ``logits`` [B, V] (any float dtype; ``logits`` is not modified).
+
+    ``default_generator`` serves rows without their own generator (None = torch's global one).
+    """
+    raw = logits.float()
+    logits = apply_penalties_and_bias(raw, batch)
+    greedy_tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        tokens = greedy_tokens
+    else:
+        probs = _filtered_probs(logits, batch)
+        noise = _exponential_noise(probs, batch, default_generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(batch.temperature < _GREEDY_EPS, greedy_tokens, sampled)
+    return _output(tokens, raw, batch.num_logprobs)
+
+
+def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logit_bias, banned ids, repetition then presence/frequency penalties, on float32 logits.
+
+    Returns a new tensor, or ``logits`` itself when no row uses any of them.
+    """
+    if batch.no_bias and batch.no_banned and batch.no_penalties:
+        return logits
+    logits = logits.clone()
+    if not batch.no_bias:
+        rows, cols, values = _sparse_entries(
+            [list((bias or {}).items()) for bias in batch.logit_bias], logits.shape[1],
+            logits.device)
+        logits.index_put_((rows, cols), torch.tensor(values, device=logits.device),
+                          accumulate=True)
+    if not batch.no_banned:
+        rows, cols, _ = _sparse_entries(
+            [[(tok, 0.0) for tok in ids] for ids in batch.banned_token_ids], logits.shape[1],
+            logits.device)
+        logits.index_put_((rows, cols), torch.tensor(float("-inf"), device=logits.device))
+    if not batch.no_repetition_penalty:
+        logits = _repetition_penalty(logits, batch)
+    if not batch.no_presence_frequency:
+        counts = _token_counts(batch.output_token_ids, logits.shape[1], logits.device)
+        logits = (logits - batch.frequency_penalty.unsqueeze(1) * counts
+                  - batch.presence_penalty.unsqueeze(1) * (counts > 0))
+    return logits
+
+
+def _sparse_entries(rows_of_pairs: list[list[tuple[int, float]]], vocab: int,
+                    device: torch.device):
+    """Flatten per-row (token, value) pairs into (row, col) index tensors and a value list."""
+    rows, cols, values = [], [], []
+    for row, pairs in enumerate(rows_of_pairs):
+        for tok, value in pairs:
+            if 0 <= tok < vocab:
+                rows.append(row)
+                cols.append(tok)
+                values.append(float(value))
+    def index(ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.int64, device=device)
+
+    return index(rows), index(cols), values
+
+
+def _repetition_penalty(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """HF semantics: each id seen in prompt or output has logit/p if positive, logit*p if not."""
+    seen_lists = [p + o for p, o in
+                  zip(batch.prompt_token_ids, batch.output_token_ids, strict=True)]
+    seen = _token_counts(seen_lists, logits.shape[1], logits.device) > 0
+    penalty = batch.repetition_penalty.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int,
+                  device: torch.device) -> torch.Tensor:
+    """[B, vocab] float32 occurrence counts, by one scatter_add over a padded id tensor."""
+    width = max((len(ids) for ids in token_lists), default=0)
+    # Padding (and any out-of-vocab id) lands in a spare column that is dropped.
+    padded = torch.tensor([ids + [vocab] * (width - len(ids)) for ids in token_lists],
+                          dtype=torch.int64).clamp_(0, vocab).to(device)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p; unnormalised probs (masked tokens are 0)."""
+    temperature = torch.where(batch.temperature < _GREEDY_EPS, 1.0, batch.temperature)
+    logits = logits / temperature.unsqueeze(1)
+    if not (batch.no_top_k and batch.no_top_p):
+        logits = _top_k_top_p(logits, None if batch.no_top_k else batch.top_k,
+                              None if batch.no_top_p else batch.top_p)
+    probs = logits.softmax(dim=-1)
+    if not batch.no_min_p:
+        threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                 top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask to -inf what top-k (ties with the k-th value kept) and then top-p drop.
+
+    Top-p keeps the smallest set of most likely tokens whose probability sums to >= top_p: in
+    ascending order, a token goes if the mass up to and including it is <= 1 - top_p.
+    """
+    vocab = logits.shape[1]
+    ascending, order = logits.sort(dim=-1)
+    if top_k is not None:
+        k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+        kth_largest = ascending.gather(1, (vocab - k).unsqueeze(1))
+        ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
+    if top_p is not None:
+        mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = mass_below <= 1.0 - top_p.unsqueeze(1)
+        drop[:, -1] = False  # always keep the most likely token
+        ascending = ascending.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ascending)
+
+
+def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch,
+                       default_generator: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) noise [B, V]: one draw per seeded non-greedy row, one shared draw for the rest."""
+    noise = torch.empty_like(probs)
+    if len(batch.seeded_random_rows) < probs.shape[0]:
+        noise.exponential_(generator=default_generator)
+    for row in batch.seeded_random_rows:
+        noise[row].exponential_(generator=batch.generators[row])
+    # A zero draw would make a masked token 0/0 = nan, which argmax would pick.
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _output(tokens: torch.Tensor, raw_logits: torch.Tensor, num_logprobs: int) -> SamplerOutput:
+    """Log-probs of the raw logits at the sampled tokens, and the top ``num_logprobs``."""
+    log_norm = torch.logsumexp(raw_logits, dim=-1, keepdim=True)
+    token_logprobs = (raw_logits.gather(1, tokens.unsqueeze(1)) - log_norm).squeeze(1)
+    if num_logprobs == 0:
+        return SamplerOutput(tokens, token_logprobs, None, None)
+    top = raw_logits.topk(min(num_logprobs, raw_logits.shape[1]), dim=-1)
+    return SamplerOutput(tokens, token_logprobs, top.indices, top.values - log_norm)

@@ -1,0 +1,111 @@
+"""Per-request sampling parameters, with vLLM's names and defaults.
+
+Pure Python (no torch) so the protocol layer can validate requests cheaply. Every check
+raises ``ValueError`` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request and when to stop.
+
+    Attributes:
+        n: number of output sequences for the prompt (they share the prompt's KV blocks).
+        temperature: 0 means greedy; higher flattens the distribution.
+        top_p / top_k / min_p: nucleus, top-k (-1 or 0 = off) and min-probability filters.
+        repetition_penalty: > 1 discourages tokens seen in prompt or output (HF semantics).
+        presence_penalty / frequency_penalty: OpenAI penalties over output tokens.
+        logit_bias: token id -> bias added to its logit.
+        seed: per-request seed; the same seed gives the same tokens whatever else runs.
+        stop: strings that end the output (not included in the text).
+        stop_token_ids: token ids that end the output (included in token_ids, not the text).
+        ignore_eos: keep generating past the EOS token.
+        max_tokens / min_tokens: bounds on the number of generated tokens.
+        logprobs: number of top log-probabilities to return per output token (None = none).
+        prompt_logprobs: the same for each prompt token (None = none).
+        skip_special_tokens: drop special tokens from the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # Filled by the engine: the model's EOS ids (ignored when ignore_eos).
+    eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(self.n >= 1, "n", self.n, "must be >= 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k,
+               "must be -1 (off) or >= 1")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
+               "must be > 0")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
+               "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               self.frequency_penalty, "must be in [-2, 2]")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens,
+               "must be >= 1")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
+               "must be in [0, 20]")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+               "prompt_logprobs", self.prompt_logprobs, "must be in [0, 20]")
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed,
+               "must be in [0, 2^63)")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "must be non-empty strings")
+        for tok, bias in (self.logit_bias or {}).items():
+            _check(isinstance(tok, int) and tok >= 0, "logit_bias", tok,
+                   "keys must be token ids >= 0")
+            _check(-100.0 <= bias <= 100.0, "logit_bias", bias, "values must be in [-100, 100]")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """Token ids that finish the sequence: stop_token_ids plus EOS unless ignore_eos."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return ids
+
+
+def _check(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} = {value!r}: {rule}")

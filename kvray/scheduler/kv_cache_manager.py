@@ -1,0 +1,214 @@
+"""Paged KV cache bookkeeping: a block pool with reference counts and automatic prefix
+caching. Pure Python: it hands out block ids; workers own the tensors.
+
+Prefix caching: a full block is keyed by ``hash((parent_hash, its token ids))``. A lookup
+only counts as a hit when the cached block's tokens equal the request's tokens *and* its
+recorded parent is the block already matched for the previous position, so by induction a
+hash collision can never make two different prefixes share a block.
+
+Freed blocks keep their key and sit in an LRU free queue: they are reused by a later
+request with the same prefix, or evicted (key dropped) when a fresh block is needed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvray.engine.request import Request
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+    parent_id: int | None = None  # block holding the previous tokens when this was cached
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found cached
+    requests: int = 0
+
+
+class BlockPool:
+    """All blocks, the LRU free queue (front = evict first) and the hash -> block map."""
+
+    def __init__(self, num_blocks: int) -> None:
+        assert num_blocks >= 1
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, Block] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def take(self, count: int) -> list[Block]:
+        """Pop ``count`` free blocks (least recently freed first), evicting their keys."""
+        assert count <= self.num_free
+        out = []
+        for _ in range(count):
+            _, block = self.free_queue.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on cache-hit blocks, pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def release(self, blocks: list[Block]) -> None:
+        """Drop a reference; blocks reaching zero join the free queue's tail, so the tail
+        end of a sequence (freed first when given in reverse) is evicted first."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def cache(self, block: Block, block_hash: int, token_ids: tuple[int, ...],
+              parent: Block | None) -> None:
+        if block.block_hash is not None or block_hash in self.cached:
+            return  # already cached, or another block holds this key: keep the first
+        block.block_hash, block.token_ids = block_hash, token_ids
+        block.parent_id = None if parent is None else parent.block_id
+        self.cached[block_hash] = block
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: Block | None
+               ) -> Block | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        if block.parent_id != (None if parent is None else parent.block_id):
+            return None
+        return block
+
+    def uncache(self, block: Block) -> None:
+        self._evict(block)
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash, block.token_ids, block.parent_id = None, (), None
+
+
+@dataclass
+class KVCacheManager:
+    """Per-request block tables over a :class:`BlockPool`.
+
+    Check/act pairs: :meth:`get_computed_blocks` then :meth:`allocate_slots` (returns None
+    when the blocks are not there, changing nothing), and :meth:`free`.
+    """
+
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    pool: BlockPool = field(init=False)
+    req_blocks: dict[str, list[Block]] = field(init=False, default_factory=dict)
+    stats: PrefixCacheStats = field(init=False, default_factory=PrefixCacheStats)
+
+    def __post_init__(self) -> None:
+        self.pool = BlockPool(self.num_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by running requests."""
+        return 1.0 - self.pool.num_free / self.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def _update_hashes(self, request: Request) -> None:
+        tokens = request.all_token_ids
+        bs = self.block_size
+        while (len(request.block_hashes) + 1) * bs <= len(tokens):
+            i = len(request.block_hashes)
+            parent = request.block_hashes[-1] if i else None
+            request.block_hashes.append(hash((parent, tuple(tokens[i * bs:(i + 1) * bs]))))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """The longest chain of cached full blocks that prefixes the request's tokens, and
+        how many tokens they cover. At least one token is always left to compute, so the
+        step still produces logits."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        self._update_hashes(request)
+        tokens, bs = request.all_token_ids, self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        hits: list[Block] = []
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            parent = hits[-1] if hits else None
+            block = self.pool.lookup(block_hash, tuple(tokens[i * bs:(i + 1) * bs]), parent)
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.requests += 1
+        self.stats.queries += request.num_tokens
+        self.stats.hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int,
+                          new_computed: list[Block] = ()) -> int:
+        held = len(self.req_blocks.get(request.request_id, ())) + len(new_computed)
+        total_tokens = request.num_computed_tokens + len(new_computed) * self.block_size \
+            + num_new_tokens
+        return max(0, -(-total_tokens // self.block_size) - held)
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     new_computed: list[Block] = ()) -> bool:
+        # Cache hits currently in the free queue stop being free once touched.
+        hits_in_free = sum(1 for b in new_computed if b.ref_cnt == 0)
+        need = self.num_blocks_needed(request, num_new_tokens, new_computed)
+        return need + hits_in_free <= self.pool.num_free
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed: list[Block] = ()) -> list[int] | None:
+        """Give ``request`` blocks for ``num_new_tokens`` more tokens (after adopting the
+        cache hits ``new_computed``). Returns the ids of blocks newly added to its table, or
+        None (nothing changed) when there are not enough free blocks."""
+        if not self.can_allocate(request, num_new_tokens, new_computed):
+            return None
+        need = self.num_blocks_needed(request, num_new_tokens, new_computed)
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        self.pool.touch(list(new_computed))
+        blocks.extend(new_computed)
+        fresh = self.pool.take(need)
+        blocks.extend(fresh)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, blocks, request.num_computed_tokens
+                                    + len(new_computed) * self.block_size + num_new_tokens)
+        return [b.block_id for b in (*new_computed, *fresh)]
+
+    def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
+        # Blocks are keyed when scheduled, before the step computes them: a request
+        # admitted later in the same step may share them, because every layer writes the
+        # step's new K/V into the cache before any attention reads it.
+        self._update_hashes(request)
+        tokens, bs = request.all_token_ids, self.block_size
+        for i in range(min(num_tokens // bs, len(request.block_hashes))):
+            parent = blocks[i - 1] if i else None
+            self.pool.cache(blocks[i], request.block_hashes[i],
+                            tuple(tokens[i * bs:(i + 1) * bs]), parent)
+
+    def free(self, request: Request) -> None:
+        """Release all of the request's blocks (tail first, so it is evicted first).
+
+        Blocks past ``num_computed_tokens`` were keyed when scheduled but never computed
+        (the request is preempted in the step that scheduled them): their keys are dropped
+        so no later request can hit them.
+        """
+        blocks = self.req_blocks.pop(request.request_id, [])
+        num_valid = request.num_computed_tokens // self.block_size
+        for block in blocks[num_valid:]:
+            if block.ref_cnt == 1:
+                self.pool.uncache(block)
+        self.pool.release(list(reversed(blocks)))

@@ -1,0 +1,59 @@
+"""What the scheduler tells the workers each step, incrementally.
+
+Full data only for requests the workers have not seen (new or resumed after preemption);
+for the others only their new blocks and the token(s) appended since they last ran.
+Workers keep per-request state, so the message grows with the change, not the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvray.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt + any output already generated (resumed request)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    seed: int | None  # per-request generator seed (None: the engine's shared generator)
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_token_ids: list[int]  # tokens appended since the request last ran
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # in batch order
+    finished_req_ids: set[str] = field(default_factory=set)  # workers drop their state
+    preempted_req_ids: set[str] = field(default_factory=set)  # workers drop batch state
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the sampling worker returns: per scheduled request, in batch order."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # [] for a request mid-prefill (nothing sampled)
+    logprobs: list[list[dict[int, float]] | None]  # per sampled token: id -> logprob
+    sampled_logprobs: list[list[float]]  # log-prob of each sampled token (cumulative sum)
+    prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)

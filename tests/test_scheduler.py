@@ -1,0 +1,157 @@
+"""Scheduler policy and invariants, driven by synthetic model outputs (pure Python)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvray.config import CacheConfig, SchedulerConfig
+from kvray.engine.request import Request, RequestStatus
+from kvray.sampling_params import SamplingParams
+from kvray.scheduler.output import ModelRunnerOutput
+from kvray.scheduler.scheduler import RequestTooLongError, Scheduler
+
+
+def _sched(num_blocks=64, block_size=4, budget=32, max_seqs=8, policy="fcfs",
+           prefix=True, max_len=256) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                     scheduling_policy=policy),
+                     CacheConfig(block_size=block_size, enable_prefix_caching=prefix),
+                     num_blocks, max_len)
+
+
+def _req(rid, n_prompt, max_tokens=4, priority=0, t=0.0, tokens=None) -> Request:
+    ids = tokens if tokens is not None else [(hash(rid) + i) % 50 for i in range(n_prompt)]
+    return Request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), t,
+                   priority, max_tokens)
+
+
+def _run_step(s: Scheduler, rng: random.Random | None = None):
+    out = s.schedule()
+    sampled = []
+    for rid, n in out.num_scheduled_tokens.items():
+        r = s.requests[rid]
+        done = r.num_computed_tokens + n == r.num_tokens
+        sampled.append([rng.randrange(50) if rng else 7] if done else [])
+    result = ModelRunnerOutput(list(out.num_scheduled_tokens), sampled, [None] * len(sampled),
+                               [[0.0] * len(x) for x in sampled])
+    s.update_from_output(out, result)
+    return out
+
+
+def test_chunked_prefill_respects_the_token_budget_and_mixes_decodes():
+    s = _sched(budget=16)
+    s.add_request(_req("a", 5, t=0))
+    s.add_request(_req("b", 40, t=1))
+    out = _run_step(s)
+    assert out.num_scheduled_tokens == {"a": 5, "b": 11}
+    out = _run_step(s)  # a decodes one token while b's prefill continues
+    assert out.num_scheduled_tokens == {"a": 1, "b": 15}
+    assert [c.req_id for c in out.cached_requests] == ["a", "b"] and not out.new_requests
+
+
+def test_incremental_output_sends_only_new_tokens_and_blocks():
+    s = _sched(budget=64)
+    s.add_request(_req("a", 4))
+    first = _run_step(s)
+    assert first.new_requests[0].block_ids == [0]
+    second = _run_step(s)
+    (cached,) = second.cached_requests
+    assert cached.new_token_ids == [7] and cached.new_block_ids == [1]
+
+
+def test_priority_policy_admits_lower_value_first_then_by_arrival():
+    s = _sched(policy="priority", max_seqs=1)
+    s.add_request(_req("late_low", 4, priority=5, t=0))
+    s.add_request(_req("urgent", 4, priority=0, t=2))
+    s.add_request(_req("urgent_earlier", 4, priority=0, t=1))
+    assert list(_run_step(s).num_scheduled_tokens) == ["urgent_earlier"]
+
+
+def test_preemption_picks_the_latest_arrival_and_requeues_it_first():
+    s = _sched(num_blocks=4, block_size=4, budget=64, max_len=64)
+    s.add_request(_req("old", 8, max_tokens=8, t=0))
+    s.add_request(_req("new", 7, max_tokens=8, t=1))
+    _run_step(s)
+    for _ in range(3):
+        _run_step(s)
+    assert s.num_preemptions >= 1
+    assert s.requests["new"].status in (RequestStatus.PREEMPTED, RequestStatus.RUNNING)
+    assert s.requests["old"].num_preemptions == 0
+
+
+def test_request_that_can_never_fit_is_rejected_at_admission():
+    s = _sched(num_blocks=4, block_size=4, max_len=256)
+    with pytest.raises(RequestTooLongError, match="more KV cache than exists"):
+        s.add_request(_req("big", 20))
+    with pytest.raises(RequestTooLongError, match="exceeds max_model_len"):
+        _sched(max_len=16).add_request(_req("long", 14, max_tokens=4))
+    with pytest.raises(RequestTooLongError, match="empty"):
+        s.add_request(_req("empty", 0, tokens=[]))
+    assert not s.has_unfinished_requests()
+
+
+def _check_invariants(s: Scheduler) -> None:
+    pool = s.kv.pool
+    assert all(b.ref_cnt >= 0 for b in pool.blocks)
+    refs = {}
+    for blocks in s.kv.req_blocks.values():
+        assert len({b.block_id for b in blocks}) == len(blocks), "a block twice in one table"
+        for b in blocks:
+            refs[b.block_id] = refs.get(b.block_id, 0) + 1
+    for b in pool.blocks:
+        assert b.ref_cnt == refs.get(b.block_id, 0), f"block {b.block_id} ref count drifted"
+        assert (b.ref_cnt == 0) == (b.block_id in pool.free_queue)
+    used = sum(1 for b in pool.blocks if b.ref_cnt > 0)
+    assert pool.num_free + used == len(pool.blocks)
+    running = {r.request_id for r in s.running}
+    waiting = {r.request_id for r in s.waiting}
+    assert not running & waiting
+    assert running | waiting == set(s.requests)
+    assert set(s.kv.req_blocks) <= running
+    assert len(s.running) <= s.config.max_num_seqs
+
+
+workload = st.lists(
+    st.tuples(st.sampled_from(["arrive", "step", "step", "step", "abort"]),
+              st.integers(1, 60), st.integers(1, 12), st.integers(0, 3)),
+    min_size=1, max_size=60)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload, st.sampled_from(["fcfs", "priority"]), st.booleans(),
+       st.integers(8, 40), st.randoms(use_true_random=False))
+def test_random_workloads_keep_invariants_and_finish_everything(
+        ops, policy, prefix, num_blocks, rng):
+    s = _sched(num_blocks=num_blocks, block_size=4, budget=24, max_seqs=6, policy=policy,
+               prefix=prefix, max_len=128)
+    accepted, t = [], 0.0
+    for op, n_prompt, max_tokens, prio in ops:
+        if op == "arrive":
+            t += 1
+            shared = [1, 2, 3, 4, 5, 6, 7, 8][: n_prompt]  # common prefixes exercise the cache
+            tokens = shared + [rng.randrange(50) for _ in range(n_prompt - len(shared))]
+            r = _req(f"r{t}", n_prompt, max_tokens, prio, t, tokens)
+            try:
+                s.add_request(r)
+                accepted.append(r)
+            except RequestTooLongError:
+                pass
+        elif op == "abort" and s.requests:
+            s.abort_request(rng.choice(sorted(s.requests)))
+        else:
+            _run_step(s, rng)
+        _check_invariants(s)
+    for _ in range(2000):
+        if not s.has_unfinished_requests():
+            break
+        _run_step(s, rng)
+        _check_invariants(s)
+    assert not s.has_unfinished_requests(), "a request was left behind"
+    assert all(r.is_finished for r in accepted)
+    assert all(len(r.output_token_ids) == r.max_tokens for r in accepted
+               if r.status is RequestStatus.FINISHED_LENGTH)
+    assert s.kv.pool.num_free == num_blocks
