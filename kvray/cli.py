@@ -61,24 +61,18 @@ def _cmd_setup(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from kvray.default_model import resolve_model_path
-    from kvray.engine.reference import generate_by_recompute
-    from kvray.models.loader import load_model, load_tokenizer
+    from kvray.engine.llm import LLM
+    from kvray.sampling_params import SamplingParams
 
     config = config_from_args(args)
-    path = resolve_model_path(config.model.model)
-    model, spec = load_model(path, config.model.dtype, max_model_len=config.model.max_model_len)
-    tokenizer = load_tokenizer(path, config.model.tokenizer)
+    llm = LLM(**{k: v for k, v in config.to_flat().items() if v is not None})
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=args.seed_sampling)
     if args.chat:
-        messages = [{"role": "user", "content": args.prompt}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)["input_ids"]
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:
-        ids = tokenizer(args.prompt)["input_ids"]
-    stop_ids = tuple({*spec.eos_token_ids, tokenizer.eos_token_id} - {None})
-    out = generate_by_recompute(model, ids, args.max_tokens, args.temperature, stop_ids,
-                                seed=config.model.seed)
-    print(tokenizer.decode(out, skip_special_tokens=True))
+        out = llm.generate(args.prompt, params, use_tqdm=False)
+    print(out[0].outputs[0].text)
     return 0
 
 
@@ -97,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=_non_negative_float, default=0.0,
                      help="0 = greedy (default)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--seed-sampling", type=int, default=None, metavar="N",
+                     help="per-request sampling seed (reproducible output with temperature)")
     add_config_flags(gen)
     gen.set_defaults(func=_cmd_generate)
     return parser

@@ -78,7 +78,7 @@ class CacheConfig(_Section):
 class SchedulerConfig(_Section):
     """Continuous-batching limits and policies."""
 
-    max_num_seqs: int = Field(64, ge=1, le=65536, description="Most sequences in one step.")
+    max_num_seqs: int = Field(128, ge=1, le=65536, description="Most sequences in one step.")
     max_num_batched_tokens: int = Field(
         2048, ge=1, le=1 << 22, description="Token budget of one step (prefill + decode)."
     )

@@ -271,8 +271,13 @@ def test_logprobs_are_of_raw_logits_at_sampled_token_and_top_k(dtype):
     torch.testing.assert_close(out.top_logprobs, top.values)
 
 
-def test_no_logprobs_requested_still_returns_sampled_token_logprob():
+def test_no_logprobs_requested_skips_the_log_normaliser():
     out = sample(torch.randn(2, VOCAB), repeat(SamplingParams(), 2))
+    assert out.logprobs is None and out.top_token_ids is None and out.top_logprobs is None
+
+
+def test_logprobs_zero_returns_only_the_sampled_token_logprob():
+    out = sample(torch.randn(2, VOCAB), repeat(SamplingParams(logprobs=0), 2))
     assert out.top_token_ids is None and out.top_logprobs is None
     assert out.logprobs.shape == (2,) and out.logprobs.dtype == torch.float32
 

@@ -35,7 +35,7 @@ def num_blocks_for_budget(cache: CacheConfig, bytes_per_block: int,
 
 
 class CacheEngine:
-    """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per local layer,
+    """One ``[2, kv_heads, num_blocks, block_size, head_dim]`` tensor per local layer,
     indexed by global layer number (``None`` for layers on other pipeline stages)."""
 
     def __init__(self, num_layers: int, layer_range: tuple[int, int], num_blocks: int,
@@ -44,7 +44,7 @@ class CacheEngine:
         self.num_blocks = num_blocks
         self.block_size = block_size
         start, end = layer_range
-        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
         self.kv_caches: list[torch.Tensor | None] = [
             torch.zeros(shape, dtype=dtype, device=device) if start <= i < end else None
             for i in range(num_layers)

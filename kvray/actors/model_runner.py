@@ -12,6 +12,7 @@ import torch
 
 from kvray.actors.cache_engine import CacheEngine, kv_bytes_per_block, num_blocks_for_budget
 from kvray.config import EngineConfig
+from kvray.kernels import cpu_paged_attention
 from kvray.kernels.attention import AttentionMetadata
 from kvray.kernels.sampling import SamplingBatch, sample
 from kvray.models.loader import load_model, resolve_dtype, resolve_max_model_len
@@ -55,6 +56,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}  # survive preemption
         self.default_generator = torch.Generator(device).manual_seed(config.model.seed)
         self.cache: CacheEngine | None = None
+        self.decode_kernel = None
+        if device.type == "cpu" and cpu_paged_attention.load_kernel() is not None:
+            self.decode_kernel = cpu_paged_attention.paged_decode
 
     # ---- KV cache ---------------------------------------------------------------------
     def _local_kv_shape(self) -> tuple[int, int, int]:
@@ -97,7 +101,9 @@ class ModelRunner:
     # ---- inputs -------------------------------------------------------------------------
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         sched = out.num_scheduled_tokens
-        req_ids = sorted(sched, key=lambda r: sched[r] != 1)  # decodes first (stable)
+        # Decodes first, longest context first (attention buckets them by length).
+        req_ids = sorted(sched, key=lambda r: (sched[r] != 1, -self.requests[r]
+                                               .num_computed_tokens if sched[r] == 1 else 0))
         num_decodes = sum(1 for r in req_ids if sched[r] == 1)
         bs = self.block_size
         tokens: list[int] = []
@@ -129,7 +135,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             block_tables=table_tensor.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            seq_lens_list=seq_lens, query_lens_list=query_lens, num_decodes=num_decodes)
+            seq_lens_list=seq_lens, query_lens_list=query_lens, num_decodes=num_decodes,
+            decode_kernel=self.decode_kernel)
         return StepInputs(torch.tensor(tokens, dtype=torch.int64, device=dev), meta, req_ids,
                           sample_rows, torch.tensor(logits_index, dtype=torch.int64, device=dev))
 
@@ -160,13 +167,13 @@ class ModelRunner:
                 [s.output_token_ids for s in rows], device=self.device)
             result = sample(logits, batch, self.default_generator)
             tokens = result.token_ids.tolist()
-            lps = result.logprobs.tolist()
+            lps = result.logprobs.tolist() if result.logprobs is not None else None
             tops = _top_logprobs(result, rows)
             for i, state in enumerate(rows):
                 sampled[state.req_id] = [tokens[i]]
-                sampled_lp[state.req_id] = [lps[i]]
-                logprobs[state.req_id] = None if tops[i] is None else [
-                    {tokens[i]: lps[i], **tops[i]}]
+                if state.params.logprobs is not None:
+                    sampled_lp[state.req_id] = [lps[i]]
+                    logprobs[state.req_id] = [{tokens[i]: lps[i], **tops[i]}]
         req_ids = inputs.req_ids
         return ModelRunnerOutput(
             req_ids, [sampled.get(r, []) for r in req_ids], [logprobs.get(r) for r in req_ids],
@@ -203,6 +210,8 @@ class ModelRunner:
 
 
 def _top_logprobs(result, rows: list[CachedRequestState]) -> list[dict[int, float] | None]:
+    if result.logprobs is None:
+        return [None] * len(rows)
     out: list[dict[int, float] | None] = []
     top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
     top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None

@@ -153,6 +153,10 @@ class LLMEngine:
         touched = self._apply_prompt_logprobs(result)
         touched |= self._apply_tokens(updated, result)
         self._update_gauges()
+        for parent_id in touched:
+            for seq in self._parents[parent_id].seqs:
+                if seq.request.is_finished:
+                    seq.detok.get_delta(finished=True)  # flush a trailing partial character
         outputs = [self._make_output(self._parents[p]) for p in touched if p in self._parents]
         for o in outputs:
             if o.finished:
@@ -192,16 +196,17 @@ class LLMEngine:
     def _apply_tokens(self, updated: list[Request], result: ModelRunnerOutput) -> set[str]:
         lp_by_req = dict(zip(result.req_ids, result.logprobs, strict=True))
         slp_by_req = dict(zip(result.req_ids, result.sampled_logprobs, strict=True))
+        index_of = {r: i for i, r in enumerate(result.req_ids)}
         touched = set()
         for req in updated:
             parent_id, index = self._child_to_parent[req.request_id]
             seq = self._parents[parent_id].seqs[index]
-            new = slp_by_req[req.request_id]
-            seq.cumulative_logprob += sum(new)
+            num_new = len(result.sampled_token_ids[index_of[req.request_id]])
+            seq.cumulative_logprob += sum(slp_by_req[req.request_id])
             if seq.logprobs is not None and lp_by_req[req.request_id]:
                 seq.logprobs.extend(lp_by_req[req.request_id])
-            self.stats.generation_tokens_total += len(new)
-            self._detokenize(seq, req, len(new))
+            self.stats.generation_tokens_total += num_new
+            self._detokenize(seq, req, num_new)
             touched.add(parent_id)
         return touched
 
@@ -232,7 +237,8 @@ class LLMEngine:
             req = seq.request
             outs.append(CompletionOutput(
                 index=i, text=seq.detok.output_text, token_ids=list(req.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
+                cumulative_logprob=(seq.cumulative_logprob if seq.logprobs is not None
+                                    else None),
                 logprobs=None if seq.logprobs is None else list(seq.logprobs),
                 finish_reason=req.finish_reason, stop_reason=req.stop_reason))
         first = parent.seqs[0].request

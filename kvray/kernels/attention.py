@@ -1,9 +1,10 @@
 """Attention over a flat batch of variable-length sequences: plain (no cache) and paged.
 
-Paged layout (per layer): one tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(K then V), the layout a CUDA/Triton paged kernel reads. ``slot_mapping[t]`` is the flat
-slot (``block_id * block_size + offset``) where token t's K/V is written; ``block_tables``
-maps each sequence's logical blocks to physical ones.
+Paged layout (per layer): one tensor ``[2, num_kv_heads, num_blocks, block_size, head_dim]``
+(K then V). Heads outermost means a gather of a sequence's blocks comes out as
+``[heads, length, head_dim]``, which matmul reads without another copy. ``slot_mapping[t]``
+is the flat slot (``block_id * block_size + offset``) where token t's K/V is written;
+``block_tables`` maps each sequence's logical blocks to physical ones.
 
 Every call first writes all of the step's new K/V into the cache, then attends: a request
 may read blocks that another request of the same step is filling (prefix sharing).
@@ -11,6 +12,7 @@ may read blocks that another request of the same step is filling (prefix sharing
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,8 @@ class AttentionMetadata:
         seq_lens: [B] context length of each sequence after this step (paged).
         seq_lens_list / query_lens_list: the same as Python ints (no device sync).
         num_decodes: the first ``num_decodes`` sequences have exactly one new token.
+        decode_kernel: fast decode attention with :func:`cpu_paged_attention.paged_decode`'s
+            signature (None = the PyTorch reference).
     """
 
     query_start_loc: torch.Tensor
@@ -39,6 +43,7 @@ class AttentionMetadata:
     seq_lens_list: list[int] | None = None
     query_lens_list: list[int] | None = None
     num_decodes: int = 0
+    decode_kernel: Callable | None = None
 
     @property
     def is_paged(self) -> bool:
@@ -81,22 +86,29 @@ def dense_attention(q, k, v, meta: AttentionMetadata, scale: float,
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V into their slots."""
-    _, num_blocks, block_size, heads, dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    """Scatter this step's K/V ([T, Hk, D]) into their slots."""
+    _, heads, num_blocks, block_size, dim = kv_cache.shape
+    flat = kv_cache.view(2, heads, num_blocks * block_size, dim)
+    flat[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
+    flat[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Attend each new token to its sequence's cached context. Decode rows (one token each)
-    go through one batched, vectorised call; prefill chunks go one sequence at a time."""
+    go through batched, vectorised calls over a few length buckets; prefill chunks go one
+    sequence at a time."""
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd:
-        out[:nd] = _decode(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                           max(meta.seq_lens_list[:nd]), scale, sliding_window)
+    if nd and meta.decode_kernel is not None:
+        out[:nd] = meta.decode_kernel(q[:nd], kv_cache, meta.block_tables[:nd],
+                                      meta.seq_lens[:nd], scale, sliding_window)
+        nd_ref = 0
+    else:
+        nd_ref = nd
+    for s, e in decode_buckets(meta.seq_lens_list[:nd_ref]):
+        out[s:e] = _decode(q[s:e], kv_cache, meta.block_tables[s:e], meta.seq_lens[s:e],
+                           meta.seq_lens_list[s], scale, sliding_window)
     starts = meta.query_start_loc.tolist() if nd < len(meta.seq_lens_list) else []
     for b in range(nd, len(meta.seq_lens_list)):
         s, e = starts[b], starts[b + 1]
@@ -105,44 +117,64 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     return out
 
 
+def decode_buckets(seq_lens: list[int], max_buckets: int = 4, slack: float = 0.8
+                   ) -> list[tuple[int, int]]:
+    """Split decode rows, sorted longest first, into [start, end) slices each padded to its
+    first row's length; a new slice starts when a row is shorter than ``slack`` x that length.
+    Padding the whole batch to its longest sequence would multiply the gathered K/V."""
+    assert all(a >= b for a, b in zip(seq_lens, seq_lens[1:], strict=False)), \
+        "decode rows must be sorted"
+    bounds, start = [], 0
+    for i, n in enumerate(seq_lens):
+        if i > start and n < slack * seq_lens[start] and len(bounds) < max_buckets - 1:
+            bounds.append((start, i))
+            start = i
+    if seq_lens:
+        bounds.append((start, len(seq_lens)))
+    return bounds
+
+
 def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int):
-    """K and V of the first ``num_blocks`` logical blocks: [..., L, Hk, D] each."""
-    kv = kv_cache[:, block_table[..., :num_blocks]]  # [2, ..., nb, bs, Hk, D]
-    shape = (*kv.shape[1:-4], num_blocks * kv.shape[-3], *kv.shape[-2:])
-    return kv[0].reshape(shape), kv[1].reshape(shape)
+    """K and V of the first ``num_blocks`` logical blocks of each row of ``block_table``
+    ([B, >= num_blocks]): each [Hk, B, num_blocks * block_size, D], ready for matmul."""
+    _, heads, total, block_size, dim = kv_cache.shape
+    ids = block_table[:, :num_blocks].reshape(-1)
+    kv = kv_cache.view(2 * heads, total, block_size * dim).index_select(1, ids)
+    kv = kv.view(2, heads, block_table.shape[0], num_blocks * block_size, dim)
+    return kv[0], kv[1]
 
 
 def _decode(q, kv_cache, block_tables, seq_lens, max_len: int, scale: float,
             sliding_window: int | None) -> torch.Tensor:
     batch, hq, dim = q.shape
-    block_size, hk = kv_cache.shape[2], kv_cache.shape[3]
+    hk, block_size = kv_cache.shape[1], kv_cache.shape[3]
     nb = -(-max_len // block_size)
-    k, v = _gather(kv_cache, block_tables, nb)  # [B, L, Hk, D]
-    group = hq // hk
-    qg = q.view(batch, hk, group, dim)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, Hk, G, L]
+    k, v = _gather(kv_cache, block_tables, nb)  # [Hk, B, L, D]
+    qg = q.view(batch, hk, hq // hk, dim).transpose(0, 1)  # [Hk, B, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [Hk, B, G, L]
     key_pos = torch.arange(nb * block_size, device=q.device)
-    valid = key_pos[None, :] < seq_lens[:, None]
+    invalid = key_pos[None, :] >= seq_lens[:, None]
     if sliding_window is not None:
-        valid &= key_pos[None, :] >= seq_lens[:, None] - sliding_window
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        invalid |= key_pos[None, :] < seq_lens[:, None] - sliding_window
+    scores.masked_fill_(invalid[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v.transpose(1, 2))  # [B, Hk, G, D]
-    return out.reshape(batch, hq, dim)
+    out = torch.matmul(probs, v)  # [Hk, B, G, D]
+    return out.transpose(0, 1).reshape(batch, hq, dim)
 
 
 def _prefill_one(q, kv_cache, block_table, seq_len: int, scale: float,
                  sliding_window: int | None) -> torch.Tensor:
     num_q = q.shape[0]
-    block_size = kv_cache.shape[2]
-    k, v = _gather(kv_cache, block_table, -(-seq_len // block_size))
-    k, v = k[:seq_len], v[:seq_len]
+    block_size = kv_cache.shape[3]
+    k, v = _gather(kv_cache, block_table[None], -(-seq_len // block_size))
+    k, v = k[:, 0, :seq_len], v[:, 0, :seq_len]  # [Hk, L, D]
     q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)
     k_pos = torch.arange(seq_len, device=q.device)
     mask = k_pos[None, :] <= q_pos[:, None]
     if sliding_window is not None:
         mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
+    # 4-D inputs: 3-D ones fall back to SDPA's slow math path on CPU.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(0, 1)
+        q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[0])
+    return out[0].transpose(0, 1)

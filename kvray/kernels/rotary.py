@@ -51,25 +51,40 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self._last = None
         self._build(max_positions)
 
     def _build(self, n: int) -> None:
         freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D], positions: [T] -> rotated (q, k)."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos/sin rows for ``positions`` as [T, 1, D/2] in ``dtype``. Every layer of a step
+        asks for the same positions, so the last answer is kept and reused."""
+        key = (positions.data_ptr(), positions.shape, dtype)
+        if self._last is not None and self._last[0] == key and self._last[1] is positions:
+            return self._last[2]
         if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             self._build(2 * int(positions.max()) + 1)
-        if self.cos.device != q.device:
-            self.cos, self.sin = self.cos.to(q.device), self.sin.to(q.device)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        if self.cos.device != positions.device:
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+        pair = (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+        self._last = (key, positions, pair)
+        return pair
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hk, D], positions: [T] -> rotated (q, k)."""
+        cos, sin = self.cos_sin(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """Rotate q and k heads held side by side ([T, Hq + Hk, D]) in one pass."""
+        cos, sin = self.cos_sin(positions, qk.dtype)
+        return _rotate(qk, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

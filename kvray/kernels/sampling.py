@@ -49,6 +49,7 @@ class SamplingBatch:
     logit_bias: list[dict[int, float] | None]
     banned_token_ids: list[list[int]]  # per row ids set to -inf (stop/eos before min_tokens)
     num_logprobs: int  # most top logprobs any row asked for (0 = none)
+    need_logprobs: bool = True  # False: no row wants logprobs, skip the log-normaliser
     all_greedy: bool = field(init=False)
     no_top_k: bool = field(init=False)
     no_top_p: bool = field(init=False)
@@ -110,6 +111,7 @@ class SamplingBatch:
             banned_token_ids=[sorted(p.all_stop_token_ids) if len(out) < p.min_tokens else []
                               for p, out in zip(params, output_token_ids, strict=True)],
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            need_logprobs=any(p.logprobs is not None for p in params),
         )
         return batch.to(device)
 
@@ -119,7 +121,7 @@ class SamplerOutput:
     """What one step sampled. Log-probs are of the RAW model distribution (before processing)."""
 
     token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor  # [B] float32, of each sampled token
+    logprobs: torch.Tensor | None  # [B] float32, of each sampled token; None if not needed
     top_token_ids: torch.Tensor | None  # [B, num_logprobs] int64; None if num_logprobs == 0
     top_logprobs: torch.Tensor | None  # [B, num_logprobs] float32
 
@@ -140,6 +142,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
         noise = _exponential_noise(probs, batch, default_generator)
         sampled = (probs / noise).argmax(dim=-1)
         tokens = torch.where(batch.temperature < _GREEDY_EPS, greedy_tokens, sampled)
+    if not batch.need_logprobs:
+        return SamplerOutput(tokens, None, None, None)
     return _output(tokens, raw, batch.num_logprobs)
 
 

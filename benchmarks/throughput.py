@@ -1,0 +1,474 @@
+"""Offline throughput: kvray vs transformers static batching on the same workload.
+
+Runs one seeded workload (random prompt token ids, fixed output lengths, EOS ignored)
+through transformers ``generate`` in static batches and through ``kvray.LLM`` in the same
+process, on the built-in SmolLM2-135M-Instruct in bf16, and prints a markdown table.
+It also measures the bf16 matmul peak and kvray's model FLOP/s during pure-decode steps.
+
+Usage:
+    python benchmarks/throughput.py [--num-requests 128] [--seed 0] [--skip-baseline]
+        [--skip-kvray] [--max-num-seqs N] [--max-num-batched-tokens N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TARGET_SPEEDUP = 5.0
+TARGET_DECODE_EFFICIENCY = 0.30
+WARMUP_REQUESTS = 4
+
+
+@dataclass
+class Request:
+    """One benchmark request: prompt token ids and the exact number of tokens to generate."""
+
+    prompt_ids: list[int]
+    output_len: int
+
+
+@dataclass
+class RunResult:
+    """Wall time and token counts of one system on the workload."""
+
+    system: str
+    wall_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.wall_s
+
+    @property
+    def output_tok_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def total_tok_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(requests_per_s=self.requests_per_s, output_tok_per_s=self.output_tok_per_s,
+                 total_tok_per_s=self.total_tok_per_s)
+        return d
+
+
+# --------------------------------------------------------------------------- workload
+
+
+def make_workload(n: int, seed: int, vocab_size: int, prompt_range: tuple[int, int],
+                  output_range: tuple[int, int]) -> list[Request]:
+    """``n`` seeded requests: uniform prompt/output lengths, token ids in [100, vocab-100)."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(n):
+        plen = rng.randint(*prompt_range)
+        olen = rng.randint(*output_range)
+        ids = [rng.randrange(100, vocab_size - 100) for _ in range(plen)]
+        requests.append(Request(ids, olen))
+    return requests
+
+
+def warmup_workload(vocab_size: int, seed: int) -> list[Request]:
+    """A few tiny requests (distinct seed, so they share no prefix with the workload)."""
+    return make_workload(WARMUP_REQUESTS, seed + 10_000, vocab_size, (16, 16), (4, 4))
+
+
+# --------------------------------------------------------------------------- model facts
+
+
+def model_config(model_dir: Path) -> dict[str, Any]:
+    """The HF ``config.json`` of the model directory."""
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def matmul_params_per_token(cfg: dict[str, Any]) -> int:
+    """Weights used in matmuls per token: decoder-layer linears plus the LM head."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    head_dim = cfg.get("head_dim") or hidden // heads
+    qkvo = 2 * heads * head_dim + 2 * kv_heads * head_dim
+    per_layer = hidden * qkvo + 3 * hidden * cfg["intermediate_size"]
+    return cfg["num_hidden_layers"] * per_layer + cfg["vocab_size"] * hidden
+
+
+def attention_flops(cfg: dict[str, Any], context_tokens: int) -> float:
+    """QK^T and PV FLOPs summed over tokens whose context lengths sum to ``context_tokens``."""
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 4.0 * cfg["num_hidden_layers"] * heads * head_dim * context_tokens
+
+
+def matmul_peak_flops(n: int = 2048, seconds: float = 1.5, windows: int = 6) -> float:
+    """bf16 ``torch.mm`` FLOP/s on n x n matrices: the best of ``windows`` timed windows.
+
+    The best window (not the mean) is the peak, so a burst of load from another process on
+    the machine during one window does not lower it.
+    """
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.mm(a, b)
+    t0 = time.perf_counter()
+    torch.mm(a, b)
+    one = max(time.perf_counter() - t0, 1e-6)
+    reps = max(2, int(seconds / windows / one))
+    best = 0.0
+    for _ in range(windows):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        best = max(best, 2.0 * n**3 * reps / (time.perf_counter() - t0))
+    return best
+
+
+# --------------------------------------------------------------------------- baseline
+
+
+def load_hf(model_dir: Path) -> tuple[Any, int]:
+    """The transformers model in bf16 (eval mode) and the pad id (eos when none)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return model, int(pad)
+
+
+def left_pad(batch: list[Request], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input ids and the matching attention mask."""
+    width = max(len(r.prompt_ids) for r in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, r in enumerate(batch):
+        ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+        mask[i, width - len(r.prompt_ids):] = 1
+    return ids, mask
+
+
+def hf_generate_batch(model: Any, batch: list[Request], pad_id: int) -> list[list[int]]:
+    """Greedy static-batch generate of the batch's longest output length; own tokens only."""
+    ids, mask = left_pad(batch, pad_id)
+    steps = max(r.output_len for r in batch)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps,
+                             min_new_tokens=steps, do_sample=False, pad_token_id=pad_id,
+                             temperature=None, top_p=None, top_k=None)
+    new = out[:, ids.shape[1]:]
+    if new.shape[1] != steps:
+        raise RuntimeError(f"transformers generated {new.shape[1]} tokens, expected {steps}")
+    return [new[i, : r.output_len].tolist() for i, r in enumerate(batch)]
+
+
+def batches(requests: list[Request], size: int) -> list[list[Request]]:
+    """Consecutive batches of ``size`` requests in arrival order (the last may be short)."""
+    return [requests[i:i + size] for i in range(0, len(requests), size)]
+
+
+def run_baseline(model_dir: Path, requests: list[Request], warmup: list[Request],
+                 batch_size: int) -> RunResult:
+    """Static batching in arrival order; only each request's own tokens count as output."""
+    model, pad_id = load_hf(model_dir)
+    hf_generate_batch(model, warmup, pad_id)
+    outputs: list[list[int]] = []
+    t0 = time.perf_counter()
+    for batch in batches(requests, batch_size):
+        outputs.extend(hf_generate_batch(model, batch, pad_id))
+        print(f"  baseline: {len(outputs)}/{len(requests)} requests, "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+    wall = time.perf_counter() - t0
+    computed = sum(len(b) * max(r.output_len for r in b)
+                   for b in batches(requests, batch_size))
+    useful = sum(len(o) for o in outputs)
+    return RunResult(f"transformers static batch {batch_size}", wall, len(requests),
+                     sum(len(r.prompt_ids) for r in requests), useful,
+                     {"computed_output_tokens": computed, "outputs": outputs})
+
+
+# --------------------------------------------------------------------------- kvray
+
+
+def import_kvray() -> tuple[Any, Any] | str:
+    """``(LLM, SamplingParams)`` from kvray, or the reason they cannot be imported."""
+    try:
+        from kvray import LLM, SamplingParams
+    except ImportError as e:
+        return f"{type(e).__name__}: {e}"
+    return LLM, SamplingParams
+
+
+def kvray_generate(llm: Any, sampling_cls: Any, requests: list[Request]) -> list[list[int]]:
+    """Greedy, EOS-ignoring generation of exactly each request's output length."""
+    params = [sampling_cls(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+              for r in requests]
+    prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+DECODE_KEYS = ("decode_time_s", "decode_tokens", "decode_context_tokens")
+COUNTER_KEYS = ("num_steps", "num_preemptions", "prompt_tokens_total",
+                "generation_tokens_total", "prefix_cache_queries", "prefix_cache_hits")
+
+
+def engine_counters(llm: Any) -> dict[str, float]:
+    """The engine's cumulative counters in ``llm.llm_engine.stats`` (missing ones read as 0)."""
+    stats = getattr(getattr(llm, "llm_engine", None), "stats", None)
+    return {k: float(getattr(stats, k, 0.0) or 0.0) for k in DECODE_KEYS + COUNTER_KEYS}
+
+
+def engine_settings(llm: Any) -> dict[str, Any]:
+    """Best effort: the engine's effective scheduler and cache settings."""
+    config = getattr(getattr(llm, "llm_engine", None), "config", None)
+    settings: dict[str, Any] = {}
+    for section in ("scheduler", "cache"):
+        obj = getattr(config, section, None)
+        if hasattr(obj, "model_dump"):
+            settings.update(obj.model_dump(mode="json"))
+    return settings
+
+
+def run_kvray(classes: tuple[Any, Any], requests: list[Request], warmup: list[Request],
+              engine_kwargs: dict[str, Any]) -> RunResult:
+    """kvray on the workload after a warm-up; decode counters are deltas over the timed run."""
+    llm_cls, sampling_cls = classes
+    llm = llm_cls(model=None, dtype="bfloat16", enable_prefix_caching=True, **engine_kwargs)
+    settings = engine_settings(llm)
+    print(f"  kvray engine settings: {settings or 'n/a'}", flush=True)
+    kvray_generate(llm, sampling_cls, warmup)
+    before = engine_counters(llm)
+    t0 = time.perf_counter()
+    outputs = kvray_generate(llm, sampling_cls, requests)
+    wall = time.perf_counter() - t0
+    after = engine_counters(llm)
+    delta = {k: after[k] - before[k] for k in after}
+    print("  kvray counters over the timed run: "
+          + ", ".join(f"{k}={delta[k]:g}" for k in COUNTER_KEYS), flush=True)
+    wrong = [i for i, (o, r) in enumerate(zip(outputs, requests, strict=True))
+             if len(o) != r.output_len]
+    if wrong:
+        print(f"  WARNING: {len(wrong)} kvray outputs have the wrong length "
+              f"(first: request {wrong[0]}: {len(outputs[wrong[0]])} != "
+              f"{requests[wrong[0]].output_len})", flush=True)
+    useful = sum(min(len(o), r.output_len) for o, r in zip(outputs, requests, strict=True))
+    return RunResult("kvray", wall, len(requests), sum(len(r.prompt_ids) for r in requests),
+                     useful, {"decode": {k: delta[k] for k in DECODE_KEYS},
+                              "counters": {k: delta[k] for k in COUNTER_KEYS},
+                              "engine_settings": settings, "wrong_lengths": len(wrong),
+                              "outputs": outputs})
+
+
+# --------------------------------------------------------------------------- report
+
+
+def greedy_agreement(a: list[list[int]], b: list[list[int]], k: int = 8) -> int:
+    """How many requests have identical first ``k`` generated tokens in both runs."""
+    return sum(x[:k] == y[:k] for x, y in zip(a, b, strict=True))
+
+
+def format_table(rows: list[list[str]]) -> str:
+    """An aligned markdown table; the first row is the header."""
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) + " |"
+             for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def result_row(r: RunResult) -> list[str]:
+    return [r.system, f"{r.requests_per_s:.3f}", f"{r.output_tok_per_s:.1f}",
+            f"{r.total_tok_per_s:.1f}", f"{r.wall_s:.1f}"]
+
+
+def ratio_row(kv: RunResult, base: RunResult) -> list[str]:
+    speed = kv.output_tok_per_s / base.output_tok_per_s
+    mark = "met" if speed >= TARGET_SPEEDUP else "NOT met"
+    return [f"ratio kvray / baseline (target >= {TARGET_SPEEDUP:g}x: {mark})",
+            f"{kv.requests_per_s / base.requests_per_s:.3g}x", f"{speed:.3g}x",
+            f"{kv.total_tok_per_s / base.total_tok_per_s:.3g}x",
+            f"{kv.wall_s / base.wall_s:.3g}x"]
+
+
+def decode_efficiency(kv: RunResult, cfg: dict[str, Any], peak: float) -> dict[str, float]:
+    """Achieved model FLOP/s in pure-decode steps and its fraction of the matmul peak."""
+    d = kv.extra["decode"]
+    if d["decode_time_s"] <= 0 or d["decode_tokens"] <= 0:
+        return {}
+    flops = (d["decode_tokens"] * 2 * matmul_params_per_token(cfg)
+             + attention_flops(cfg, int(d["decode_context_tokens"])))
+    achieved = flops / d["decode_time_s"]
+    return {"decode_flops": flops, "decode_flop_per_s": achieved,
+            "decode_efficiency": achieved / peak,
+            "decode_tok_per_s": d["decode_tokens"] / d["decode_time_s"]}
+
+
+def print_efficiency(eff: dict[str, float], peak: float) -> None:
+    print(f"bf16 matmul peak (torch.mm 2048^3): {peak / 1e9:.1f} GFLOP/s")
+    if not eff:
+        print("kvray decode GFLOP/s: n/a (engine stats report no pure-decode steps)")
+        return
+    mark = "met" if eff["decode_efficiency"] >= TARGET_DECODE_EFFICIENCY else "NOT met"
+    print(f"kvray decode: {eff['decode_flop_per_s'] / 1e9:.1f} GFLOP/s, "
+          f"{eff['decode_tok_per_s']:.1f} tok/s in pure-decode steps")
+    print(f"kvray decode efficiency: {100 * eff['decode_efficiency']:.1f}% of matmul peak "
+          f"(target >= {100 * TARGET_DECODE_EFFICIENCY:.0f}%: {mark})")
+
+
+def report(results: dict[str, RunResult], eff: dict[str, float], peak: float) -> None:
+    """Print the throughput table, the ratio row and the efficiency lines."""
+    rows = [["system", "requests/s", "output tok/s", "total tok/s", "wall s"]]
+    rows += [result_row(r) for r in results.values()]
+    if "baseline" in results and "kvray" in results:
+        rows.append(ratio_row(results["kvray"], results["baseline"]))
+    print()
+    print(format_table(rows))
+    print()
+    if "baseline" in results:
+        b = results["baseline"]
+        print(f"baseline computed {b.extra['computed_output_tokens']} output tokens, "
+              f"{b.output_tokens} useful")
+    if "baseline" in results and "kvray" in results:
+        same = greedy_agreement(results["kvray"].extra["outputs"],
+                                results["baseline"].extra["outputs"])
+        print(f"greedy agreement (informational, bf16): first 8 tokens identical in "
+              f"{same}/{results['kvray'].num_requests} requests")
+    print_efficiency(eff, peak)
+
+
+def write_json(path: Path, config: dict[str, Any], results: dict[str, RunResult],
+               eff: dict[str, float], peak: float, kvray_error: str | None) -> None:
+    """All numbers (without the generated tokens) as JSON."""
+    runs = {}
+    for name, r in results.items():
+        d = r.to_dict()
+        d["extra"] = {k: v for k, v in d["extra"].items() if k != "outputs"}
+        runs[name] = d
+    data = {"config": config, "results": runs, "matmul_peak_flop_per_s": peak,
+            "kvray_decode": eff, "kvray_error": kvray_error,
+            "targets": {"speedup": TARGET_SPEEDUP,
+                        "decode_efficiency": TARGET_DECODE_EFFICIENCY}}
+    if "baseline" in results and "kvray" in results:
+        data["speedup_output_tok_per_s"] = (results["kvray"].output_tok_per_s
+                                            / results["baseline"].output_tok_per_s)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-prompt", type=int, default=16)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=32, help="baseline static batch size")
+    p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--skip-kvray", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="kvray max_num_seqs (default: the engine's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="kvray max_num_batched_tokens (default: the engine's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (default: leave torch's default)")
+    p.add_argument("--json", type=Path, default=None, help="write the numbers to this file")
+    return p.parse_args(argv)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The kvray engine knobs given on the command line (others keep engine defaults)."""
+    kw = {"max_num_seqs": args.max_num_seqs,
+          "max_num_batched_tokens": args.max_num_batched_tokens}
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def describe_config(args: argparse.Namespace, model_dir: Path,
+                    requests: list[Request]) -> dict[str, Any]:
+    """The configuration and workload summary printed and written to JSON."""
+    return {
+        "model_dir": str(model_dir), "dtype": "bfloat16", "num_requests": len(requests),
+        "seed": args.seed, "prompt_len_range": [args.min_prompt, args.max_prompt],
+        "output_len_range": [args.min_output, args.max_output],
+        "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
+        "output_tokens": sum(r.output_len for r in requests),
+        "baseline_batch_size": args.batch_size,
+        "kvray_engine_kwargs": {"enable_prefix_caching": True, **engine_kwargs(args)},
+        "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "python": platform.python_version(), "machine": platform.machine(),
+        "cpu_count": os.cpu_count(), "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+    }
+
+
+def use_repo_checkout() -> None:
+    """Import kvray from this checkout, even if the installed (editable) copy is stale."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+
+
+def main(argv: list[str] | None = None) -> int:
+    use_repo_checkout()
+    from kvray.default_model import default_model_dir
+
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model_dir = default_model_dir()
+    cfg = model_config(model_dir)
+    requests = make_workload(args.num_requests, args.seed, cfg["vocab_size"],
+                             (args.min_prompt, args.max_prompt),
+                             (args.min_output, args.max_output))
+    warmup = warmup_workload(cfg["vocab_size"], args.seed)
+    config = describe_config(args, model_dir, requests)
+    print("config:")
+    for k, v in config.items():
+        print(f"  {k}: {v}")
+    print(f"torch threads: {torch.get_num_threads()}", flush=True)
+
+    peak = matmul_peak_flops()
+    print(f"bf16 matmul peak: {peak / 1e9:.1f} GFLOP/s", flush=True)
+
+    results: dict[str, RunResult] = {}
+    kvray_error: str | None = None
+    if not args.skip_kvray:
+        classes = import_kvray()
+        if isinstance(classes, str):
+            kvray_error = classes
+            print(f"kvray skipped: `from kvray import LLM, SamplingParams` failed ({classes})",
+                  flush=True)
+        else:
+            print("running kvray ...", flush=True)
+            results["kvray"] = run_kvray(classes, requests, warmup, engine_kwargs(args))
+    if not args.skip_baseline:
+        print("running transformers static batching ...", flush=True)
+        results["baseline"] = run_baseline(model_dir, requests, warmup, args.batch_size)
+
+    ordered = {k: results[k] for k in ("baseline", "kvray") if k in results}
+    eff = decode_efficiency(ordered["kvray"], cfg, peak) if "kvray" in ordered else {}
+    report(ordered, eff, peak)
+    if args.json:
+        write_json(args.json, config, ordered, eff, peak, kvray_error)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

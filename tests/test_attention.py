@@ -1,0 +1,119 @@
+"""Paged attention against plain attention: the PyTorch reference path, and the C++ CPU
+decode kernel against the reference (fp32 exact to rounding, bf16 close)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvray.kernels import cpu_paged_attention
+from kvray.kernels.attention import (
+    AttentionMetadata,
+    decode_buckets,
+    dense_attention,
+    paged_attention,
+    write_kv_cache,
+)
+
+HK, G, D, BS, NUM_BLOCKS = 2, 3, 16, 4, 64
+
+
+def _paged_setup(context_lens, query_lens, dtype=torch.float32, seed=0):
+    """Random K/V for whole sequences written into a shuffled paged cache, and the metadata of
+    a step whose new tokens are the last ``query_lens`` of each sequence."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.zeros(2, HK, NUM_BLOCKS, BS, D, dtype=dtype)
+    perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    tables, slots, ks, vs, qs, positions, starts = [], [], [], [], [], [], [0]
+    for n, nq in zip(context_lens, query_lens, strict=True):
+        nblk = -(-n // BS)
+        table = [perm.pop() for _ in range(nblk)]
+        tables.append(table)
+        k = torch.randn(n, HK, D, generator=g).to(dtype)
+        v = torch.randn(n, HK, D, generator=g).to(dtype)
+        all_slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(n)])
+        write_kv_cache(k[: n - nq], v[: n - nq], cache, all_slots[: n - nq])  # context
+        ks.append(k)
+        vs.append(v)
+        qs.append(torch.randn(nq, HK * G, D, generator=g).to(dtype))
+        slots.append(all_slots[n - nq:])
+        positions.append(torch.arange(n - nq, n))
+        starts.append(starts[-1] + nq)
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts), positions=torch.cat(positions),
+        slot_mapping=torch.cat(slots),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        seq_lens=torch.tensor(context_lens), seq_lens_list=list(context_lens),
+        query_lens_list=list(query_lens),
+        num_decodes=sum(1 for q in query_lens if q == 1))
+    return cache, meta, ks, vs, qs
+
+
+def _expected(ks, vs, qs, window=None):
+    outs = []
+    for k, v, q in zip(ks, vs, qs, strict=True):
+        n, nq = k.shape[0], q.shape[0]
+        full_q = torch.cat([torch.zeros(n - nq, *q.shape[1:], dtype=q.dtype), q])
+        meta = AttentionMetadata.for_full_sequences([n])
+        outs.append(dense_attention(full_q, k, v, meta, D ** -0.5, window)[n - nq:])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_reference_matches_dense_for_mixed_decode_and_prefill(window):
+    # Decodes first (longest first), then prefill chunks with and without cached context.
+    context = [23, 17, 9, 2, 30, 12]
+    queries = [1, 1, 1, 1, 30, 7]
+    cache, meta, ks, vs, qs = _paged_setup(context, queries)
+    q = torch.cat(qs)
+    k_new = torch.cat([k[n - nq:] for k, n, nq in zip(ks, context, queries, strict=True)])
+    v_new = torch.cat([v[n - nq:] for v, n, nq in zip(vs, context, queries, strict=True)])
+    write_kv_cache(k_new, v_new, cache, meta.slot_mapping)
+    got = paged_attention(q, cache, meta, D ** -0.5, window)
+    assert torch.allclose(got, _expected(ks, vs, qs, window), atol=1e-5)
+
+
+def test_decode_buckets_pad_little_and_cover_every_row():
+    lens = [100, 95, 90, 60, 58, 20, 3, 2]
+    buckets = decode_buckets(lens)
+    assert buckets[0][0] == 0 and buckets[-1][1] == len(lens)
+    assert all(a[1] == b[0] for a, b in zip(buckets, buckets[1:], strict=False))
+    assert len(buckets) <= 4
+    assert decode_buckets([]) == []
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if cpu_paged_attention.load_kernel() is None:
+        pytest.skip("no C++ compiler for the CPU kernel here")
+    return cpu_paged_attention.paged_decode
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("window", [None, 6])
+def test_cpu_decode_kernel_matches_the_reference(kernel, dtype, atol, window):
+    context = [31, 22, 16, 15, 5, 1]
+    cache, meta, ks, vs, qs = _paged_setup(context, [1] * len(context), dtype)
+    q = torch.cat(qs)
+    k_new = torch.cat([k[-1:] for k in ks])
+    v_new = torch.cat([v[-1:] for v in vs])
+    write_kv_cache(k_new, v_new, cache, meta.slot_mapping)
+    ref = paged_attention(q, cache, meta, D ** -0.5, window)
+    meta.decode_kernel = kernel
+    fast = paged_attention(q, cache, meta, D ** -0.5, window)
+    assert fast.dtype == dtype
+    assert torch.allclose(fast.float(), ref.float(), atol=atol)
+    assert torch.allclose(fast.float(), _expected(ks, vs, qs, window).float(), atol=atol)
+
+
+def test_cpu_decode_kernel_handles_unusual_head_dim(kernel):
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, 1, 8, 4, 24, generator=g)
+    q = torch.randn(2, 2, 24, generator=g)
+    tables = torch.tensor([[3, 1, 0], [5, 2, 0]])
+    lens = torch.tensor([10, 6])
+    meta = AttentionMetadata(torch.tensor([0, 1, 2]), torch.tensor([9, 5]), torch.tensor([0, 0]),
+                             tables, lens, [10, 6], [1, 1], num_decodes=2)
+    ref = paged_attention(q, cache, meta, 0.2)
+    assert torch.allclose(kernel(q, cache, tables, lens, 0.2, None), ref, atol=1e-5)

@@ -1,0 +1,199 @@
+"""The offline LLM API on a tiny fp32 Llama: prompt forms, ordering, sampling features,
+logprobs against transformers, seeded reproducibility, n > 1, stops, chat and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import VOCAB_SIZE, load_hf
+
+from kvray import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama_gqa")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=64,
+               max_num_seqs=16, num_gpu_blocks_override=96)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return load_hf(model_dir)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB_SIZE, (n,), generator=torch.Generator().manual_seed(seed)
+                         ).tolist()
+
+
+def test_mixed_prompt_forms_come_back_in_input_order(llm):
+    tok = llm.get_tokenizer()
+    prompts = ["The capital of France", {"prompt_token_ids": _ids(9, 0)}, "Hello world"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5, 7)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5, 7]
+    assert outs[0].prompt == "The capital of France"
+    assert outs[0].prompt_token_ids == tok("The capital of France")["input_ids"]
+    assert outs[1].prompt is None and outs[1].prompt_token_ids == _ids(9, 0)
+    for o in outs:
+        assert o.finished and o.outputs[0].finish_reason == "length"
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
+
+
+@torch.inference_mode()
+def test_logprobs_equal_transformers_log_softmax(llm, hf):
+    prompt = _ids(21, 1)
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5,
+                                      prompt_logprobs=3), use_tqdm=False)[0]
+    comp = out.outputs[0]
+    full = prompt + comp.token_ids
+    ref = torch.log_softmax(hf(torch.tensor([full])).logits[0].float(), dim=-1)
+    for i, (tok, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(entry[tok] - row[tok].item()) <= 1e-4
+        top = row.topk(5)
+        assert set(top.indices.tolist()) <= set(entry)
+        for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            assert abs(entry[t] - v) <= 1e-4
+    assert abs(comp.cumulative_logprob - sum(e[t] for t, e in zip(
+        comp.token_ids, comp.logprobs, strict=True))) <= 1e-4
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for j in range(1, len(prompt)):
+        row = ref[j - 1]
+        assert abs(out.prompt_logprobs[j][prompt[j]] - row[prompt[j]].item()) <= 1e-4
+        assert len(out.prompt_logprobs[j]) >= 3
+
+
+def test_prompt_logprobs_survive_chunked_prefill(model_dir, hf):
+    small = LLM(str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=8,
+                num_gpu_blocks_override=64)
+    prompt = _ids(30, 2)
+    out = small.generate({"prompt_token_ids": prompt},
+                         SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    got = [out.prompt_logprobs[j][prompt[j]] for j in range(1, 30)]
+    want = [ref[j - 1, prompt[j]].item() for j in range(1, 30)]
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-4
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_large_mixed_batch(model_dir):
+    tight = LLM(str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=48,
+                max_num_seqs=12, num_gpu_blocks_override=60)
+    target = {"prompt_token_ids": _ids(13, 3)}
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24,
+                            ignore_eos=True)
+    alone = tight.generate(target, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": _ids(5 + 7 * i, 100 + i)} for i in range(30)]
+    other_params = [SamplingParams(temperature=[0.0, 1.0, 0.7][i % 3], max_tokens=20,
+                                   seed=None if i % 2 else i, ignore_eos=True)
+                    for i in range(30)]
+    prompts = others[:11] + [target] + others[11:]
+    params = other_params[:11] + [seeded] + other_params[11:]
+    batch = tight.generate(prompts, params, use_tqdm=False)
+    assert batch[11].outputs[0].token_ids == alone
+    assert tight.llm_engine.stats.num_preemptions > 0, "the batch should also preempt"
+    other_seed = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=24,
+                                ignore_eos=True)
+    assert tight.generate(target, other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_n_sequences_share_the_prompt_blocks_and_differ(llm):
+    prompt = {"prompt_token_ids": _ids(40, 4)}
+    before = llm.llm_engine.stats.prefix_cache_hits
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8,
+                                              ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert llm.llm_engine.stats.prefix_cache_hits - before >= 2 * 36
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens(llm):
+    prompt = {"prompt_token_ids": _ids(8, 5)}
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop_tok = free.token_ids[4]
+    first = free.token_ids.index(stop_tok)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12,
+                                              stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == free.token_ids[:first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
+    held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, min_tokens=12,
+                                               stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    assert len(held.outputs[0].token_ids) == 12
+    assert stop_tok not in held.outputs[0].token_ids  # banned until min_tokens
+
+
+def test_stop_string_ends_generation_and_is_not_in_the_text(llm):
+    prompt = "Hello world"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    text = free.text
+    assert len(text) >= 6
+    stop = text[3:6]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, stop=[stop],
+                                              ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+
+
+def test_chat_uses_the_template(llm):
+    tok = llm.get_tokenizer()
+    conv = [{"role": "user", "content": "Hello"}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    want = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True,
+                                   return_dict=True)["input_ids"]
+    assert out.prompt_token_ids == list(want)
+    assert len(llm.chat([conv, conv], SamplingParams(max_tokens=2), use_tqdm=False)) == 2
+
+
+def test_penalties_and_logit_bias_steer_greedy_output(llm):
+    prompt = {"prompt_token_ids": _ids(10, 6)}
+    forced = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                 logit_bias={42: 100.0}), use_tqdm=False)[0]
+    assert forced.outputs[0].token_ids == [42] * 5
+    rep = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                              logit_bias={42: 100.0}, frequency_penalty=2.0,
+                                              presence_penalty=2.0, repetition_penalty=2.0),
+                       use_tqdm=False)[0]
+    assert rep.outputs[0].token_ids[0] == 42  # penalties only start once 42 was generated
+
+
+def test_invalid_requests_fail_before_queueing(llm):
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        llm.generate({"prompt_token_ids": [5] * 1000}, SamplingParams(max_tokens=100),
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [VOCAB_SIZE + 5]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
+        llm.generate(["a"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_abort_frees_blocks_and_reports_abort(llm):
+    engine = llm.llm_engine
+    engine.add_request("x", {"prompt_token_ids": _ids(30, 8)},
+                       SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.stats.kv_cache_usage > 0
+    assert engine.abort_request("x") and not engine.abort_request("x")
+    engine.step()
+    assert engine.scheduler.kv.pool.num_free == engine.stats.num_blocks
+    assert not engine.has_unfinished_requests()
+
+
+def test_request_metrics_are_filled(llm):
+    out = llm.generate("Hi", SamplingParams(max_tokens=3), use_tqdm=False)[0]
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert m.queue_time >= 0 and m.time_to_first_token > 0
