@@ -28,6 +28,7 @@ class ParallelContext:
     pp_rank: int = 0
     pp_size: int = 1
     tp_group: Any = None
+    world_rank: int = 0  # rank in the replica's world group (pp_rank * tp_size + tp_rank)
 
     def __post_init__(self) -> None:
         assert 0 <= self.tp_rank < self.tp_size, (self.tp_rank, self.tp_size)
@@ -40,6 +41,25 @@ class ParallelContext:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank that samples and returns tokens: last stage, TP rank 0."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    def send_to_next_stage(self, tensors: list[torch.Tensor]) -> None:
+        """Send activations to the same TP rank of the next pipeline stage."""
+        for t in tensors:
+            dist.send(t.contiguous(), dst=self.world_rank + self.tp_size)
+
+    def recv_from_prev_stage(self, shapes: list[tuple[int, ...]], dtype: torch.dtype,
+                             device: torch.device) -> list[torch.Tensor]:
+        out = []
+        for shape in shapes:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(t, src=self.world_rank - self.tp_size)
+            out.append(t)
+        return out
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the TP group (in place when distributed)."""

@@ -16,11 +16,11 @@ from kvray.scheduler.scheduler import RequestTooLongError, Scheduler
 
 
 def _sched(num_blocks=64, block_size=4, budget=32, max_seqs=8, policy="fcfs",
-           prefix=True, max_len=256) -> Scheduler:
+           prefix=True, max_len=256, mode="recompute", swap_blocks=0) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                     scheduling_policy=policy),
+                                     scheduling_policy=policy, preemption_mode=mode),
                      CacheConfig(block_size=block_size, enable_prefix_caching=prefix),
-                     num_blocks, max_len)
+                     num_blocks, max_len, swap_capacity_blocks=swap_blocks)
 
 
 def _req(rid, n_prompt, max_tokens=4, priority=0, t=0.0, tokens=None) -> Request:
@@ -109,8 +109,11 @@ def _check_invariants(s: Scheduler) -> None:
     assert pool.num_free + used == len(pool.blocks)
     running = {r.request_id for r in s.running}
     waiting = {r.request_id for r in s.waiting}
-    assert not running & waiting
-    assert running | waiting == set(s.requests)
+    swapped = {r.request_id for r in s.swapped}
+    assert not running & waiting and not running & swapped and not waiting & swapped
+    assert running | waiting | swapped == set(s.requests)
+    assert s.swap_used_blocks == sum(r.num_swapped_blocks for r in s.swapped)
+    assert s.swap_used_blocks <= s.swap_capacity_blocks
     assert set(s.kv.req_blocks) <= running
     assert len(s.running) <= s.config.max_num_seqs
 
@@ -123,11 +126,12 @@ workload = st.lists(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload, st.sampled_from(["fcfs", "priority"]), st.booleans(),
-       st.integers(8, 40), st.randoms(use_true_random=False))
+       st.integers(8, 40), st.sampled_from(["recompute", "swap"]), st.integers(0, 30),
+       st.randoms(use_true_random=False))
 def test_random_workloads_keep_invariants_and_finish_everything(
-        ops, policy, prefix, num_blocks, rng):
+        ops, policy, prefix, num_blocks, mode, swap_blocks, rng):
     s = _sched(num_blocks=num_blocks, block_size=4, budget=24, max_seqs=6, policy=policy,
-               prefix=prefix, max_len=128)
+               prefix=prefix, max_len=128, mode=mode, swap_blocks=swap_blocks)
     accepted, t = [], 0.0
     for op, n_prompt, max_tokens, prio in ops:
         if op == "arrive":
@@ -155,3 +159,28 @@ def test_random_workloads_keep_invariants_and_finish_everything(
     assert all(len(r.output_token_ids) == r.max_tokens for r in accepted
                if r.status is RequestStatus.FINISHED_LENGTH)
     assert s.kv.pool.num_free == num_blocks
+    assert s.swap_used_blocks == 0 and not s.swapped
+
+
+def test_swap_preemption_keeps_progress_and_swaps_back_before_admitting():
+    s = _sched(num_blocks=5, block_size=4, budget=64, max_len=64, mode="swap", swap_blocks=8)
+    s.add_request(_req("old", 8, max_tokens=10, t=0))
+    s.add_request(_req("new", 7, max_tokens=10, t=1))
+    swapped_out = swapped_in = None
+    for _ in range(40):
+        out = _run_step(s)
+        swapped_out = swapped_out or out.swap_out
+        swapped_in = swapped_in or out.swap_in
+        if not s.has_unfinished_requests():
+            break
+    assert swapped_out and "new" in swapped_out and s.num_swaps_out >= 1
+    assert swapped_in and set(swapped_in) <= set(swapped_out) and s.num_swaps_in >= 1
+    assert not s.has_unfinished_requests() and s.swap_used_blocks == 0
+
+
+def test_full_swap_pool_falls_back_to_recompute():
+    s = _sched(num_blocks=5, block_size=4, budget=64, max_len=64, mode="swap", swap_blocks=0)
+    s.add_request(_req("old", 8, max_tokens=10, t=0))
+    s.add_request(_req("new", 7, max_tokens=10, t=1))
+    outs = [_run_step(s) for _ in range(6)]
+    assert s.num_preemptions >= 1 and not any(o.swap_out for o in outs)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvray.actors.cache_engine import CacheEngine, kv_bytes_per_block, num_blocks_for_budget
+from kvray.actors.swap_pool import SwapPool
 from kvray.config import EngineConfig
 from kvray.kernels import cpu_paged_attention
 from kvray.kernels.attention import AttentionMetadata
@@ -56,6 +57,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}  # survive preemption
         self.default_generator = torch.Generator(device).manual_seed(config.model.seed)
         self.cache: CacheEngine | None = None
+        self.swap_pool = SwapPool()
         self.decode_kernel = None
         if device.type == "cpu" and cpu_paged_attention.load_kernel() is not None:
             self.decode_kernel = cpu_paged_attention.paged_decode
@@ -66,10 +68,12 @@ class ModelRunner:
         num_local_layers = self.model.model.end_layer - self.model.model.start_layer
         return num_local_layers, attn.num_kv_heads, attn.head_dim
 
-    def determine_num_blocks(self) -> int:
+    def kv_bytes_per_block(self) -> int:
         layers, heads, dim = self._local_kv_shape()
-        per_block = kv_bytes_per_block(layers, self.block_size, heads, dim, self.dtype)
-        return num_blocks_for_budget(self.config.cache, per_block, self.device)
+        return kv_bytes_per_block(layers, self.block_size, heads, dim, self.dtype)
+
+    def determine_num_blocks(self) -> int:
+        return num_blocks_for_budget(self.config.cache, self.kv_bytes_per_block(), self.device)
 
     def initialize_cache(self, num_blocks: int) -> None:
         _, heads, dim = self._local_kv_shape()
@@ -145,14 +149,42 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step. Returns the sampled tokens on the last pipeline stage's TP rank 0
         (None elsewhere)."""
+        self._swap(out)
         self._update_states(out)
         if out.is_empty:
-            return ModelRunnerOutput([], [], [], [])
+            return ModelRunnerOutput([], [], [], []) if self.ctx.is_output_rank else None
         inputs = self._prepare_inputs(out)
-        hidden = self.model(inputs.input_ids, inputs.meta, kv_caches=self.cache.kv_caches)
+        hidden = self._forward(inputs)
+        if hidden is None:
+            return None  # not the last pipeline stage: activations went to the next one
         prompt_logprobs = self._prompt_logprobs(inputs, out, hidden)
         logits = self.model.compute_logits(hidden[inputs.logits_index])
+        if not self.ctx.is_output_rank:
+            return None
         return self._sample(inputs, logits, prompt_logprobs)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        ctx, caches = self.ctx, self.cache.kv_caches
+        hidden = residual = None
+        if not ctx.is_first_stage:
+            shape = (inputs.input_ids.shape[0], self.spec.hidden_size)
+            hidden, residual = ctx.recv_from_prev_stage([shape, shape], self.dtype, self.device)
+        result = self.model(inputs.input_ids, inputs.meta, hidden, residual, kv_caches=caches)
+        if ctx.is_last_stage:
+            return result
+        ctx.send_to_next_stage(list(result))
+        return None
+
+    def _swap(self, out: SchedulerOutput) -> None:
+        """Save preempted requests' blocks before anyone reuses them, then restore the
+        requests coming back, then forget copies that are no longer needed."""
+        caches = self.cache.kv_caches
+        for req_id, block_ids in out.swap_out.items():
+            self.swap_pool.save(req_id, caches, block_ids)
+        for req_id, block_ids in out.swap_in.items():
+            self.swap_pool.restore(req_id, caches, block_ids)
+        for req_id in out.swap_drop:
+            self.swap_pool.drop(req_id)
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor,
                 prompt_logprobs: dict) -> ModelRunnerOutput:

@@ -1,16 +1,26 @@
 """A worker owns one device: its shard of the model and of the KV cache.
 
-The same class runs in-process (``UniProcExecutor``) and inside a Ray actor.
+The same class runs in-process (``UniProcExecutor``) and inside a Ray actor
+(``RayExecutor``). With more than one rank it first joins a ``torch.distributed`` process
+group (NCCL on CUDA, gloo on CPU) and builds its tensor-parallel group; pipeline stages talk
+point to point over the global group.
 """
 
 from __future__ import annotations
 
+import socket
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 
 from kvray.actors.model_runner import ModelRunner
 from kvray.config import EngineConfig
 from kvray.parallel import ParallelContext
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+# A collective waiting on a dead peer must fail, not hang for gloo's 30-minute default.
+_COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
 def pick_device() -> torch.device:
@@ -18,23 +28,70 @@ def pick_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` right now (the OS picks it; nothing is hard-coded)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str,
+                     device: torch.device) -> ParallelContext:
+    """Join the world process group and build the TP groups; rank = pp_rank * tp + tp_rank."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    world = tp_size * pp_size
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=_COLLECTIVE_TIMEOUT)
+    tp_group = None
+    for stage in range(pp_size):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)),
+                               timeout=_COLLECTIVE_TIMEOUT)
+        if stage == rank // tp_size:
+            tp_group = group
+    return ParallelContext(tp_rank=rank % tp_size, tp_size=tp_size, pp_rank=rank // tp_size,
+                           pp_size=pp_size, tp_group=tp_group if tp_size > 1 else None,
+                           world_rank=rank)
+
+
 class Worker:
-    def __init__(self, config: EngineConfig, model_path: str,
-                 ctx: ParallelContext | None = None, device: torch.device | None = None) -> None:
+    def __init__(self, config: EngineConfig, model_path: str, rank: int = 0,
+                 init_method: str | None = None, device: torch.device | None = None) -> None:
         self.config = config
-        self.ctx = ctx or ParallelContext()
+        self.rank = rank
         self.device = device or pick_device()
+        par = config.parallel
+        if par.world_size > 1:
+            assert init_method is not None, "a multi-rank worker needs a rendezvous address"
+            self.ctx = init_distributed(rank, par.tensor_parallel_size,
+                                        par.pipeline_parallel_size, init_method, self.device)
+        else:
+            self.ctx = ParallelContext()
         self.runner = ModelRunner(config, model_path, self.ctx, self.device)
 
     @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
+    def model_info(self) -> tuple:
+        """(spec, max_model_len) for the engine, which holds no model itself."""
+        return self.runner.spec, self.runner.max_model_len
+
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
+
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.initialize_cache(num_blocks)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute_model(out)
+
+    def swap_objects(self) -> int:
+        """How many swapped-out requests this worker still holds (for leak checks)."""
+        return len(self.runner.swap_pool)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,12 @@ class LLM:
                                        else config_from_flat(kwargs))
         self.llm_engine = LLMEngine(engine_config)
         self._counter = itertools.count()
+        # Release Ray workers and the placement group on shutdown() or when collected/exiting.
+        self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine's workers; the cluster is left as it was found."""
+        self._finalizer()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

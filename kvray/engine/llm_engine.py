@@ -14,7 +14,7 @@ from typing import Any
 from kvray.config import EngineConfig
 from kvray.default_model import resolve_model_path
 from kvray.engine.detokenizer import IncrementalDetokenizer
-from kvray.engine.executor import UniProcExecutor
+from kvray.engine.executor import make_executor
 from kvray.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvray.engine.request import Request, RequestStatus
 from kvray.engine.stats import EngineStats
@@ -50,27 +50,49 @@ class _Parent:
         return all(s.request.is_finished for s in self.seqs)
 
 
+class EngineDeadError(RuntimeError):
+    """The executor failed (e.g. a worker died); in-flight requests were aborted. The next
+    request rebuilds the executor."""
+
+
 class LLMEngine:
-    """The engine core of one model replica (in-process executor)."""
+    """The engine core of one model replica: scheduler + executor (in-process or Ray)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_path = str(resolve_model_path(config.model.model))
         self.tokenizer = load_tokenizer(self.model_path, config.model.tokenizer)
-        self.executor = UniProcExecutor(config, self.model_path)
-        self.spec = self.executor.spec
-        self.max_model_len = self.executor.max_model_len
-        num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_cache(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
-                                   self.max_model_len)
+        self.stats = EngineStats()
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, tuple[str, int]] = {}
+        self.executor = None
+        self._build_executor()
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self.stats = EngineStats(num_blocks=num_blocks)
-        self._parents: dict[str, _Parent] = {}
-        self._child_to_parent: dict[str, tuple[str, int]] = {}
+
+    def _build_executor(self) -> None:
+        """(Re)build the executor, the KV cache and an empty scheduler."""
+        config = self.config
+        self.executor = make_executor(config, self.model_path)
+        self.spec = self.executor.spec
+        self.max_model_len = self.executor.max_model_len
+        num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_cache(num_blocks)
+        swap_blocks = 0
+        if config.scheduler.preemption_mode == "swap":
+            swap_blocks = int(config.cache.swap_space * (1 << 30)) \
+                // self.executor.kv_bytes_per_block()
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
+                                   self.max_model_len, swap_blocks)
+        self.stats.num_blocks = num_blocks
+
+    def shutdown(self) -> None:
+        """Release the executor's workers (Ray actors and placement group)."""
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
 
     # ---- requests -----------------------------------------------------------------------
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -100,6 +122,8 @@ class LLMEngine:
         or can never fit."""
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.executor is None:
+            self._build_executor()
         text, ids = self._tokenize(prompt)
         self._check_token_ids(ids, "the prompt")
         self._check_token_ids(list(params.logit_bias or {}), "logit_bias")
@@ -144,9 +168,16 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return outputs of requests that changed."""
+        if self.executor is None:
+            raise EngineDeadError("the engine has been shut down")
         out = self.scheduler.schedule()
         start = time.perf_counter()
-        result = self.executor.execute_model(out)
+        try:
+            result = self.executor.execute_model(out)
+        except Exception as err:
+            self._fail_all(err)
+            raise EngineDeadError(f"engine step failed, in-flight requests aborted: {err}"
+                                  ) from err
         elapsed = time.perf_counter() - start
         self._record_step(out, elapsed)
         updated = self.scheduler.update_from_output(out, result)
@@ -162,6 +193,15 @@ class LLMEngine:
             if o.finished:
                 self._drop(o.request_id)
         return outputs
+
+    def _fail_all(self, err: Exception) -> None:
+        """Abort every request and drop the executor; the next request rebuilds it."""
+        for request_id in list(self._parents):
+            self.abort_request(request_id)
+        try:
+            self.executor.shutdown()
+        finally:
+            self.executor = None
 
     def _record_step(self, out: SchedulerOutput, elapsed: float) -> None:
         s = self.stats
@@ -229,6 +269,9 @@ class LLMEngine:
         s.prefix_cache_queries = sched.kv.stats.queries
         s.prefix_cache_hits = sched.kv.stats.hits
         s.num_preemptions = sched.num_preemptions
+        s.num_swapped = len(sched.swapped)
+        s.num_swaps_out = sched.num_swaps_out
+        s.num_swaps_in = sched.num_swaps_in
 
     # ---- outputs ------------------------------------------------------------------------
     def _make_output(self, parent: _Parent) -> RequestOutput:

@@ -14,6 +14,9 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
     num_preemptions: int = 0
+    num_swapped: int = 0  # requests whose KV is in the swap pool now
+    num_swaps_out: int = 0
+    num_swaps_in: int = 0
     prompt_tokens_total: int = 0  # prompt tokens computed (cache hits excluded)
     generation_tokens_total: int = 0
     num_steps: int = 0

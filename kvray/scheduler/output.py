@@ -38,6 +38,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # in batch order
     finished_req_ids: set[str] = field(default_factory=set)  # workers drop their state
     preempted_req_ids: set[str] = field(default_factory=set)  # workers drop batch state
+    # KV swap, done by every worker at the start of the step, before the forward pass:
+    swap_out: dict[str, list[int]] = field(default_factory=dict)  # req -> blocks to save
+    swap_in: dict[str, list[int]] = field(default_factory=dict)  # req -> blocks to restore to
+    swap_drop: set[str] = field(default_factory=set)  # saved copies no longer needed
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -46,6 +50,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
+
+    @property
+    def has_work(self) -> bool:
+        """Anything for the workers to do: run tokens, swap, or drop state."""
+        return bool(self.num_scheduled_tokens or self.swap_out or self.swap_in
+                    or self.swap_drop or self.finished_req_ids or self.preempted_req_ids)
 
 
 @dataclass

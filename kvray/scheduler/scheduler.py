@@ -75,8 +75,14 @@ class Scheduler:
     """Decides each step which requests advance by how many tokens, and owns their blocks."""
 
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, swap_capacity_blocks: int = 0) -> None:
         self.config = sched
+        self.swap_capacity_blocks = swap_capacity_blocks
+        self.swap_used_blocks = 0
+        self.swapped: deque[Request] = deque()
+        self.num_swaps_out = 0
+        self.num_swaps_in = 0
+        self._swap_drop: set[str] = set()
         self.max_model_len = max_model_len
         self.block_size = cache.block_size
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
@@ -116,17 +122,20 @@ class Scheduler:
                 f"({self.config.max_num_batched_tokens}) and chunked prefill is disabled")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or bool(self.swapped) or len(self.waiting) > 0
 
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
-        self._finished_since_last_step = set()
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step,
+                              swap_drop=self._swap_drop)
+        self._finished_since_last_step, self._swap_drop = set(), set()
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
         budget, preempted = self._schedule_running(budget, scheduled, new_blocks, out)
         if not preempted:
+            budget = self._schedule_swapped(budget, scheduled, new_blocks, out)
+        if not preempted and not self.swapped:  # swapped requests come back first
             self._schedule_waiting(budget, scheduled, new_blocks)
         self._fill_output(out, scheduled, new_blocks)
         return out
@@ -160,15 +169,49 @@ class Scheduler:
         return max(self.running, key=Request.sort_key)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Swap the victim out when asked and the pool has room, else recompute later."""
         self.running.remove(req)
+        num_saved = -(-req.num_computed_tokens // self.block_size)
+        swap = (self.config.preemption_mode == "swap" and num_saved > 0
+                and self.swap_used_blocks + num_saved <= self.swap_capacity_blocks)
+        if swap:
+            out.swap_out[req.request_id] = self.kv.block_ids(req.request_id)[:num_saved]
         self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._known_to_workers.discard(req.request_id)
         out.preempted_req_ids.add(req.request_id)
-        self.waiting.add(req, front=True)
+        if swap:  # keeps num_computed_tokens: their K/V is in the pool
+            req.status = RequestStatus.SWAPPED
+            req.num_swapped_blocks = num_saved
+            self.swap_used_blocks += num_saved
+            self.num_swaps_out += 1
+            self.swapped.append(req)
+        else:
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            self.waiting.add(req, front=True)
+
+    def _schedule_swapped(self, budget, scheduled, new_blocks, out) -> int:
+        """Bring swapped requests back (oldest first) while blocks allow: fresh blocks, the
+        saved K/V copied into them, and this step's tokens scheduled right away."""
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            ids = self.kv.allocate_slots(req, num_new)
+            if ids is None:
+                break
+            self.swapped.popleft()
+            out.swap_in[req.request_id] = ids[: req.num_swapped_blocks]
+            self.swap_used_blocks -= req.num_swapped_blocks
+            req.num_swapped_blocks = 0
+            self.num_swaps_in += 1
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = num_new
+            new_blocks[req.request_id] = ids
+            budget -= num_new
+        return budget
 
     def _schedule_waiting(self, budget, scheduled, new_blocks) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -250,6 +293,11 @@ class Scheduler:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+            self.swap_used_blocks -= req.num_swapped_blocks
+            req.num_swapped_blocks = 0
+            self._swap_drop.add(req.request_id)
         else:
             self.waiting.remove(req)
         self.kv.free(req)

@@ -1,0 +1,216 @@
+"""RayExecutor: one model replica as TP x PP ``Worker`` actors in a placement group.
+
+Each step's SchedulerOutput is put into the object store once and the same reference is
+handed to every worker; only the last stage's TP rank 0 returns tokens. If a worker dies,
+the step fails with :class:`WorkerDiedError` at once (never a hang), the surviving actors and
+the placement group are torn down, and the engine may build a new executor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import time
+import uuid
+from typing import Any
+
+from kvray.actors.worker import Worker, free_port
+from kvray.config import EngineConfig
+from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 30.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker actor of the replica died; in-flight requests cannot finish."""
+
+
+class PlacementError(RuntimeError):
+    """The Ray cluster cannot host the replica's workers; the message names what is missing."""
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Join a running cluster (``address`` / ``RAY_ADDRESS``), else start a local one bound to
+    127.0.0.1 with enough logical CPUs for the workers."""
+    # Read by Ray at import: with it (and the node address) every listener stays on 127.0.0.1.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
+                 log_to_driver=False)
+
+
+class _RankedWorker:
+    """The actor body: builds a Worker once the rendezvous address is known."""
+
+    def __init__(self, config: EngineConfig, model_path: str, rank: int) -> None:
+        self.config, self.model_path, self.rank = config, model_path, rank
+        self.worker: Worker | None = None
+
+    def node_address(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def pick_rendezvous(self, same_node: bool) -> str:
+        """A file store when every rank is on this node (no listening socket at all);
+        otherwise a TCP store on a port the OS picks here."""
+        if same_node:
+            self.rendezvous_file = os.path.join(
+                tempfile.gettempdir(), f"kvray-rendezvous-{uuid.uuid4().hex}")
+            return f"file://{self.rendezvous_file}"
+        host = self.node_address()
+        return f"tcp://{host}:{free_port(host)}"
+
+    def cleanup(self) -> None:
+        path = getattr(self, "rendezvous_file", None)
+        if path and os.path.exists(path):
+            os.remove(path)
+
+    def init_worker(self, init_method: str) -> None:
+        self.worker = Worker(self.config, self.model_path, self.rank, init_method)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.worker, method)(*args)
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.worker.execute_model(out)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayExecutor:
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        par = config.parallel
+        self.tp, self.pp = par.tensor_parallel_size, par.pipeline_parallel_size
+        world = self.tp * self.pp
+        ensure_ray(num_cpus=max(world + 2, 4))
+        use_gpu = _cluster_has_gpus()
+        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+        self._wait_for_placement(bundle, world)
+        actor_cls = ray.remote(_RankedWorker)
+        strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
+        env = {}
+        if ray.util.get_node_ip_address() == "127.0.0.1":  # keep gloo's sockets on loopback
+            env = {"GLOO_SOCKET_IFNAME": "lo"}
+        self.workers = [
+            actor_cls.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                runtime_env={"env_vars": env} if env else None,
+                scheduling_strategy=strategy(placement_group=self.pg,
+                                             placement_group_bundle_index=rank),
+            ).remote(config, model_path, rank)
+            for rank in range(world)
+        ]
+        try:
+            nodes = self._get([w.node_address.remote() for w in self.workers])
+            init_method = self._get(
+                [self.workers[0].pick_rendezvous.remote(len(set(nodes)) == 1)])[0]
+            self._get([w.init_worker.remote(init_method) for w in self.workers])
+            self.spec, self.max_model_len = self._get(
+                [self.workers[-self.tp].call.remote("model_info")])[0]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.output_rank = (self.pp - 1) * self.tp  # last stage, TP rank 0
+        self.broadcast_s = 0.0  # time spent putting SchedulerOutputs in the object store
+
+    def _wait_for_placement(self, bundle: dict, world: int) -> None:
+        import ray
+
+        ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if ready:
+            return
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.pg)
+        need = {k: v * world for k, v in bundle.items()}
+        raise PlacementError(
+            f"the Ray cluster cannot place {world} workers (tensor_parallel_size={self.tp} x "
+            f"pipeline_parallel_size={self.pp}) within {PLACEMENT_TIMEOUT_S:.0f} s: they need "
+            f"{need} packed, the cluster has {ray.available_resources()} available; add nodes "
+            "or resources, or lower the parallel sizes")
+
+    # ---- calls -------------------------------------------------------------------------
+    def _get(self, refs: list) -> list:
+        """ray.get that fails as soon as any actor dies, instead of waiting on peers that are
+        blocked in a collective with it."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        pending, done = list(refs), {}
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                done[ready[0]] = ray.get(ready[0])
+            except RayActorError as err:
+                self.shutdown()
+                raise WorkerDiedError(
+                    f"a kvray worker actor died ({err.__class__.__name__}): {err}") from err
+        return [done[r] for r in refs]
+
+    def _all(self, method: str, *args: Any) -> list:
+        return self._get([w.call.remote(method, *args) for w in self.workers])
+
+    def determine_num_blocks(self) -> int:
+        return min(self._all("determine_num_blocks"))
+
+    def kv_bytes_per_block(self) -> int:
+        return max(self._all("kv_bytes_per_block"))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._all("initialize_cache", num_blocks)
+
+    def swap_objects(self) -> list[int]:
+        return self._all("swap_objects")
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        import ray
+
+        start = time.perf_counter()
+        ref = ray.put(out)  # once; every worker gets the same reference
+        self.broadcast_s += time.perf_counter() - start
+        results = self._get([w.execute_model.remote(ref) for w in self.workers])
+        return results[self.output_rank]
+
+    def worker_pids(self) -> list[int]:
+        return self._get([w.pid.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        workers = getattr(self, "workers", [])
+        # Best effort throughout: actors may already be dead.
+        if workers:
+            with contextlib.suppress(Exception):  # the single-node rendezvous file
+                ray.get(workers[0].cleanup.remote(), timeout=5)
+        for w in workers:
+            with contextlib.suppress(Exception):
+                ray.kill(w)
+        self.workers = []
+        if getattr(self, "pg", None) is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.pg)
+            self.pg = None
+
+
+def _cluster_has_gpus() -> bool:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0

@@ -1,0 +1,59 @@
+"""CPU pool for preempted requests' KV blocks, in the Ray object store when Ray runs here.
+
+Each worker saves its own shard: one object per swapped request per step batch, holding every
+local layer's copy of the request's blocks. Objects are released as soon as they are restored
+or the request ends, so nothing outlives its request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_AS_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+class SwapPool:
+    def __init__(self) -> None:
+        self._objects: dict[str, object] = {}  # req id -> ObjectRef (or array without Ray)
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    @staticmethod
+    def _ray():
+        try:
+            import ray
+        except ImportError:
+            return None
+        return ray if ray.is_initialized() else None
+
+    def save(self, req_id: str, kv_caches: list[torch.Tensor | None],
+             block_ids: list[int]) -> None:
+        """Copy ``block_ids`` of every local layer into one CPU object."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=_device(kv_caches))
+        data = torch.stack([c.index_select(2, idx) for c in kv_caches if c is not None]).cpu()
+        # numpy has no bf16: ship raw bits; numpy arrays are zero-copy in the object store.
+        arr = data.view(_AS_INT[data.dtype]).numpy()
+        ray = self._ray()
+        self._objects[req_id] = ray.put(arr) if ray is not None else arr.copy()
+
+    def restore(self, req_id: str, kv_caches: list[torch.Tensor | None],
+                block_ids: list[int]) -> None:
+        """Copy the saved blocks into ``block_ids`` (same count) and release the object."""
+        obj = self._objects.pop(req_id)
+        ray = self._ray()
+        arr = ray.get(obj) if ray is not None and not isinstance(obj, np.ndarray) else obj
+        local = [c for c in kv_caches if c is not None]
+        data = torch.from_numpy(np.array(arr)).view(local[0].dtype).to(local[0].device)
+        assert data.shape[3] == len(block_ids), "restored block count differs from saved"
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=local[0].device)
+        for layer, cache in enumerate(local):
+            cache.index_copy_(2, idx, data[layer])
+
+    def drop(self, req_id: str) -> None:
+        self._objects.pop(req_id, None)
+
+
+def _device(kv_caches: list[torch.Tensor | None]) -> torch.device:
+    return next(c for c in kv_caches if c is not None).device

@@ -1,0 +1,161 @@
+"""The Ray runtime: TP x PP worker actors on a local loopback cluster give the same greedy
+tokens as one in-process worker; KV swap to the object store; a dead worker fails fast."""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read at import: loopback listeners
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tiny_models import VOCAB_SIZE, make_tiny_model  # noqa: E402
+
+from kvray import LLM, SamplingParams  # noqa: E402
+from kvray.engine.llm_engine import EngineDeadError  # noqa: E402
+
+ray = pytest.importorskip("ray")
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+COMMON = dict(dtype="float32", block_size=4, max_num_batched_tokens=16,
+              enable_prefix_caching=True, enable_chunked_prefill=True, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=8, _node_ip_address="127.0.0.1", include_dashboard=False,
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist_models")
+    return {
+        "gqa4": make_tiny_model("llama_gqa", root / "gqa4", num_attention_heads=8,
+                                num_key_value_heads=4, hidden_size=64),
+        "kv1": make_tiny_model("llama3_rope_tied", root / "kv1"),  # 1 KV head < TP size
+    }
+
+
+def _prompts() -> list[dict]:
+    g = torch.Generator().manual_seed(5)
+    lens = [3, 20, 9, 33, 1, 14]
+    prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in lens]
+    prompts.append(prompts[3][:24] + [7, 8])  # shares a prefix with prompt 3
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(_prompts(), PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    out = {}
+    for name, path in models.items():
+        llm = LLM(str(path), **COMMON)
+        out[name] = _tokens(llm)
+        llm.shutdown()
+    return out
+
+
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def _non_loopback_listeners() -> list:
+    """Listening sockets of this process and everything it started (Ray, workers)."""
+    ours = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
+    return [(c.laddr, c.pid) for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in ours and c.laddr.ip not in LOOPBACK]
+
+
+def test_cluster_and_workers_listen_on_loopback_only(cluster, models):
+    llm = LLM(str(models["gqa4"]), tensor_parallel_size=2, pipeline_parallel_size=2, **COMMON)
+    try:
+        llm.generate(_prompts()[:2], PARAMS, use_tqdm=False)
+        assert not _non_loopback_listeners()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("model,tp,pp", [("gqa4", 2, 1), ("gqa4", 1, 2), ("gqa4", 2, 2),
+                                         ("kv1", 2, 1)])
+def test_parallel_layouts_match_one_worker(cluster, models, reference, model, tp, pp):
+    llm = LLM(str(models[model]), tensor_parallel_size=tp, pipeline_parallel_size=pp, **COMMON)
+    try:
+        assert _tokens(llm) == reference[model]
+        assert llm.llm_engine.stats.prefix_cache_hits > 0
+    finally:
+        llm.shutdown()
+    assert not ray.util.placement_group_table() or all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+def _long_preemption_run(models, **kw) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(models["gqa4"]), distributed_executor_backend="ray",
+              num_gpu_blocks_override=24, **{**COMMON, "max_num_batched_tokens": 32}, **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.fixture(scope="module")
+def unconstrained(models):
+    llm = LLM(str(models["gqa4"]), **{**COMMON, "max_num_batched_tokens": 32})
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    out = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    llm.shutdown()
+    return out
+
+
+def test_swap_preemption_gives_the_same_tokens_and_leaves_nothing(cluster, models,
+                                                                  unconstrained):
+    tokens, llm = _long_preemption_run(models, preemption_mode="swap", swap_space=0.01)
+    try:
+        stats = llm.llm_engine.stats
+        assert tokens == unconstrained
+        assert stats.num_swaps_out > 0 and stats.num_swaps_in > 0
+        assert llm.llm_engine.executor.swap_objects() == [0]
+    finally:
+        llm.shutdown()
+
+
+def test_full_swap_pool_falls_back_to_recompute(cluster, models, unconstrained):
+    tokens, llm = _long_preemption_run(models, preemption_mode="swap", swap_space=1e-9)
+    try:
+        stats = llm.llm_engine.stats
+        assert tokens == unconstrained
+        assert stats.num_preemptions > 0 and stats.num_swaps_out == 0
+    finally:
+        llm.shutdown()
+
+
+def test_dead_worker_fails_requests_fast_and_engine_recovers(cluster, models):
+    llm = LLM(str(models["gqa4"]), tensor_parallel_size=2, **COMMON)
+    engine = llm.llm_engine
+    try:
+        engine.add_request("a", _prompts()[1], SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        ray.kill(engine.executor.workers[1])
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="worker actor died"):
+            for _ in range(100):
+                engine.step()
+        assert time.monotonic() - start < 30
+        assert not engine.has_unfinished_requests()
+        out = llm.generate(_prompts()[:2], PARAMS, use_tqdm=False)  # rebuilt executor
+        assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+    finally:
+        llm.shutdown()
+
+
+def test_unplaceable_layout_fails_with_the_missing_resources(cluster, models, monkeypatch):
+    from kvray.actors import ray_executor
+
+    monkeypatch.setattr(ray_executor, "PLACEMENT_TIMEOUT_S", 2.0)
+    with pytest.raises(ray_executor.PlacementError, match="cannot place 16 workers"):
+        LLM(str(models["gqa4"]), tensor_parallel_size=4, pipeline_parallel_size=4, **COMMON)
