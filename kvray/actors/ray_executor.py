@@ -77,7 +77,7 @@ class _RankedWorker:
         if path and os.path.exists(path):
             os.remove(path)
 
-    def init_worker(self, init_method: str) -> None:
+    def init_worker(self, init_method: str | None) -> None:
         self.worker = Worker(self.config, self.model_path, self.rank, init_method)
 
     def call(self, method: str, *args: Any) -> Any:
@@ -121,6 +121,8 @@ class RayExecutor:
             nodes = self._get([w.node_address.remote() for w in self.workers])
             init_method = self._get(
                 [self.workers[0].pick_rendezvous.remote(len(set(nodes)) == 1)])[0]
+            if world == 1:
+                init_method = "single"  # no process group, but size threads as an actor
             self._get([w.init_worker.remote(init_method) for w in self.workers])
             self.spec, self.max_model_len = self._get(
                 [self.workers[-self.tp].call.remote("model_info")])[0]

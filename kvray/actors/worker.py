@@ -8,6 +8,7 @@ point to point over the global group.
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
@@ -59,9 +60,12 @@ class Worker:
         self.config = config
         self.rank = rank
         self.device = device or pick_device()
+        if init_method is not None and self.device.type == "cpu":
+            # Ray starts actors with OMP_NUM_THREADS=1; share the node's cores among ranks.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.world_size))
         par = config.parallel
         if par.world_size > 1:
-            assert init_method is not None, "a multi-rank worker needs a rendezvous address"
+            assert init_method not in (None, "single"), "multi-rank workers need a rendezvous"
             self.ctx = init_distributed(rank, par.tensor_parallel_size,
                                         par.pipeline_parallel_size, init_method, self.device)
         else:
