@@ -10,13 +10,12 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read at import: loopbac
 
 import psutil  # noqa: E402
 import pytest  # noqa: E402
+import ray  # noqa: E402
 import torch  # noqa: E402
 from tiny_models import VOCAB_SIZE, make_tiny_model  # noqa: E402
 
 from kvray import LLM, SamplingParams  # noqa: E402
 from kvray.engine.llm_engine import EngineDeadError  # noqa: E402
-
-ray = pytest.importorskip("ray")
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 COMMON = dict(dtype="float32", block_size=4, max_num_batched_tokens=16,

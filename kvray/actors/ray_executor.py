@@ -34,8 +34,9 @@ class PlacementError(RuntimeError):
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Join a running cluster (``address`` / ``RAY_ADDRESS``), else start a local one bound to
-    127.0.0.1 with enough logical CPUs for the workers."""
+    """Join a running cluster (``address``, ``RAY_ADDRESS``, or one started on this machine
+    with ``ray start``), else start a local one bound to 127.0.0.1 with enough logical CPUs
+    for the workers."""
     # Read by Ray at import: with it (and the node address) every listener stays on 127.0.0.1.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
@@ -45,7 +46,10 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=False)
-    else:
+        return
+    try:
+        ray.init(address="auto", log_to_driver=False)
+    except ConnectionError:  # no cluster on this machine: start a private one
         ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
                  log_to_driver=False)
 
