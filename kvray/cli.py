@@ -76,6 +76,80 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def served_model_name(config: EngineConfig, model_path) -> str:
+    """``served_model_name``, else the model directory's (or GGUF file's) name."""
+    from pathlib import Path
+
+    if config.model.served_model_name:
+        return config.model.served_model_name
+    path = Path(model_path)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+    import time
+
+    # Ray reads this at import; with 127.0.0.1 as node address every listener is loopback.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    from ray import serve
+
+    from kvray.actors.ray_executor import ensure_ray
+    from kvray.default_model import resolve_model_path
+    from kvray.serve.deployment import build_app
+
+    if args.model_positional is not None:
+        args.model = args.model_positional
+    config = config_from_args(args)
+    model_path = resolve_model_path(config.model.model)
+    if not model_path.exists():
+        raise FileNotFoundError(f"model path {model_path} does not exist")
+    name = served_model_name(config, model_path)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    world = config.parallel.world_size
+    ensure_ray(args.address, num_cpus=max(8, args.num_replicas * (world + 1) + 2),
+               log_to_driver=True)
+    flat = {k: v for k, v in config.to_flat().items() if v is not None}
+    flat["model"] = str(model_path)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(flat, str(model_path), name, args.api_key, args.num_replicas,
+                        args.max_waiting), name="kvray", route_prefix="/")
+    print(f"kvray: serving {name} on http://{args.host}:{args.port}/v1 "
+          f"({args.num_replicas} replica(s)); Ctrl-C stops", flush=True)
+    try:
+        _log_throughput(name, time)
+    except KeyboardInterrupt:
+        print("kvray: shutting down", flush=True)
+    finally:
+        serve.shutdown()
+    return 0
+
+
+def _log_throughput(name: str, time_mod, period: float = 10.0) -> None:
+    """Every ``period`` seconds, one line with generation throughput over all replicas."""
+    import ray
+
+    from kvray.serve.deployment import STATS_NAMESPACE
+
+    last = None
+    while True:
+        time_mod.sleep(period)
+        try:
+            board = ray.get_actor("kvray-stats-kvray", namespace=STATS_NAMESPACE)
+            snap = ray.get(board.snapshot.remote(), timeout=5)
+        except Exception as err:  # a missing stats line must not stop the server
+            print(f"kvray: stats unavailable ({err.__class__.__name__})", flush=True)
+            continue
+        total = sum(s.get("generation_tokens_total", 0) for _, s in snap)
+        running = sum(s.get("num_running", 0) for _, s in snap)
+        waiting = sum(s.get("num_waiting", 0) for _, s in snap)
+        if last is not None:
+            print(f"kvray: {name}: {(total - last) / period:.1f} generated tok/s, "
+                  f"{running} running, {waiting} waiting", flush=True)
+        last = total
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvray", description="LLM inference and serving engine on Ray.")
@@ -95,6 +169,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="per-request sampling seed (reproducible output with temperature)")
     add_config_flags(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API on Ray Serve")
+    srv.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                     help="model directory or .gguf file (default: the built-in SmolLM2)")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    srv.add_argument("--port", type=_positive_int, default=8000, help="port (default 8000)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--num-replicas", type=_positive_int, default=1,
+                     help="model replicas (data parallelism)")
+    srv.add_argument("--address", default=None,
+                     help="Ray cluster address (default: RAY_ADDRESS, a running local "
+                          "cluster, or a new one on 127.0.0.1)")
+    srv.add_argument("--max-waiting", type=_positive_int, default=512,
+                     help="waiting requests beyond which new ones get 503 (default 512)")
+    add_config_flags(srv)
+    srv.set_defaults(func=_cmd_serve)
     return parser
 
 

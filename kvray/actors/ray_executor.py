@@ -33,7 +33,8 @@ class PlacementError(RuntimeError):
     """The Ray cluster cannot host the replica's workers; the message names what is missing."""
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+def ensure_ray(address: str | None = None, num_cpus: int | None = None,
+               log_to_driver: bool = False) -> None:
     """Join a running cluster (``address``, ``RAY_ADDRESS``, or one started on this machine
     with ``ray start``), else start a local one bound to 127.0.0.1 with enough logical CPUs
     for the workers."""
@@ -45,13 +46,13 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=log_to_driver)
         return
     try:
-        ray.init(address="auto", log_to_driver=False)
+        ray.init(address="auto", log_to_driver=log_to_driver)
     except ConnectionError:  # no cluster on this machine: start a private one
         ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
-                 log_to_driver=False)
+                 log_to_driver=log_to_driver)
 
 
 class _RankedWorker:

@@ -276,10 +276,15 @@ class LLMEngine:
     # ---- outputs ------------------------------------------------------------------------
     def _make_output(self, parent: _Parent) -> RequestOutput:
         outs = []
+        stop = parent.params.stop
+        hold = max((len(s) for s in stop), default=1) - 1
         for i, seq in enumerate(parent.seqs):
             req = seq.request
+            text = seq.detok.output_text
+            if hold and not req.is_finished:  # might be the start of a stop string
+                text = text[: max(0, len(text) - hold)]
             outs.append(CompletionOutput(
-                index=i, text=seq.detok.output_text, token_ids=list(req.output_token_ids),
+                index=i, text=text, token_ids=list(req.output_token_ids),
                 cumulative_logprob=(seq.cumulative_logprob if seq.logprobs is not None
                                     else None),
                 logprobs=None if seq.logprobs is None else list(seq.logprobs),

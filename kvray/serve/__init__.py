@@ -1,0 +1,1 @@
+"""Serving: OpenAI-compatible HTTP API on Ray Serve, streaming, metrics."""

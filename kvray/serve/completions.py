@@ -1,0 +1,287 @@
+"""/v1/completions and /v1/chat/completions: turn engine outputs into OpenAI responses,
+whole or as Server-Sent Events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from kvray.serve.openai_app import (
+    APIError,
+    OpenAIServer,
+    gather_outputs,
+    sse,
+    streaming_response,
+)
+from kvray.serve.protocol import (
+    ProtocolError,
+    new_id,
+    now,
+)
+
+
+class _Handler:
+    object_name = ""
+    chunk_name = ""
+
+    def __init__(self, server: OpenAIServer, req: Any, raw: Request) -> None:
+        self.server, self.req, self.raw = server, req, raw
+        self.id = new_id(self.id_prefix)
+        self.created = now()
+        self.start = time.monotonic()
+        self.token_times: dict[str, list[float]] = {}
+        self.finished: set[tuple[int, int]] = set()  # (prompt, seq) whose finish was sent
+
+    def _params(self, prompt_len: int):
+        try:
+            return self.sampling_params(self.server._max_tokens(self.requested_max_tokens(),
+                                                                 prompt_len))
+        except ProtocolError as err:
+            raise APIError(400, str(err), "BadRequestError", err.param) from None
+
+    def _timed(self, stream: AsyncIterator, key: str) -> AsyncIterator:
+        """Record when each output arrives (TTFT / inter-token latency metrics)."""
+        times = self.token_times.setdefault(key, [])
+
+        async def gen():
+            last = None
+            try:
+                async for out in stream:
+                    if sum(len(c.token_ids) for c in out.outputs) > 0:
+                        times.append(time.monotonic())
+                    last = out
+                    yield out
+            finally:  # finished, or the client went away (then the request was aborted)
+                if last is not None:
+                    self.server.record(last, self.start, times)
+
+        return gen()
+
+    def usage(self, outs: list) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    async def run(self):
+        prompts = self.prompt_ids()
+        streams = []
+        for i, (text, ids) in enumerate(prompts):
+            params = self._params(len(ids))
+            rid = f"{self.id}-{i}"
+            engine_prompt = {"prompt_token_ids": ids, "prompt": text}
+            streams.append(self._timed(self.server.stream(rid, engine_prompt, params,
+                                                          self.req.priority), rid))
+        firsts = [await s.__anext__() for s in streams]  # a bad request fails here as 400
+        if self.req.stream:
+            return streaming_response(self._sse(streams, firsts, prompts))
+        finals = await gather_outputs([_prepend(f, s) for f, s in zip(firsts, streams,
+                                                                       strict=True)])
+        return self.response(finals, prompts)
+
+    async def _sse(self, streams, firsts, prompts) -> AsyncIterator[str]:
+        sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, seq) -> (chars, tokens)
+        queue: asyncio.Queue = asyncio.Queue()
+        n = self.req.n
+
+        async def pump(i, first, stream):
+            await queue.put((i, first))
+            async for out in stream:
+                await queue.put((i, out))
+            await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, f, s))
+                 for i, (f, s) in enumerate(zip(firsts, streams, strict=True))]
+        finals: dict[int, Any] = {}
+        try:
+            for chunk in self.first_chunks(len(prompts)):
+                yield sse(chunk)
+            done = 0
+            while done < len(tasks):
+                i, out = await queue.get()
+                if out is None:
+                    done += 1
+                    continue
+                finals[i] = out
+                for chunk in self.delta_chunks(i, out, sent, prompts, n):
+                    yield sse(chunk)
+            opts = self.req.stream_options
+            if opts is not None and opts.include_usage:
+                yield sse({"id": self.id, "object": self.chunk_name, "created": self.created,
+                           "model": self.server.model_name, "choices": [],
+                           "usage": self.usage(list(finals.values()))})
+            yield sse("[DONE]")
+        finally:
+            for t in tasks:  # client gone: cancelling the pumps aborts the requests
+                t.cancel()
+
+
+async def _prepend(first, stream):
+    yield first
+    async for out in stream:
+        yield out
+
+
+class CompletionHandler(_Handler):
+    id_prefix = "cmpl"
+    object_name = chunk_name = "text_completion"
+
+    def requested_max_tokens(self):
+        return self.req.max_tokens
+
+    def sampling_params(self, max_tokens):
+        return self.req.sampling_params(max_tokens, self.req.logprobs)
+
+    def prompt_ids(self) -> list[tuple[str | None, list[int]]]:
+        out = []
+        try:
+            prompts = self.req.prompts()
+        except ProtocolError as err:
+            raise APIError(400, str(err), "BadRequestError", err.param) from None
+        for p in prompts:
+            if isinstance(p, str):
+                out.append((p, self.server.tokenizer(p)["input_ids"]))
+            else:
+                out.append((None, list(p)))
+            if not out[-1][1]:
+                raise APIError(400, "prompt must not be empty", "BadRequestError", "prompt")
+        return out
+
+    def _logprobs(self, comp, start_tok: int, text_offset: int) -> dict | None:
+        if comp.logprobs is None:
+            return None
+        tok = self.server.tokenizer
+        entries = comp.logprobs[start_tok:]
+        ids = comp.token_ids[start_tok:start_tok + len(entries)]
+        tokens = [tok.decode([t]) for t in ids]
+        offsets, pos = [], text_offset
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(ids, entries,
+                                                                            strict=True)],
+                "top_logprobs": [{tok.decode([k]): v for k, v in e.items()} for e in entries],
+                "text_offset": offsets}
+
+    def _text(self, out, comp) -> str:
+        prefix = ""
+        if self.req.echo:
+            prefix = out.prompt if out.prompt is not None else self.server.tokenizer.decode(
+                out.prompt_token_ids)
+        return prefix + comp.text
+
+    def response(self, finals, prompts) -> dict:
+        choices = []
+        for i, out in enumerate(finals):
+            for comp in out.outputs:
+                choices.append({"index": i * self.req.n + comp.index,
+                                "text": self._text(out, comp),
+                                "logprobs": self._logprobs(comp, 0, 0),
+                                "finish_reason": comp.finish_reason})
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.server.model_name, "choices": choices,
+                "usage": self.usage(finals)}
+
+    def first_chunks(self, num_prompts: int) -> list[dict]:
+        return []
+
+    def delta_chunks(self, i, out, sent, prompts, n) -> list[dict]:
+        chunks = []
+        for comp in out.outputs:
+            key = (i, comp.index)
+            if key in self.finished:
+                continue
+            chars, toks = sent.get(key, (0, 0))
+            text = comp.text
+            if key not in sent and self.req.echo:
+                text = self._text(out, comp)
+                chars = 0
+            elif self.req.echo:
+                text = self._text(out, comp)
+            delta = text[chars:]
+            if not delta and comp.finish_reason is None:
+                continue
+            chunks.append({"id": self.id, "object": "text_completion", "created": self.created,
+                           "model": self.server.model_name,
+                           "choices": [{"index": i * n + comp.index, "text": delta,
+                                        "logprobs": self._logprobs(comp, toks, chars),
+                                        "finish_reason": comp.finish_reason}]})
+            sent[key] = (len(text), len(comp.token_ids))
+            if comp.finish_reason is not None:
+                self.finished.add(key)
+        return chunks
+
+
+class ChatHandler(_Handler):
+    id_prefix = "chatcmpl"
+    object_name = "chat.completion"
+    chunk_name = "chat.completion.chunk"
+
+    def requested_max_tokens(self):
+        return self.req.max_completion_tokens or self.req.max_tokens
+
+    def sampling_params(self, max_tokens):
+        top = self.req.top_logprobs
+        if top is not None and not self.req.logprobs:
+            raise ProtocolError("top_logprobs needs logprobs=true", "top_logprobs")
+        return self.req.sampling_params(max_tokens, (top or 0) if self.req.logprobs else None)
+
+    def prompt_ids(self) -> list[tuple[str | None, list[int]]]:
+        ids = self.server._chat_ids(self.req.conversation(), self.req.add_generation_prompt)
+        return [(None, ids)]
+
+    def _logprobs(self, comp, start_tok: int) -> dict | None:
+        if comp.logprobs is None:
+            return None
+        tok = self.server.tokenizer
+        k = self.req.top_logprobs or 0
+        content = []
+        for t, entry in zip(comp.token_ids[start_tok:], comp.logprobs[start_tok:],
+                            strict=False):
+            s = tok.decode([t])
+            top = sorted(((v, i) for i, v in entry.items()), reverse=True)[:k]
+            content.append({"token": s, "logprob": entry[t], "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": tok.decode([i]), "logprob": v,
+                                              "bytes": list(tok.decode([i]).encode())}
+                                             for v, i in top]})
+        return {"content": content}
+
+    def response(self, finals, prompts) -> dict:
+        out = finals[0]
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason}
+                   for c in out.outputs]
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.server.model_name, "choices": choices,
+                "usage": self.usage(finals)}
+
+    def first_chunks(self, num_prompts: int) -> list[dict]:
+        return [{"id": self.id, "object": self.chunk_name, "created": self.created,
+                 "model": self.server.model_name,
+                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}]}
+                for i in range(self.req.n)]
+
+    def delta_chunks(self, i, out, sent, prompts, n) -> list[dict]:
+        chunks = []
+        for comp in out.outputs:
+            key = (i, comp.index)
+            if key in self.finished:
+                continue
+            chars, toks = sent.get(key, (0, 0))
+            delta = comp.text[chars:]
+            if not delta and comp.finish_reason is None:
+                continue
+            chunks.append({"id": self.id, "object": self.chunk_name, "created": self.created,
+                           "model": self.server.model_name,
+                           "choices": [{"index": comp.index, "delta": {"content": delta},
+                                        "logprobs": self._logprobs(comp, toks),
+                                        "finish_reason": comp.finish_reason}]})
+            sent[key] = (len(comp.text), len(comp.token_ids))
+            if comp.finish_reason is not None:
+                self.finished.add(key)
+        return chunks

@@ -1,0 +1,143 @@
+"""Ray Serve application: an OpenAI ingress in front of model replicas.
+
+``LLMServer`` replicas each host an engine core (``AsyncLLM``: scheduler + executor, its TP x
+PP workers in their own placement group) and stream per-request outputs back. More
+replicas = data parallelism; Serve routes between them. ``OpenAIIngress`` serves the HTTP
+API. Replicas publish engine stats to a small named actor so that one ``/metrics`` scrape
+sees every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+
+from kvray.config import config_from_flat
+from kvray.engine.outputs import RequestOutput
+from kvray.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvray.serve")
+STATS_PERIOD_S = 0.5
+STATS_NAMESPACE = "kvray"
+
+
+def _stats_board(name: str):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class StatsBoard:
+        """Latest engine stats of each model replica."""
+
+        def __init__(self) -> None:
+            self.stats: dict[str, tuple[float, dict]] = {}
+
+        def report(self, replica: str, stats: dict) -> None:
+            self.stats[replica] = (time.monotonic(), stats)
+
+        def snapshot(self, max_age_s: float = 10.0) -> list[tuple[str, dict]]:
+            cutoff = time.monotonic() - max_age_s  # a dead replica drops out
+            return [(r, s) for r, (t, s) in self.stats.items() if t >= cutoff]
+
+    return StatsBoard.options(name=name, namespace=STATS_NAMESPACE, get_if_exists=True,
+                              lifetime="detached").remote()
+
+
+@serve.deployment(max_ongoing_requests=1024)
+class LLMServer:
+    """One model replica: the engine core and its step loop."""
+
+    async def __init__(self, engine_config: dict, board_name: str) -> None:
+        from kvray.engine.async_engine import AsyncLLM
+
+        self.engine = AsyncLLM(config_from_flat(engine_config))
+        replica_id = getattr(serve.get_replica_context(), "replica_id", None)
+        self.replica = getattr(replica_id, "unique_id", None) or str(id(self))
+        self.board = _stats_board(board_name)
+        self._reporter = asyncio.create_task(self._report_stats())
+
+    async def _report_stats(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                self.board.report.remote(self.replica, vars(self.engine.stats()).copy())
+            await asyncio.sleep(STATS_PERIOD_S)
+
+    def model_info(self) -> dict:
+        engine = self.engine.engine
+        return {"max_model_len": engine.max_model_len}
+
+    async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
+                       priority: int = 0):
+        async for out in self.engine.generate(request_id, prompt, params, priority):
+            yield out
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.engine.shutdown()
+
+
+class _ServeClient:
+    """The engine-client interface of OpenAIServer, over a Serve handle to LLMServer."""
+
+    def __init__(self, handle, tokenizer, board) -> None:
+        self.handle, self.tokenizer, self.board = handle, tokenizer, board
+        self._stats: list[tuple[str, dict]] = []
+
+    async def refresh_stats(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                self._stats = await self.board.snapshot.remote()
+            await asyncio.sleep(STATS_PERIOD_S)
+
+    def engine_stats(self) -> list[tuple[str, dict]]:
+        return self._stats
+
+    async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
+                       priority: int = 0):
+        gen = self.handle.options(stream=True).generate.remote(request_id, prompt, params,
+                                                               priority)
+        finished = False
+        try:
+            async for out in gen:
+                out: RequestOutput
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:  # the client went away: cancel, which aborts the request
+                gen.cancel()
+
+
+@serve.deployment(max_ongoing_requests=2048)
+@serve.ingress()  # the app is built per replica, by __serve_build_asgi_app__
+class OpenAIIngress:
+    async def __init__(self, llm_handle, model_path: str, tokenizer_path: str | None,
+                       model_name: str, api_key: str | None, max_waiting: int,
+                       board_name: str) -> None:
+        from kvray.models.loader import load_tokenizer
+        from kvray.serve.openai_app import OpenAIServer
+
+        tokenizer = load_tokenizer(model_path, tokenizer_path)
+        board = _stats_board(board_name)
+        client = _ServeClient(llm_handle, tokenizer, board)
+        info = await llm_handle.model_info.remote()
+        self.server = OpenAIServer(client, model_name, info["max_model_len"], api_key,
+                                   max_waiting)
+        self._refresher = asyncio.create_task(client.refresh_stats())
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self.server.app
+
+
+def build_app(engine_config: dict, model_path: str, model_name: str,
+              api_key: str | None = None, num_replicas: int = 1, max_waiting: int = 512,
+              app_name: str = "kvray"):
+    """The Serve application graph for one model."""
+    board = f"kvray-stats-{app_name}"
+    llm = LLMServer.options(num_replicas=num_replicas).bind(engine_config, board)
+    return OpenAIIngress.bind(llm, model_path, engine_config.get("tokenizer"), model_name,
+                              api_key, max_waiting, board)

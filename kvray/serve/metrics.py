@@ -1,0 +1,81 @@
+"""Prometheus metrics named like vLLM's, with the ``kvray:`` prefix, labelled by model_name.
+
+Request-level series (tokens, latencies, finish reasons) are recorded where every request
+passes: the HTTP front end. Engine gauges and counters (running, waiting, KV usage, prefix
+cache, preemptions) come from each engine replica's stats snapshot, labelled by replica, so
+all replicas reach one scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
+                    40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, m, mr = self.registry, ["model_name"], ["model_name", "replica"]
+        self.running = Gauge("kvray:num_requests_running", "Requests running.", mr, registry=r)
+        self.waiting = Gauge("kvray:num_requests_waiting", "Requests waiting.", mr, registry=r)
+        self.swapped = Gauge("kvray:num_requests_swapped", "Requests swapped out.", mr,
+                             registry=r)
+        self.kv_usage = Gauge("kvray:kv_cache_usage_perc", "Fraction of KV blocks in use.",
+                              mr, registry=r)
+        self.prefix_queries = Gauge("kvray:prefix_cache_queries_total",
+                                    "Prompt tokens looked up in the prefix cache.", mr,
+                                    registry=r)
+        self.prefix_hits = Gauge("kvray:prefix_cache_hits_total",
+                                 "Prompt tokens found in the prefix cache.", mr, registry=r)
+        self.preemptions = Gauge("kvray:num_preemptions_total", "Preemptions.", mr, registry=r)
+        self.prompt_tokens = Counter("kvray:prompt_tokens", "Prompt tokens processed.", m,
+                                     registry=r)
+        self.generation_tokens = Counter("kvray:generation_tokens", "Tokens generated.", m,
+                                         registry=r)
+        self.success = Counter("kvray:request_success", "Finished requests.",
+                               ["model_name", "finished_reason"], registry=r)
+        self.ttft = self._hist("kvray:time_to_first_token_seconds", "Time to first token.")
+        self.itl = self._hist("kvray:inter_token_latency_seconds", "Time between tokens.")
+        self.e2e = self._hist("kvray:e2e_request_latency_seconds", "End-to-end latency.")
+        self.queue = self._hist("kvray:request_queue_time_seconds", "Time waiting to run.")
+        self.req_prompt = self._hist("kvray:request_prompt_tokens", "Prompt tokens/request.",
+                                     _TOKEN_BUCKETS)
+        self.req_gen = self._hist("kvray:request_generation_tokens",
+                                  "Generated tokens/request.", _TOKEN_BUCKETS)
+
+    def _hist(self, name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+
+    def observe_request(self, prompt_tokens: int, generation_tokens: int, finish_reason: str,
+                        queue_time: float | None, ttft: float | None, e2e: float,
+                        itl: list[float]) -> None:
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(generation_tokens)
+        self.success.labels(m, finish_reason).inc()
+        self.req_prompt.labels(m).observe(prompt_tokens)
+        self.req_gen.labels(m).observe(generation_tokens)
+        self.e2e.labels(m).observe(e2e)
+        if queue_time is not None:
+            self.queue.labels(m).observe(queue_time)
+        if ttft is not None:
+            self.ttft.labels(m).observe(ttft)
+        for gap in itl:
+            self.itl.labels(m).observe(gap)
+
+    def set_engine_stats(self, replica: str, stats: dict) -> None:
+        labels = (self.model_name, replica)
+        self.running.labels(*labels).set(stats.get("num_running", 0))
+        self.waiting.labels(*labels).set(stats.get("num_waiting", 0))
+        self.swapped.labels(*labels).set(stats.get("num_swapped", 0))
+        self.kv_usage.labels(*labels).set(stats.get("kv_cache_usage", 0.0))
+        self.prefix_queries.labels(*labels).set(stats.get("prefix_cache_queries", 0))
+        self.prefix_hits.labels(*labels).set(stats.get("prefix_cache_hits", 0))
+        self.preemptions.labels(*labels).set(stats.get("num_preemptions", 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

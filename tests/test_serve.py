@@ -1,0 +1,280 @@
+"""`kvray serve` on a real local Ray cluster (loopback), exercised with the official `openai`
+client and raw HTTP: completions and chat, streaming, n, logprobs, stops, seeds, usage,
+concurrency, client disconnects, metrics and every error case."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from tiny_models import make_tiny_model
+
+from kvray import LLM, SamplingParams
+
+API_KEY = "test-key-123"
+ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "4", "--max-model-len", "1024",
+                "--max-num-seqs", "16", "--num-gpu-blocks-override", "400"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model("llama_gqa", tmp_path_factory.mktemp("serve") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    port = _free_port()
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvray.cli", "serve", str(model_dir), "--port", str(port),
+         "--api-key", API_KEY, *ENGINE_FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"kvray serve exited: {proc.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail("kvray serve did not become healthy in 180 s")
+    yield base
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def model_name(model_dir):
+    return model_dir.name
+
+
+def test_models_lists_the_served_model(client, model_name):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model_name]
+
+
+def test_greedy_completion_equals_offline_llm(client, model_name, model_dir):
+    prompts = ["Hello world", "The capital of France is"]
+    got = [client.completions.create(model=model_name, prompt=p, max_tokens=12, temperature=0)
+           for p in prompts]
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, max_model_len=256)
+    want = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.choices[0].text == w.outputs[0].text
+        assert g.choices[0].finish_reason == w.outputs[0].finish_reason
+        assert g.usage.prompt_tokens == len(w.prompt_token_ids)
+        assert g.usage.completion_tokens == len(w.outputs[0].token_ids)
+        assert g.usage.total_tokens == g.usage.prompt_tokens + g.usage.completion_tokens
+    llm.shutdown()
+
+
+def test_streaming_completion_concatenates_to_the_full_text(client, model_name):
+    full = client.completions.create(model=model_name, prompt="Once upon a time",
+                                     max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model=model_name, prompt="Once upon a time",
+                                            max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streaming_and_not(client, model_name):
+    messages = [{"role": "user", "content": "Hello"}]
+    whole = client.chat.completions.create(model=model_name, messages=messages, max_tokens=10,
+                                           temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=model_name, messages=messages,
+                                            max_tokens=10, temperature=0, stream=True)
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(parts) == whole.choices[0].message.content
+
+
+def test_n_logprobs_and_seed(client, model_name):
+    out = client.completions.create(model=model_name, prompt="Hello", max_tokens=6, n=2,
+                                    temperature=1.0, seed=11, logprobs=3)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 6 and len(lp.top_logprobs[0]) >= 3
+    again = client.completions.create(model=model_name, prompt="Hello", max_tokens=6, n=2,
+                                      temperature=1.0, seed=11, logprobs=3)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        logprobs=True, top_logprobs=2, temperature=0)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_stop_string_is_excluded(client, model_name):
+    free = client.completions.create(model=model_name, prompt="Hello world", max_tokens=16,
+                                     temperature=0).choices[0].text
+    # A random model may emit invalid UTF-8 (shown as U+FFFD); stop on clean text.
+    windows = [free[i:i + 3] for i in range(2, len(free) - 2) if "\ufffd" not in free[i:i + 3]]
+    if not windows:
+        pytest.skip(f"no clean text to stop on in {free!r}")
+    stop = windows[0]
+    out = client.completions.create(model=model_name, prompt="Hello world", max_tokens=16,
+                                    temperature=0, stop=[stop])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == free[: free.index(stop)]
+
+
+def test_32_concurrent_streams_all_complete(server, model_name):
+    async def one(aclient, i):
+        stream = await aclient.completions.create(model=model_name, prompt=f"Request {i}",
+                                                  max_tokens=8, temperature=0, stream=True,
+                                                  extra_body={"ignore_eos": True})
+        n = 0
+        async for chunk in stream:
+            n += bool(chunk.choices and chunk.choices[0].text)
+        return n
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY)
+        return await asyncio.gather(*(one(aclient, i) for i in range(32)))
+
+    counts = asyncio.run(main())
+    assert len(counts) == 32 and all(c > 0 for c in counts)
+
+
+def _metric(server: str, name: str) -> float:
+    """Sum of a metric's samples; ``name`` may end with an open label filter."""
+    text = httpx.get(f"{server}/metrics").text
+    head = re.escape(name) if "{" in name else re.escape(name) + r"\{"
+    values = [float(m.group(1)) for m in re.finditer(rf"^{head}[^}}]*}} (\S+)$", text, re.M)]
+    return sum(values)
+
+
+def test_dropped_stream_frees_its_blocks(server, model_name):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    aborted = _metric(server, 'kvray:request_success_total{finished_reason="abort"')
+    body = {"model": model_name, "prompt": "Tell me a long story", "max_tokens": 1000,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers,
+                      timeout=30) as resp:
+        lines = resp.iter_lines()
+        next(lines)
+        deadline = time.monotonic() + 10  # engine stats reach /metrics every 0.5 s
+        while _metric(server, "kvray:num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the streaming request never showed as running"
+            next(lines)
+            time.sleep(0.2)
+        assert _metric(server, "kvray:kv_cache_usage_perc") > 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if (_metric(server, "kvray:num_requests_running") == 0
+                and _metric(server, "kvray:kv_cache_usage_perc") == 0):
+            break
+        time.sleep(0.5)
+    assert _metric(server, "kvray:num_requests_running") == 0
+    assert _metric(server, "kvray:kv_cache_usage_perc") == 0
+    # it ended because the client left, not by running to max_tokens
+    assert _metric(server, 'kvray:request_success_total{finished_reason="abort"') == aborted + 1
+
+
+def test_metrics_have_vllm_names(server, client, model_name):
+    client.completions.create(model=model_name, prompt="x", max_tokens=2)
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("kvray:num_requests_running", "kvray:num_requests_waiting",
+                 "kvray:num_requests_swapped", "kvray:kv_cache_usage_perc",
+                 "kvray:prefix_cache_queries_total", "kvray:prefix_cache_hits_total",
+                 "kvray:num_preemptions_total", "kvray:prompt_tokens_total",
+                 "kvray:generation_tokens_total", "kvray:request_success_total",
+                 "kvray:time_to_first_token_seconds", "kvray:inter_token_latency_seconds",
+                 "kvray:e2e_request_latency_seconds", "kvray:request_queue_time_seconds",
+                 "kvray:request_prompt_tokens", "kvray:request_generation_tokens"):
+        assert name in text, name
+    assert f'model_name="{model_name}"' in text
+
+
+def _post(server, path, json=None, content=None, key=API_KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if content is not None:
+        headers["content-type"] = "application/json"
+    return httpx.post(f"{server}{path}", json=json, content=content, headers=headers,
+                      timeout=30)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "max_tokens": 5000}, "max_tokens"),
+    ({"prompt": "x", "n": "two"}, "n"),
+    ({"prompt": []}, "prompt"),
+])
+def test_bad_parameters_get_400_naming_the_parameter(server, model_name, body, param):
+    resp = _post(server, "/v1/completions", {"model": model_name, **body})
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["param"] == param and err["code"] == 400 and err["message"]
+    assert "Traceback" not in resp.text
+
+
+def test_malformed_json_unknown_model_and_auth(server, model_name):
+    resp = _post(server, "/v1/completions", content=b'{"prompt": ')
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "BadRequestError"
+    resp = _post(server, "/v1/completions", {"model": "nope", "prompt": "x"})
+    assert resp.status_code == 404 and resp.json()["error"]["param"] == "model"
+    resp = _post(server, "/v1/completions", {"model": model_name, "prompt": "x"}, key=None)
+    assert resp.status_code == 401
+    resp = _post(server, "/v1/completions", {"model": model_name, "prompt": "x"}, key="bad")
+    assert resp.status_code == 401
+    assert httpx.get(f"{server}/health").status_code == 200  # health needs no key
+
+
+def test_tokenize_detokenize_version(server, model_name):
+    ids = _post(server, "/tokenize", {"model": model_name, "prompt": "Hello world"}).json()
+    assert ids["count"] == len(ids["tokens"]) > 0
+    text = _post(server, "/detokenize", {"model": model_name, "tokens": ids["tokens"]}).json()
+    assert text["prompt"] == "Hello world"
+    assert httpx.get(f"{server}/version").json()["version"]
+
+
+def test_full_waiting_queue_gets_503_with_retry_after(model_dir):
+    """In-process app over a real engine whose waiting limit is zero."""
+    from fastapi.testclient import TestClient
+
+    from kvray.config import config_from_flat
+    from kvray.engine.async_engine import AsyncLLM
+    from kvray.serve.openai_app import OpenAIServer
+
+    engine = AsyncLLM(config_from_flat(dict(model=str(model_dir), dtype="float32",
+                                            block_size=4, max_model_len=256)))
+    try:
+        app = OpenAIServer(engine, "m", 256, max_waiting=0).app
+        resp = TestClient(app).post("/v1/completions", json={"prompt": "x"})
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["type"] == "ServiceUnavailableError"
+    finally:
+        engine.shutdown()
