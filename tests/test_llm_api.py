@@ -187,6 +187,8 @@ def test_abort_frees_blocks_and_reports_abort(llm):
     engine.step()
     assert engine.stats.kv_cache_usage > 0
     assert engine.abort_request("x") and not engine.abort_request("x")
+    # gauges are truthful right away: no step follows an abort when nothing else runs
+    assert engine.stats.kv_cache_usage == 0.0 and engine.stats.num_running == 0
     engine.step()
     assert engine.scheduler.kv.pool.num_free == engine.stats.num_blocks
     assert not engine.has_unfinished_requests()

@@ -35,9 +35,10 @@ class PlacementError(RuntimeError):
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None,
                log_to_driver: bool = False) -> None:
-    """Join a running cluster (``address``, ``RAY_ADDRESS``, or one started on this machine
-    with ``ray start``), else start a local one bound to 127.0.0.1 with enough logical CPUs
-    for the workers."""
+    """Join the cluster at ``address`` or ``RAY_ADDRESS`` (``"auto"`` = the one started on this
+    machine with ``ray start``), else start a private one bound to 127.0.0.1 with enough
+    logical CPUs for the workers. Never probes for a cluster unasked: a stale address file
+    makes that probe hang for minutes."""
     # Read by Ray at import: with it (and the node address) every listener stays on 127.0.0.1.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
@@ -48,11 +49,8 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None,
     if address:
         ray.init(address=address, log_to_driver=log_to_driver)
         return
-    try:
-        ray.init(address="auto", log_to_driver=log_to_driver)
-    except ConnectionError:  # no cluster on this machine: start a private one
-        ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
-                 log_to_driver=log_to_driver)
+    ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1",
+             include_dashboard=False, log_to_driver=log_to_driver)
 
 
 class _RankedWorker:
@@ -106,8 +104,15 @@ class RayExecutor:
         ensure_ray(num_cpus=max(world + 2, 4))
         use_gpu = _cluster_has_gpus()
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
-        self._wait_for_placement(bundle, world)
+        # Inside a Serve replica whose deployment reserved bundles for the workers (see
+        # kvray.serve.deployment), use those: Serve then accounts for the workers' resources.
+        current = ray.util.get_current_placement_group()
+        if current is not None and len(current.bundle_specs) >= world + 1:
+            self.pg, self._owns_pg, first_bundle = current, False, 1
+        else:
+            self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+            self._owns_pg, first_bundle = True, 0
+            self._wait_for_placement(bundle, world)
         actor_cls = ray.remote(_RankedWorker)
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
         env = {}
@@ -118,7 +123,7 @@ class RayExecutor:
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                 runtime_env={"env_vars": env} if env else None,
                 scheduling_strategy=strategy(placement_group=self.pg,
-                                             placement_group_bundle_index=rank),
+                                             placement_group_bundle_index=first_bundle + rank),
             ).remote(config, model_path, rank)
             for rank in range(world)
         ]
@@ -211,7 +216,7 @@ class RayExecutor:
             with contextlib.suppress(Exception):
                 ray.kill(w)
         self.workers = []
-        if getattr(self, "pg", None) is not None:
+        if getattr(self, "pg", None) is not None and getattr(self, "_owns_pg", True):
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)
             self.pg = None

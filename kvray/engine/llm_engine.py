@@ -148,6 +148,7 @@ class LLMEngine:
                                          else None))
             self._child_to_parent[child.request_id] = (request_id, i)
         self._parents[request_id] = parent
+        self._update_gauges()
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its n sequences); False if it is unknown or done."""
@@ -157,6 +158,7 @@ class LLMEngine:
         for seq in parent.seqs:
             self.scheduler.abort_request(seq.request.request_id)
             self._child_to_parent.pop(seq.request.request_id, None)
+        self._update_gauges()  # no step may follow: keep running/usage truthful now
         return True
 
     def has_unfinished_requests(self) -> bool:

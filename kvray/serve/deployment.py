@@ -138,6 +138,16 @@ def build_app(engine_config: dict, model_path: str, model_name: str,
               app_name: str = "kvray"):
     """The Serve application graph for one model."""
     board = f"kvray-stats-{app_name}"
-    llm = LLMServer.options(num_replicas=num_replicas).bind(engine_config, board)
+    world = engine_config.get("tensor_parallel_size", 1) * engine_config.get(
+        "pipeline_parallel_size", 1)
+    options: dict[str, Any] = {"num_replicas": num_replicas}
+    if world > 1 or engine_config.get("distributed_executor_backend") == "ray":
+        # The replica's bundle, then one per worker: Serve reserves the whole replica.
+        import ray
+
+        worker = {"CPU": 1, "GPU": 1} if ray.cluster_resources().get("GPU", 0) else {"CPU": 1}
+        options["placement_group_bundles"] = [{"CPU": 1}] + [dict(worker) for _ in range(world)]
+        options["placement_group_strategy"] = "PACK"
+    llm = LLMServer.options(**options).bind(engine_config, board)
     return OpenAIIngress.bind(llm, model_path, engine_config.get("tokenizer"), model_name,
                               api_key, max_waiting, board)
