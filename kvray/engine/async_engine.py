@@ -104,6 +104,10 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await q.get()
+                # Outputs are cumulative: when the consumer lags, skip to the newest one, so a
+                # busy server sends fewer, larger chunks instead of falling further behind.
+                while not q.empty() and not isinstance(item, BaseException):
+                    item = q.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

@@ -1,0 +1,215 @@
+"""Online serving benchmark, like `vllm bench serve`: requests over HTTP with Poisson arrivals
+at given rates (or a fixed concurrency), streaming, measuring TTFT / TPOT / ITL / E2E.
+
+By default it launches `kvray serve` on the built-in SmolLM2 (bf16) on a free loopback port,
+runs each load, stops the server, then runs the same workload through the offline `LLM` to
+compare throughput (target: server >= 0.85x offline).
+
+Usage:
+    python benchmarks/serve.py [--rates 1,2,4,inf] [--concurrency N] [--num-requests 64]
+        [--base-url http://127.0.0.1:8000] [--skip-offline]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@dataclass
+class Result:
+    ok: bool
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(100, 49000) for _ in range(rng.randint(32, 256))],
+             rng.randint(32, 128)) for _ in range(n)]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+                      max_tokens: int) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    res, last = Result(ok=False), None
+    try:
+        async with client.stream("POST", url, json=body, timeout=600) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    if last is None:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2e = time.perf_counter() - start
+        res.ok = res.output_tokens == max_tokens
+        res.error = "" if res.ok else f"got {res.output_tokens}/{max_tokens} tokens"
+    except httpx.HTTPError as err:
+        res.error = repr(err)
+    return res
+
+
+async def run_load(base: str, model: str, reqs, rate: float, concurrency: int | None,
+                   seed: int) -> tuple[list[Result], float]:
+    rng = random.Random(seed)
+    url = f"{base}/v1/completions"
+    sem = asyncio.Semaphore(concurrency or len(reqs))
+    limits = httpx.Limits(max_connections=len(reqs) + 8)
+    async with httpx.AsyncClient(limits=limits) as client:
+        async def guarded(prompt, max_tokens):
+            async with sem:
+                return await one_request(client, url, model, prompt, max_tokens)
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, max_tokens in reqs:
+            tasks.append(asyncio.create_task(guarded(prompt, max_tokens)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+def _stats(values: list[float]) -> tuple[float, float, float]:
+    if not values:
+        return (float("nan"),) * 3
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return statistics.mean(values) * 1e3, statistics.median(values) * 1e3, p99 * 1e3
+
+
+def summarize(label: str, results: list[Result], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    row = {"load": label, "ok": len(ok), "failed": len(results) - len(ok),
+           "duration_s": duration, "req_s": len(ok) / duration, "out_tok_s": out_tokens / duration,
+           "ttft": _stats([r.ttft for r in ok]), "tpot": _stats(tpot),
+           "itl": _stats([x for r in ok for x in r.itl]), "e2e": _stats([r.e2e for r in ok])}
+    errors = {r.error for r in results if not r.ok}
+    if errors:
+        print(f"  {label}: errors {sorted(errors)[:3]}")
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| load | ok | failed | duration s | req/s | output tok/s | TTFT ms mean/med/p99 |"
+          " TPOT ms mean/med/p99 | ITL ms mean/med/p99 | E2E ms mean/med/p99 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        def fmt(t):
+            return "/".join(f"{x:.0f}" for x in t)
+
+        print(f"| {r['load']} | {r['ok']} | {r['failed']} | {r['duration_s']:.1f} | "
+              f"{r['req_s']:.2f} | {r['out_tok_s']:.1f} | {fmt(r['ttft'])} | "
+              f"{fmt(r['tpot'])} | {fmt(r['itl'])} | {fmt(r['e2e'])} |")
+
+
+def launch_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "kvray.cli", "serve", "--port", str(port),
+                             *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            break
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError("kvray serve did not start")
+
+
+def offline(reqs) -> float:
+    from kvray import LLM, SamplingParams
+
+    llm = LLM()
+    llm.generate([{"prompt_token_ids": [5] * 16}], SamplingParams(max_tokens=4), use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    llm.shutdown()
+    return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", default="1,2,4,inf", help="Poisson request rates (req/s)")
+    ap.add_argument("--concurrency", type=int, default=None, help="also a fixed-concurrency run")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--base-url", default=None, help="use a running server instead")
+    ap.add_argument("--skip-offline", action="store_true")
+    args = ap.parse_args()
+    reqs = workload(args.num_requests, args.seed)
+    proc = None
+    base = args.base_url
+    if base is None:
+        proc, base = launch_server([])
+    try:
+        model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+        asyncio.run(run_load(base, model, reqs[:4], float("inf"), None, 0))  # warm-up
+        rows = []
+        for rate_text in args.rates.split(","):
+            rate = float(rate_text)
+            results, dur = asyncio.run(run_load(base, model, reqs, rate, None, args.seed))
+            rows.append(summarize(f"rate {rate_text} req/s", results, dur))
+        if args.concurrency:
+            results, dur = asyncio.run(run_load(base, model, reqs, float("inf"),
+                                                args.concurrency, args.seed))
+            rows.append(summarize(f"concurrency {args.concurrency}", results, dur))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+    print(f"\n{args.num_requests} requests, prompts 32..256, outputs 32..128 tokens, "
+          f"model {model}\n")
+    print_table(rows)
+    if not args.skip_offline:
+        best = max(r["out_tok_s"] for r in rows)
+        off = offline(reqs)
+        print(f"\noffline LLM on the same workload: {off:.1f} output tok/s; best server load "
+              f"{best:.1f} tok/s = {best / off:.2f}x offline (target >= 0.85x)")
+
+
+if __name__ == "__main__":
+    main()
