@@ -66,8 +66,8 @@ class SamplingParams:
         _check(self.n >= 1, "n", self.n, "must be >= 1")
         _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k,
-               "must be -1 (off) or >= 1")
+        _check(self.top_k == -1 or 1 <= self.top_k < 2**31, "top_k", self.top_k,
+               "must be -1 (off) or in [1, 2^31)")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
                "must be > 0")

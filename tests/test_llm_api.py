@@ -174,6 +174,8 @@ def test_invalid_requests_fail_before_queueing(llm):
         llm.generate({"prompt_token_ids": [VOCAB_SIZE + 5]}, use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_k"):  # would overflow int64 in the sampler
+        SamplingParams(top_k=2**63)
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()], use_tqdm=False)
     assert not engine.has_unfinished_requests()
@@ -199,3 +201,22 @@ def test_request_metrics_are_filled(llm):
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert m.queue_time >= 0 and m.time_to_first_token > 0
+
+
+def test_prompt_logprobs_stay_exact_when_the_request_is_preempted(model_dir, hf):
+    """A recomputed request reports its prompt logprobs once, in order, without gaps."""
+    tight = LLM(str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=8,
+                num_gpu_blocks_override=20)
+    first = {"prompt_token_ids": _ids(30, 20)}
+    second = _ids(40, 21)
+    outs = tight.generate(
+        [first, {"prompt_token_ids": second}],
+        [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0),
+         SamplingParams(max_tokens=2, prompt_logprobs=0, temperature=0)], use_tqdm=False)
+    assert tight.llm_engine.stats.num_preemptions > 0
+    got = outs[1].prompt_logprobs
+    assert len(got) == len(second) and got[0] is None
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([second])).logits[0].float(), dim=-1)
+    for j in range(1, len(second)):
+        assert abs(got[j][second[j]] - ref[j - 1, second[j]].item()) <= 1e-4

@@ -124,6 +124,10 @@ def test_n_logprobs_and_seed(client, model_name):
     out = client.completions.create(model=model_name, prompt="Hello", max_tokens=6, n=2,
                                     temperature=1.0, seed=11, logprobs=3)
     assert sorted(c.index for c in out.choices) == [0, 1]
+    echoed = client.completions.create(model=model_name, prompt="Hello", max_tokens=3,
+                                       echo=True, logprobs=1, temperature=0).choices[0]
+    assert echoed.text.startswith("Hello")
+    assert echoed.logprobs.text_offset[0] == len("Hello")  # offsets count the echoed prompt
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 6 and len(lp.top_logprobs[0]) >= 3
     again = client.completions.create(model=model_name, prompt="Hello", max_tokens=6, n=2,

@@ -212,9 +212,9 @@ class ModelRunner:
             [sampled_lp.get(r, []) for r in req_ids], prompt_logprobs)
 
     def _prompt_logprobs(self, inputs: StepInputs, out: SchedulerOutput, hidden: torch.Tensor
-                         ) -> dict[str, list[dict[int, float] | None]]:
-        """For requests asking prompt_logprobs, the logprobs of each prompt token in this
-        chunk given the tokens before it (None for the first prompt token)."""
+                         ) -> dict[str, tuple[int, list[dict[int, float] | None]]]:
+        """For requests asking prompt_logprobs: (index of the first prompt token covered,
+        the logprobs of each prompt token this chunk predicts; None for token 0)."""
         result = {}
         starts = inputs.meta.query_start_loc.tolist()
         for b, req_id in enumerate(inputs.req_ids):
@@ -237,7 +237,7 @@ class ModelRunner:
                     entry.update(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
                     entry[tok] = float(lp[i, tok])
                 entries.append(entry)
-            result[req_id] = entries
+            result[req_id] = (0 if start == 0 else start + 1, entries)
         return result
 
 

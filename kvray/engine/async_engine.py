@@ -9,6 +9,7 @@ cancelled (client disconnected) aborts its request, freeing its blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -42,20 +43,25 @@ class AsyncLLM:
 
     # ---- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stopped:
-            self._drain_commands()
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as err:  # a dead worker: fail what is in flight, keep serving
-                logger.error("engine step failed: %s", err)
-                self._fail_streams(err)
-                continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+        try:
+            while not self._stopped:
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as err:  # a dead worker: fail what is in flight, go on
+                    logger.error("engine step failed: %s", err)
+                    self._fail_streams(err)
+                    continue
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+        except BaseException as err:  # never die silently: callers must see it
+            logger.exception("engine loop died")
+            self.dead_error = err
+            self._fail_streams(err)
 
     def _drain_commands(self) -> None:
         while True:
@@ -63,6 +69,8 @@ class AsyncLLM:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if not fut.set_running_or_notify_cancel():
+                continue  # the caller was cancelled before we got to it
             try:
                 fut.set_result(fn())
             except Exception as err:
@@ -82,6 +90,8 @@ class AsyncLLM:
             self._deliver(request_id, EngineLoopDead(f"request failed: {err}"))
 
     def _call(self, fn) -> Future:
+        if self.dead_error is not None:
+            raise EngineLoopDead(f"the engine loop stopped: {self.dead_error}")
         fut: Future = Future()
         self._commands.put((fn, fut))
         self._wake.set()
@@ -92,6 +102,8 @@ class AsyncLLM:
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's output each time it changes (cumulative), the last one
         finished. Raises ValueError for an invalid request before yielding anything."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         try:
@@ -99,6 +111,9 @@ class AsyncLLM:
                 lambda: self.engine.add_request(request_id, prompt, params, priority=priority)))
         except BaseException:
             self._streams.pop(request_id, None)
+            if not isinstance(self.dead_error, BaseException):  # cancelled mid-add: undo it
+                with contextlib.suppress(EngineLoopDead):
+                    self._call(lambda: self.engine.abort_request(request_id))
             raise
         finished = False
         try:
@@ -115,7 +130,8 @@ class AsyncLLM:
         finally:
             if not finished:  # cancelled or the consumer stopped early: free the blocks
                 self._streams.pop(request_id, None)
-                self._call(lambda: self.engine.abort_request(request_id))
+                with contextlib.suppress(EngineLoopDead):
+                    self._call(lambda: self.engine.abort_request(request_id))
 
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self._call(lambda: self.engine.abort_request(request_id)))

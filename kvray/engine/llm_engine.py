@@ -225,13 +225,15 @@ class LLMEngine:
 
     def _apply_prompt_logprobs(self, result: ModelRunnerOutput) -> set[str]:
         touched = set()
-        for req_id, entries in result.prompt_logprobs.items():
+        for req_id, (first, entries) in result.prompt_logprobs.items():
             parent_id, index = self._child_to_parent.get(req_id, (None, 0))
             parent = self._parents.get(parent_id)
             if parent is None or index != 0 or parent.prompt_logprobs is None:
                 continue
-            room = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
-            parent.prompt_logprobs.extend(entries[:room])  # a recompute repeats; keep first
+            have = len(parent.prompt_logprobs)
+            assert first <= have, "prompt logprobs arrived with a gap"
+            # A request recomputed after preemption covers tokens it already reported.
+            parent.prompt_logprobs.extend(entries[have - first:])
             touched.add(parent_id)
         return touched
 

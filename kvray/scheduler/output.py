@@ -66,4 +66,6 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]  # [] for a request mid-prefill (nothing sampled)
     logprobs: list[list[dict[int, float]] | None]  # per sampled token: id -> logprob
     sampled_logprobs: list[list[float]]  # log-prob of each sampled token ([] if not asked)
-    prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
+    # req -> (first prompt token index covered, entries), chunk by chunk
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float] | None]]] = field(
+        default_factory=dict)

@@ -116,10 +116,12 @@ class Scheduler:
                 f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) needs more KV cache "
                 f"than exists ({self.kv.num_blocks} blocks x {self.block_size} = {capacity} "
                 "tokens); raise kv_cache_memory or num_gpu_blocks_override")
-        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and n + request.max_tokens > budget:
+            # A preempted request re-prefills prompt + output in one step.
             raise RequestTooLongError(
-                f"prompt ({n} tokens) exceeds max_num_batched_tokens "
-                f"({self.config.max_num_batched_tokens}) and chunked prefill is disabled")
+                f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) exceeds "
+                f"max_num_batched_tokens ({budget}) and chunked prefill is disabled")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.swapped) or len(self.waiting) > 0

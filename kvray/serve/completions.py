@@ -76,7 +76,12 @@ class _Handler:
             engine_prompt = {"prompt_token_ids": ids, "prompt": text}
             streams.append(self._timed(self.server.stream(rid, engine_prompt, params,
                                                           self.req.priority), rid))
-        firsts = [await s.__anext__() for s in streams]  # a bad request fails here as 400
+        try:
+            firsts = [await s.__anext__() for s in streams]  # a bad request fails here: 400
+        except BaseException:
+            for s in streams:  # requests already queued for other prompts
+                await s.aclose()
+            raise
         if self.req.stream:
             return streaming_response(self._sse(streams, firsts, prompts))
         finals = await gather_outputs([_prepend(f, s) for f, s in zip(firsts, streams,
@@ -89,9 +94,12 @@ class _Handler:
         n = self.req.n
 
         async def pump(i, first, stream):
-            await queue.put((i, first))
-            async for out in stream:
-                await queue.put((i, out))
+            try:
+                await queue.put((i, first))
+                async for out in stream:
+                    await queue.put((i, out))
+            except Exception as err:  # surface it to the response instead of hanging
+                await queue.put((i, err))
             await queue.put((i, None))
 
         tasks = [asyncio.create_task(pump(i, f, s))
@@ -106,6 +114,11 @@ class _Handler:
                 if out is None:
                     done += 1
                     continue
+                if isinstance(out, Exception):  # headers are sent: end the stream with it
+                    yield sse({"error": {"message": f"request failed: {out}",
+                                         "type": "InternalServerError", "param": None,
+                                         "code": 500}})
+                    break
                 finals[i] = out
                 for chunk in self.delta_chunks(i, out, sent, prompts, n):
                     yield sse(chunk)
@@ -178,9 +191,10 @@ class CompletionHandler(_Handler):
         choices = []
         for i, out in enumerate(finals):
             for comp in out.outputs:
-                choices.append({"index": i * self.req.n + comp.index,
-                                "text": self._text(out, comp),
-                                "logprobs": self._logprobs(comp, 0, 0),
+                text = self._text(out, comp)
+                echo_len = len(text) - len(comp.text)  # offsets count the echoed prompt
+                choices.append({"index": i * self.req.n + comp.index, "text": text,
+                                "logprobs": self._logprobs(comp, 0, echo_len),
                                 "finish_reason": comp.finish_reason})
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.server.model_name, "choices": choices,

@@ -177,9 +177,13 @@ class OpenAIServer:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            "BadRequestError", "messages")
-        return list(self.tokenizer.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, tokenize=True,
-            return_dict=True)["input_ids"])
+        try:
+            return list(self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=True)["input_ids"])
+        except Exception as err:  # the template rejects these messages (jinja2 raises)
+            raise APIError(400, f"the chat template rejected the messages: {err}",
+                           "BadRequestError", "messages") from None
 
     async def completions(self, req: CompletionRequest, raw: Request):
         from kvray.serve.completions import CompletionHandler
