@@ -89,9 +89,6 @@ class _RankedWorker:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.worker.execute_model(out)
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 class RayExecutor:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
@@ -199,9 +196,6 @@ class RayExecutor:
         self.broadcast_s += time.perf_counter() - start
         results = self._get([w.execute_model.remote(ref) for w in self.workers])
         return results[self.output_rank]
-
-    def worker_pids(self) -> list[int]:
-        return self._get([w.pid.remote() for w in self.workers])
 
     def shutdown(self) -> None:
         import ray

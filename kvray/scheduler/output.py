@@ -44,18 +44,8 @@ class SchedulerOutput:
     swap_drop: set[str] = field(default_factory=set)  # saved copies no longer needed
 
     @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-    @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
-
-    @property
-    def has_work(self) -> bool:
-        """Anything for the workers to do: run tokens, swap, or drop state."""
-        return bool(self.num_scheduled_tokens or self.swap_out or self.swap_in
-                    or self.swap_drop or self.finished_req_ids or self.preempted_req_ids)
 
 
 @dataclass

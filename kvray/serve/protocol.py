@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -130,12 +130,6 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -149,5 +143,3 @@ def error_body(message: str, err_type: str, code: int, param: str | None = None
     """OpenAI's error JSON shape."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
-
-FinishReason = Literal["stop", "length", "abort"]
