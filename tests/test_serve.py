@@ -5,6 +5,7 @@ concurrency, client disconnects, metrics and every error case."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -36,35 +37,43 @@ def model_dir(tmp_path_factory):
     return make_tiny_model("llama_gqa", tmp_path_factory.mktemp("serve") / "tiny-llama")
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
+@contextlib.contextmanager
+def launch_server(model_dir, extra: list[str] = ()):
+    """Run `kvray serve` (its own loopback Ray cluster) until the block exits; yield its URL."""
     port = _free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvray.cli", "serve", str(model_dir), "--port", str(port),
-         "--api-key", API_KEY, *ENGINE_FLAGS],
+         "--api-key", API_KEY, *ENGINE_FLAGS, *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"kvray serve exited: {proc.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail("kvray serve did not become healthy in 180 s")
-    yield base
-    proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"kvray serve exited: {proc.stdout.read()[-3000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("kvray serve did not become healthy in 180 s")
+            time.sleep(1)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with launch_server(model_dir) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
