@@ -8,8 +8,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Request
-
 from kvray.serve.openai_app import (
     APIError,
     OpenAIServer,
@@ -19,6 +17,7 @@ from kvray.serve.openai_app import (
 )
 from kvray.serve.protocol import (
     ProtocolError,
+    error_body,
     new_id,
     now,
 )
@@ -28,12 +27,13 @@ class _Handler:
     object_name = ""
     chunk_name = ""
 
-    def __init__(self, server: OpenAIServer, req: Any, raw: Request) -> None:
-        self.server, self.req, self.raw = server, req, raw
+    def __init__(self, server: OpenAIServer, req: Any) -> None:
+        self.server, self.req = server, req
         self.id = new_id(self.id_prefix)
         self.created = now()
         self.start = time.monotonic()
         self.token_times: dict[str, list[float]] = {}
+        self.sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, seq) -> chars, toks
         self.finished: set[tuple[int, int]] = set()  # (prompt, seq) whose finish was sent
 
     def _params(self, prompt_len: int):
@@ -61,6 +61,30 @@ class _Handler:
 
         return gen()
 
+    def envelope(self, object_name: str, choices: list[dict], **extra: Any) -> dict:
+        """The fields every response and chunk of this request shares."""
+        return {"id": self.id, "object": object_name, "created": self.created,
+                "model": self.server.model_name, "choices": choices, **extra}
+
+    def delta_chunks(self, i: int, out) -> list[dict]:
+        """One chunk per sequence of prompt ``i`` with new text or a new finish reason."""
+        chunks = []
+        for comp in out.outputs:
+            key = (i, comp.index)
+            if key in self.finished:
+                continue
+            chars, toks = self.sent.get(key, (0, 0))
+            text = self.full_text(out, comp)
+            delta = text[chars:]
+            if not delta and comp.finish_reason is None:
+                continue
+            choice = self.delta_choice(i, comp, delta, toks, chars)
+            chunks.append(self.envelope(self.chunk_name, [choice]))
+            self.sent[key] = (len(text), len(comp.token_ids))
+            if comp.finish_reason is not None:
+                self.finished.add(key)
+        return chunks
+
     def usage(self, outs: list) -> dict:
         prompt = sum(len(o.prompt_token_ids) for o in outs)
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
@@ -83,15 +107,13 @@ class _Handler:
                 await s.aclose()
             raise
         if self.req.stream:
-            return streaming_response(self._sse(streams, firsts, prompts))
+            return streaming_response(self._sse(streams, firsts))
         finals = await gather_outputs([_prepend(f, s) for f, s in zip(firsts, streams,
                                                                        strict=True)])
-        return self.response(finals, prompts)
+        return self.response(finals)
 
-    async def _sse(self, streams, firsts, prompts) -> AsyncIterator[str]:
-        sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, seq) -> (chars, tokens)
+    async def _sse(self, streams, firsts) -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue()
-        n = self.req.n
 
         async def pump(i, first, stream):
             try:
@@ -106,7 +128,7 @@ class _Handler:
                  for i, (f, s) in enumerate(zip(firsts, streams, strict=True))]
         finals: dict[int, Any] = {}
         try:
-            for chunk in self.first_chunks(len(prompts)):
+            for chunk in self.first_chunks():
                 yield sse(chunk)
             done = 0
             while done < len(tasks):
@@ -115,18 +137,15 @@ class _Handler:
                     done += 1
                     continue
                 if isinstance(out, Exception):  # headers are sent: end the stream with it
-                    yield sse({"error": {"message": f"request failed: {out}",
-                                         "type": "InternalServerError", "param": None,
-                                         "code": 500}})
+                    yield sse(error_body(f"request failed: {out}", "InternalServerError", 500))
                     break
                 finals[i] = out
-                for chunk in self.delta_chunks(i, out, sent, prompts, n):
+                for chunk in self.delta_chunks(i, out):
                     yield sse(chunk)
             opts = self.req.stream_options
             if opts is not None and opts.include_usage:
-                yield sse({"id": self.id, "object": self.chunk_name, "created": self.created,
-                           "model": self.server.model_name, "choices": [],
-                           "usage": self.usage(list(finals.values()))})
+                yield sse(self.envelope(self.chunk_name, [],
+                                        usage=self.usage(list(finals.values()))))
             yield sse("[DONE]")
         finally:
             for t in tasks:  # client gone: cancelling the pumps aborts the requests
@@ -180,54 +199,30 @@ class CompletionHandler(_Handler):
                 "top_logprobs": [{tok.decode([k]): v for k, v in e.items()} for e in entries],
                 "text_offset": offsets}
 
-    def _text(self, out, comp) -> str:
-        prefix = ""
-        if self.req.echo:
-            prefix = out.prompt if out.prompt is not None else self.server.tokenizer.decode(
-                out.prompt_token_ids)
-        return prefix + comp.text
-
-    def response(self, finals, prompts) -> dict:
+    def response(self, finals) -> dict:
         choices = []
         for i, out in enumerate(finals):
             for comp in out.outputs:
-                text = self._text(out, comp)
+                text = self.full_text(out, comp)
                 echo_len = len(text) - len(comp.text)  # offsets count the echoed prompt
-                choices.append({"index": i * self.req.n + comp.index, "text": text,
-                                "logprobs": self._logprobs(comp, 0, echo_len),
-                                "finish_reason": comp.finish_reason})
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.server.model_name, "choices": choices,
-                "usage": self.usage(finals)}
+                choices.append(self.delta_choice(i, comp, text, 0, echo_len))
+        return self.envelope(self.object_name, choices, usage=self.usage(finals))
 
-    def first_chunks(self, num_prompts: int) -> list[dict]:
+    def first_chunks(self) -> list[dict]:
         return []
 
-    def delta_chunks(self, i, out, sent, prompts, n) -> list[dict]:
-        chunks = []
-        for comp in out.outputs:
-            key = (i, comp.index)
-            if key in self.finished:
-                continue
-            chars, toks = sent.get(key, (0, 0))
-            text = comp.text
-            if key not in sent and self.req.echo:
-                text = self._text(out, comp)
-                chars = 0
-            elif self.req.echo:
-                text = self._text(out, comp)
-            delta = text[chars:]
-            if not delta and comp.finish_reason is None:
-                continue
-            chunks.append({"id": self.id, "object": "text_completion", "created": self.created,
-                           "model": self.server.model_name,
-                           "choices": [{"index": i * n + comp.index, "text": delta,
-                                        "logprobs": self._logprobs(comp, toks, chars),
-                                        "finish_reason": comp.finish_reason}]})
-            sent[key] = (len(text), len(comp.token_ids))
-            if comp.finish_reason is not None:
-                self.finished.add(key)
-        return chunks
+    def full_text(self, out, comp) -> str:
+        """The text this choice shows: the completion, after the prompt with ``echo``."""
+        if not self.req.echo:
+            return comp.text
+        prompt = out.prompt if out.prompt is not None else self.server.tokenizer.decode(
+            out.prompt_token_ids)
+        return prompt + comp.text
+
+    def delta_choice(self, i, comp, text, toks, chars) -> dict:
+        return {"index": i * self.req.n + comp.index, "text": text,
+                "logprobs": self._logprobs(comp, toks, chars),
+                "finish_reason": comp.finish_reason}
 
 
 class ChatHandler(_Handler):
@@ -264,38 +259,20 @@ class ChatHandler(_Handler):
                                              for v, i in top]})
         return {"content": content}
 
-    def response(self, finals, prompts) -> dict:
-        out = finals[0]
+    def response(self, finals) -> dict:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason}
-                   for c in out.outputs]
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.server.model_name, "choices": choices,
-                "usage": self.usage(finals)}
+                   for c in finals[0].outputs]
+        return self.envelope(self.object_name, choices, usage=self.usage(finals))
 
-    def first_chunks(self, num_prompts: int) -> list[dict]:
-        return [{"id": self.id, "object": self.chunk_name, "created": self.created,
-                 "model": self.server.model_name,
-                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}]}
-                for i in range(self.req.n)]
+    def first_chunks(self) -> list[dict]:
+        return [self.envelope(self.chunk_name, [{
+            "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}]) for i in range(self.req.n)]
 
-    def delta_chunks(self, i, out, sent, prompts, n) -> list[dict]:
-        chunks = []
-        for comp in out.outputs:
-            key = (i, comp.index)
-            if key in self.finished:
-                continue
-            chars, toks = sent.get(key, (0, 0))
-            delta = comp.text[chars:]
-            if not delta and comp.finish_reason is None:
-                continue
-            chunks.append({"id": self.id, "object": self.chunk_name, "created": self.created,
-                           "model": self.server.model_name,
-                           "choices": [{"index": comp.index, "delta": {"content": delta},
-                                        "logprobs": self._logprobs(comp, toks),
-                                        "finish_reason": comp.finish_reason}]})
-            sent[key] = (len(comp.text), len(comp.token_ids))
-            if comp.finish_reason is not None:
-                self.finished.add(key)
-        return chunks
+    def full_text(self, out, comp) -> str:
+        return comp.text
+
+    def delta_choice(self, i, comp, text, toks, chars) -> dict:
+        return {"index": comp.index, "delta": {"content": text},
+                "logprobs": self._logprobs(comp, toks), "finish_reason": comp.finish_reason}

@@ -185,19 +185,19 @@ class OpenAIServer:
             raise APIError(400, f"the chat template rejected the messages: {err}",
                            "BadRequestError", "messages") from None
 
-    async def completions(self, req: CompletionRequest, raw: Request):
+    async def completions(self, req: CompletionRequest):
         from kvray.serve.completions import CompletionHandler
 
         self._check_model(req.model)
         self._check_capacity()
-        return await CompletionHandler(self, req, raw).run()
+        return await CompletionHandler(self, req).run()
 
-    async def chat_completions(self, req: ChatCompletionRequest, raw: Request):
+    async def chat_completions(self, req: ChatCompletionRequest):
         from kvray.serve.completions import ChatHandler
 
         self._check_model(req.model)
         self._check_capacity()
-        return await ChatHandler(self, req, raw).run()
+        return await ChatHandler(self, req).run()
 
     # ---- shared by handlers -------------------------------------------------------------
     async def stream(self, request_id: str, prompt: Any, params, priority: int
