@@ -31,6 +31,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)  # sliced once, for penalties
 
 
 @dataclass
@@ -92,7 +93,8 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens,
-                list(new.token_ids[new.num_prompt_tokens:]))
+                list(new.token_ids[new.num_prompt_tokens:]),
+                list(new.token_ids[:new.num_prompt_tokens]))
             if new.seed is not None and new.req_id not in self.generators:
                 self.generators[new.req_id] = torch.Generator(self.device).manual_seed(new.seed)
         for cached in out.cached_requests:
@@ -195,7 +197,7 @@ class ModelRunner:
         if rows:
             batch = SamplingBatch.from_params(
                 [s.params for s in rows], [self.generators.get(s.req_id) for s in rows],
-                [s.token_ids[: s.num_prompt_tokens] for s in rows],
+                [s.prompt_token_ids for s in rows],
                 [s.output_token_ids for s in rows], device=self.device)
             result = sample(logits, batch, self.default_generator)
             tokens = result.token_ids.tolist()

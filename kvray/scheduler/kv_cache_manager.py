@@ -115,6 +115,8 @@ class KVCacheManager:
     pool: BlockPool = field(init=False)
     req_blocks: dict[str, list[Block]] = field(init=False, default_factory=dict)
     stats: PrefixCacheStats = field(init=False, default_factory=PrefixCacheStats)
+    # req id -> how many leading blocks of its table were already offered to the cache
+    _num_keyed: dict[str, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks)
@@ -128,8 +130,10 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
     def _update_hashes(self, request: Request) -> None:
-        tokens = request.all_token_ids
         bs = self.block_size
+        if (len(request.block_hashes) + 1) * bs > request.num_tokens:
+            return  # no new full block: skip building the token list (hot path)
+        tokens = request.all_token_ids
         while (len(request.block_hashes) + 1) * bs <= len(tokens):
             i = len(request.block_hashes)
             parent = request.block_hashes[-1] if i else None
@@ -192,12 +196,18 @@ class KVCacheManager:
         # Blocks are keyed when scheduled, before the step computes them: a request
         # admitted later in the same step may share them, because every layer writes the
         # step's new K/V into the cache before any attention reads it.
+        bs = self.block_size
+        start = self._num_keyed.get(request.request_id, 0)
+        if num_tokens // bs <= start:
+            return  # every full block of this table was offered to the cache already
         self._update_hashes(request)
-        tokens, bs = request.all_token_ids, self.block_size
-        for i in range(min(num_tokens // bs, len(request.block_hashes))):
+        tokens = request.all_token_ids
+        end = min(num_tokens // bs, len(request.block_hashes))
+        for i in range(start, end):
             parent = blocks[i - 1] if i else None
             self.pool.cache(blocks[i], request.block_hashes[i],
                             tuple(tokens[i * bs:(i + 1) * bs]), parent)
+        self._num_keyed[request.request_id] = end
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks (tail first, so it is evicted first).
@@ -207,6 +217,7 @@ class KVCacheManager:
         so no later request can hit them.
         """
         blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_keyed.pop(request.request_id, None)
         num_valid = request.num_computed_tokens // self.block_size
         for block in blocks[num_valid:]:
             if block.ref_cnt == 1:

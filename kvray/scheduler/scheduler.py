@@ -249,9 +249,11 @@ class Scheduler:
                     self.kv.block_ids(req_id), req.num_computed_tokens,
                     req.seed))
             else:
-                sent = self._last_sent_len[req_id]
+                # Workers got the whole prompt when the request was new: only outputs follow.
+                sent = self._last_sent_len[req_id] - req.num_prompt_tokens
+                assert sent >= 0
                 out.cached_requests.append(CachedRequestData(
-                    req_id, req.all_token_ids[sent:], new_blocks[req_id],
+                    req_id, req.output_token_ids[sent:], new_blocks[req_id],
                     req.num_computed_tokens))
             self._last_sent_len[req_id] = req.num_tokens
 
