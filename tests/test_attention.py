@@ -45,7 +45,6 @@ def _paged_setup(context_lens, query_lens, dtype=torch.float32, seed=0):
         slot_mapping=torch.cat(slots),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         seq_lens=torch.tensor(context_lens), seq_lens_list=list(context_lens),
-        query_lens_list=list(query_lens),
         num_decodes=sum(1 for q in query_lens if q == 1))
     return cache, meta, ks, vs, qs
 
@@ -114,6 +113,6 @@ def test_cpu_decode_kernel_handles_unusual_head_dim(kernel):
     tables = torch.tensor([[3, 1, 0], [5, 2, 0]])
     lens = torch.tensor([10, 6])
     meta = AttentionMetadata(torch.tensor([0, 1, 2]), torch.tensor([9, 5]), torch.tensor([0, 0]),
-                             tables, lens, [10, 6], [1, 1], num_decodes=2)
+                             tables, lens, [10, 6], num_decodes=2)
     ref = paged_attention(q, cache, meta, 0.2)
     assert torch.allclose(kernel(q, cache, tables, lens, 0.2, None), ref, atol=1e-5)

@@ -141,7 +141,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             block_tables=table_tensor.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            seq_lens_list=seq_lens, query_lens_list=query_lens, num_decodes=num_decodes,
+            seq_lens_list=seq_lens, num_decodes=num_decodes,
             decode_kernel=self.decode_kernel)
         return StepInputs(torch.tensor(tokens, dtype=torch.int64, device=dev), meta, req_ids,
                           sample_rows, torch.tensor(logits_index, dtype=torch.int64, device=dev))

@@ -72,10 +72,6 @@ class Worker:
             self.ctx = ParallelContext()
         self.runner = ModelRunner(config, model_path, self.ctx, self.device)
 
-    @property
-    def max_model_len(self) -> int:
-        return self.runner.max_model_len
-
     def model_info(self) -> tuple:
         """(spec, max_model_len) for the engine, which holds no model itself."""
         return self.runner.spec, self.runner.max_model_len

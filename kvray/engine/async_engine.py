@@ -133,9 +133,6 @@ class AsyncLLM:
                 with contextlib.suppress(EngineLoopDead):
                     self._call(lambda: self.engine.abort_request(request_id))
 
-    async def abort(self, request_id: str) -> None:
-        await asyncio.wrap_future(self._call(lambda: self.engine.abort_request(request_id)))
-
     def stats(self):
         """A snapshot of the engine counters (read without locking: plain numbers)."""
         return self.engine.stats

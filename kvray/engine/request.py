@@ -72,13 +72,6 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.is_finished else None
 
-    @property
-    def queue_time(self) -> float | None:
-        """Seconds from arrival to first being scheduled."""
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
-
     def sort_key(self) -> tuple[int, float]:
         """Lower runs first: priority value, then arrival."""
         return (self.priority, self.arrival_time)

@@ -29,7 +29,7 @@ class AttentionMetadata:
         slot_mapping: [T] cache slot for each token's K/V (paged mode only).
         block_tables: [B, max_blocks] physical block ids per sequence, -padded (paged).
         seq_lens: [B] context length of each sequence after this step (paged).
-        seq_lens_list / query_lens_list: the same as Python ints (no device sync).
+        seq_lens_list: the same as Python ints (no device sync).
         num_decodes: the first ``num_decodes`` sequences have exactly one new token.
         decode_kernel: fast decode attention with :func:`cpu_paged_attention.paged_decode`'s
             signature (None = the PyTorch reference).
@@ -41,13 +41,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     seq_lens_list: list[int] | None = None
-    query_lens_list: list[int] | None = None
     num_decodes: int = 0
     decode_kernel: Callable | None = None
-
-    @property
-    def is_paged(self) -> bool:
-        return self.slot_mapping is not None
 
     @classmethod
     def for_full_sequences(cls, lengths: list[int], device: torch.device | str = "cpu"):
