@@ -1,11 +1,15 @@
-"""Distributed runtime costs on the built-in SmolLM2 (bf16), in one run:
+"""Distributed runtime costs on the built-in SmolLM2, in one run:
 
 1. TP=1 in-process vs TP=1 through one Ray worker actor (the actor boundary; target >= 0.9x),
    with the per-step broadcast time (ray.put of the SchedulerOutput) against the step time;
 2. TP=3 and PP=2 against TP=1 (on a 2-core machine these share the same 2 cores);
 3. swap vs recompute for long requests preempted under a small KV cache.
 
+Every run uses the dtype kvray's ``auto`` picks for this CPU (bf16 only where it is native,
+else fp32) unless ``--dtype`` says otherwise.
+
 Usage: python benchmarks/distributed.py [--num-requests 32] [--skip-parallel] [--skip-swap]
+    [--dtype D]
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402
 
 from kvray import LLM, SamplingParams  # noqa: E402
+from kvray.default_model import default_model_dir  # noqa: E402
+from kvray.hardware import describe, machine_dtype  # noqa: E402
+from kvray.models.loader import checkpoint_dtype  # noqa: E402
 
 
 def workload(n: int, seed: int) -> tuple[list[dict], list[SamplingParams]]:
@@ -56,7 +63,8 @@ def run(label: str, prompts, params, **kwargs) -> dict:
     return result
 
 
-def table(rows: list[dict], base: dict) -> None:
+def table(rows: list[dict], base: dict, dtype: str) -> None:
+    print(f"dtype: {dtype}")
     print("| setup | output tok/s | wall s | vs baseline | step ms | broadcast ms/step |"
           " preemptions | swaps |")
     print("|---|---|---|---|---|---|---|---|")
@@ -72,40 +80,48 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-parallel", action="store_true")
     ap.add_argument("--skip-swap", action="store_true")
+    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
+                    default="auto", help="dtype of every run (default auto: kvray's choice "
+                    "for this CPU)")
     args = ap.parse_args()
+    dtype, why = machine_dtype(args.dtype, "cpu", checkpoint_dtype(default_model_dir()))
+    print(describe())
+    print(f"dtype: {dtype} ({why})", flush=True)
     ray.init(num_cpus=8, _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=False)
     prompts, params = workload(args.num_requests, args.seed)
-    print(f"{args.num_requests} requests, SmolLM2-135M bf16, {os.cpu_count()} cores")
-    base = run("TP=1 in-process", prompts, params)
-    rows = [base, run("TP=1 one Ray actor", prompts, params,
+    print(f"{args.num_requests} requests, SmolLM2-135M {dtype}, {os.cpu_count()} cores")
+    base = run("TP=1 in-process", prompts, params, dtype=dtype)
+    rows = [base, run("TP=1 one Ray actor", prompts, params, dtype=dtype,
                       distributed_executor_backend="ray")]
     if not args.skip_parallel:
         # SmolLM2 has 9 heads and 3 KV heads: TP must divide them (3 actors on 2 cores).
-        rows.append(run("TP=3 (3 actors)", prompts, params, tensor_parallel_size=3))
-        rows.append(run("PP=2 (2 actors)", prompts, params, pipeline_parallel_size=2))
-    table(rows, base)
+        rows.append(run("TP=3 (3 actors)", prompts, params, dtype=dtype,
+                        tensor_parallel_size=3))
+        rows.append(run("PP=2 (2 actors)", prompts, params, dtype=dtype,
+                        pipeline_parallel_size=2))
+    table(rows, base, dtype)
     same = all(r["tokens"] == base["tokens"] for r in rows[:2])
     print(f"\nactor boundary ratio: {rows[1]['tok_s'] / base['tok_s']:.2f}x (target >= 0.9x); "
           f"tokens identical to in-process: {same}")
     if not args.skip_swap:
-        swap_bench(args.seed)
+        swap_bench(args.seed, dtype)
     ray.shutdown()
 
 
-def swap_bench(seed: int) -> None:
+def swap_bench(seed: int, dtype: str) -> None:
     """Four 300-token prompts growing by 500 tokens each in a cache for about two of them: the
     latest requests are preempted mid-generation and later resumed by swap or recompute."""
     rng = random.Random(seed + 1)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 49000) for _ in range(300)]}
                for _ in range(4)]
     params = [SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)] * 4
-    common = dict(distributed_executor_backend="ray", num_gpu_blocks_override=100,
+    common = dict(dtype=dtype, distributed_executor_backend="ray", num_gpu_blocks_override=100,
                   max_num_batched_tokens=1024, enable_prefix_caching=False)
     print("\nlong preempted requests (4 x 300-token prompts, 500 new tokens, 100 blocks):")
     rows = [run("recompute", prompts, params, preemption_mode="recompute", **common),
             run("swap", prompts, params, preemption_mode="swap", swap_space=1.0, **common)]
-    table(rows, rows[0])
+    table(rows, rows[0], dtype)
     print(f"swap tokens identical to recompute: {rows[0]['tokens'] == rows[1]['tokens']}")
 
 

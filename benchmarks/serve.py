@@ -1,13 +1,14 @@
 """Online serving benchmark, like `vllm bench serve`: requests over HTTP with Poisson arrivals
 at given rates (or a fixed concurrency), streaming, measuring TTFT / TPOT / ITL / E2E.
 
-By default it launches `kvray serve` on the built-in SmolLM2 (bf16) on a free loopback port,
-runs each load, stops the server, then runs the same workload through the offline `LLM` to
-compare throughput (target: server >= 0.85x offline).
+By default it launches `kvray serve` on the built-in SmolLM2 on a free loopback port, runs
+each load, stops the server, then runs the same workload through the offline `LLM` to
+compare throughput (target: server >= 0.85x offline). Both run the dtype kvray's `auto`
+picks for this CPU (bf16 only where it is native, else fp32) unless `--dtype` says otherwise.
 
 Usage:
     python benchmarks/serve.py [--rates 1,2,4,inf] [--concurrency N] [--num-requests 64]
-        [--base-url http://127.0.0.1:8000] [--skip-offline]
+        [--base-url http://127.0.0.1:8000] [--skip-offline] [--dtype D]
 """
 
 from __future__ import annotations
@@ -158,10 +159,10 @@ def launch_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("kvray serve did not start")
 
 
-def offline(reqs) -> float:
+def offline(reqs, dtype: str) -> float:
     from kvray import LLM, SamplingParams
 
-    llm = LLM()
+    llm = LLM(dtype=dtype)
     llm.generate([{"prompt_token_ids": [5] * 16}], SamplingParams(max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     start = time.perf_counter()
@@ -169,6 +170,19 @@ def offline(reqs) -> float:
     wall = time.perf_counter() - start
     llm.shutdown()
     return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+
+
+def resolve_dtype(requested: str) -> str:
+    """The dtype both sides run for the built-in model on this CPU; prints it, why, and the
+    hardware."""
+    from kvray.default_model import default_model_dir
+    from kvray.hardware import describe, machine_dtype
+    from kvray.models.loader import checkpoint_dtype
+
+    dtype, why = machine_dtype(requested, "cpu", checkpoint_dtype(default_model_dir()))
+    print(describe())
+    print(f"dtype: {dtype} ({why})", flush=True)
+    return dtype
 
 
 def main() -> None:
@@ -179,12 +193,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base-url", default=None, help="use a running server instead")
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
+                    default="auto", help="dtype of the launched server and the offline run "
+                    "(default auto: kvray's choice for this CPU)")
     args = ap.parse_args()
+    dtype = resolve_dtype(args.dtype)
     reqs = workload(args.num_requests, args.seed)
     proc = None
     base = args.base_url
     if base is None:
-        proc, base = launch_server([])
+        proc, base = launch_server(["--dtype", dtype])
     try:
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
         asyncio.run(run_load(base, model, reqs[:4], float("inf"), None, 0))  # warm-up
@@ -202,11 +220,14 @@ def main() -> None:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=60)
     print(f"\n{args.num_requests} requests, prompts 32..256, outputs 32..128 tokens, "
-          f"model {model}\n")
+          f"model {model}")
+    server_dtype = dtype if args.base_url is None else "the running server's own"
+    offline_dtype = "" if args.skip_offline else f", {dtype} (offline)"
+    print(f"dtype: {server_dtype} (server){offline_dtype}\n")
     print_table(rows)
     if not args.skip_offline:
         best = max(r["out_tok_s"] for r in rows)
-        off = offline(reqs)
+        off = offline(reqs, dtype)
         print(f"\noffline LLM on the same workload: {off:.1f} output tok/s; best server load "
               f"{best:.1f} tok/s = {best / off:.2f}x offline (target >= 0.85x)")
 

@@ -2,12 +2,15 @@
 
 Runs one seeded workload (random prompt token ids, fixed output lengths, EOS ignored)
 through transformers ``generate`` in static batches and through ``kvray.LLM`` in the same
-process, on the built-in SmolLM2-135M-Instruct in bf16, and prints a markdown table.
-It also measures the bf16 matmul peak and kvray's model FLOP/s during pure-decode steps.
+process, on the built-in SmolLM2-135M-Instruct, and prints a markdown table. Both systems
+run the dtype kvray's ``auto`` picks for this CPU (bf16 only where it is native, else fp32)
+unless ``--dtype`` says otherwise. It also measures the matmul peak in that dtype and
+kvray's model FLOP/s during pure-decode steps.
 
 Usage:
     python benchmarks/throughput.py [--num-requests 128] [--seed 0] [--skip-baseline]
-        [--skip-kvray] [--max-num-seqs N] [--max-num-batched-tokens N] [--json PATH]
+        [--skip-kvray] [--max-num-seqs N] [--max-num-batched-tokens N] [--dtype D]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -115,14 +118,15 @@ def attention_flops(cfg: dict[str, Any], context_tokens: int) -> float:
     return 4.0 * cfg["num_hidden_layers"] * heads * head_dim * context_tokens
 
 
-def matmul_peak_flops(n: int = 2048, seconds: float = 1.5, windows: int = 6) -> float:
-    """bf16 ``torch.mm`` FLOP/s on n x n matrices: the best of ``windows`` timed windows.
+def matmul_peak_flops(dtype: torch.dtype, n: int = 2048, seconds: float = 1.5,
+                      windows: int = 6) -> float:
+    """``torch.mm`` FLOP/s in ``dtype`` on n x n matrices: the best of ``windows`` windows.
 
     The best window (not the mean) is the peak, so a burst of load from another process on
     the machine during one window does not lower it.
     """
-    a = torch.randn(n, n, dtype=torch.bfloat16)
-    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
     for _ in range(3):
         torch.mm(a, b)
     t0 = time.perf_counter()
@@ -141,11 +145,11 @@ def matmul_peak_flops(n: int = 2048, seconds: float = 1.5, windows: int = 6) -> 
 # --------------------------------------------------------------------------- baseline
 
 
-def load_hf(model_dir: Path) -> tuple[Any, int]:
-    """The transformers model in bf16 (eval mode) and the pad id (eos when none)."""
+def load_hf(model_dir: Path, dtype: str) -> tuple[Any, int]:
+    """The transformers model in ``dtype`` (eval mode) and the pad id (eos when none)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     return model, int(pad)
@@ -182,9 +186,9 @@ def batches(requests: list[Request], size: int) -> list[list[Request]]:
 
 
 def run_baseline(model_dir: Path, requests: list[Request], warmup: list[Request],
-                 batch_size: int) -> RunResult:
+                 batch_size: int, dtype: str) -> RunResult:
     """Static batching in arrival order; only each request's own tokens count as output."""
-    model, pad_id = load_hf(model_dir)
+    model, pad_id = load_hf(model_dir, dtype)
     hf_generate_batch(model, warmup, pad_id)
     outputs: list[list[int]] = []
     t0 = time.perf_counter()
@@ -245,10 +249,10 @@ def engine_settings(llm: Any) -> dict[str, Any]:
 
 
 def run_kvray(classes: tuple[Any, Any], requests: list[Request], warmup: list[Request],
-              engine_kwargs: dict[str, Any]) -> RunResult:
+              engine_kwargs: dict[str, Any], dtype: str) -> RunResult:
     """kvray on the workload after a warm-up; decode counters are deltas over the timed run."""
     llm_cls, sampling_cls = classes
-    llm = llm_cls(model=None, dtype="bfloat16", enable_prefix_caching=True, **engine_kwargs)
+    llm = llm_cls(model=None, dtype=dtype, enable_prefix_caching=True, **engine_kwargs)
     settings = engine_settings(llm)
     print(f"  kvray engine settings: {settings or 'n/a'}", flush=True)
     kvray_generate(llm, sampling_cls, warmup)
@@ -318,8 +322,8 @@ def decode_efficiency(kv: RunResult, cfg: dict[str, Any], peak: float) -> dict[s
             "decode_tok_per_s": d["decode_tokens"] / d["decode_time_s"]}
 
 
-def print_efficiency(eff: dict[str, float], peak: float) -> None:
-    print(f"bf16 matmul peak (torch.mm 2048^3): {peak / 1e9:.1f} GFLOP/s")
+def print_efficiency(eff: dict[str, float], peak: float, dtype: str) -> None:
+    print(f"{dtype} matmul peak (torch.mm 2048^3): {peak / 1e9:.1f} GFLOP/s")
     if not eff:
         print("kvray decode GFLOP/s: n/a (engine stats report no pure-decode steps)")
         return
@@ -330,13 +334,15 @@ def print_efficiency(eff: dict[str, float], peak: float) -> None:
           f"(target >= {100 * TARGET_DECODE_EFFICIENCY:.0f}%: {mark})")
 
 
-def report(results: dict[str, RunResult], eff: dict[str, float], peak: float) -> None:
+def report(results: dict[str, RunResult], eff: dict[str, float], peak: float,
+           dtype: str) -> None:
     """Print the throughput table, the ratio row and the efficiency lines."""
     rows = [["system", "requests/s", "output tok/s", "total tok/s", "wall s"]]
     rows += [result_row(r) for r in results.values()]
     if "baseline" in results and "kvray" in results:
         rows.append(ratio_row(results["kvray"], results["baseline"]))
     print()
+    print(f"dtype: {dtype} (both systems)")
     print(format_table(rows))
     print()
     if "baseline" in results:
@@ -346,9 +352,9 @@ def report(results: dict[str, RunResult], eff: dict[str, float], peak: float) ->
     if "baseline" in results and "kvray" in results:
         same = greedy_agreement(results["kvray"].extra["outputs"],
                                 results["baseline"].extra["outputs"])
-        print(f"greedy agreement (informational, bf16): first 8 tokens identical in "
+        print(f"greedy agreement (informational, {dtype}): first 8 tokens identical in "
               f"{same}/{results['kvray'].num_requests} requests")
-    print_efficiency(eff, peak)
+    print_efficiency(eff, peak, dtype)
 
 
 def write_json(path: Path, config: dict[str, Any], results: dict[str, RunResult],
@@ -390,6 +396,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="kvray max_num_batched_tokens (default: the engine's)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (default: leave torch's default)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
+                   default="auto", help="dtype of both systems (default auto: kvray's choice "
+                   "for this CPU, bf16 only where it is native)")
     p.add_argument("--json", type=Path, default=None, help="write the numbers to this file")
     return p.parse_args(argv)
 
@@ -401,11 +410,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v is not None}
 
 
-def describe_config(args: argparse.Namespace, model_dir: Path,
-                    requests: list[Request]) -> dict[str, Any]:
+def describe_config(args: argparse.Namespace, model_dir: Path, requests: list[Request],
+                    dtype: str, dtype_reason: str) -> dict[str, Any]:
     """The configuration and workload summary printed and written to JSON."""
+    from kvray.hardware import describe
+
     return {
-        "model_dir": str(model_dir), "dtype": "bfloat16", "num_requests": len(requests),
+        "model_dir": str(model_dir), "hardware": describe(), "dtype": dtype,
+        "dtype_reason": dtype_reason, "num_requests": len(requests),
         "seed": args.seed, "prompt_len_range": [args.min_prompt, args.max_prompt],
         "output_len_range": [args.min_output, args.max_output],
         "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
@@ -427,6 +439,8 @@ def use_repo_checkout() -> None:
 def main(argv: list[str] | None = None) -> int:
     use_repo_checkout()
     from kvray.default_model import default_model_dir
+    from kvray.hardware import machine_dtype
+    from kvray.models.loader import checkpoint_dtype
 
     args = parse_args(argv)
     if args.threads:
@@ -438,14 +452,15 @@ def main(argv: list[str] | None = None) -> int:
                              (args.min_prompt, args.max_prompt),
                              (args.min_output, args.max_output))
     warmup = warmup_workload(cfg["vocab_size"], args.seed)
-    config = describe_config(args, model_dir, requests)
+    dtype, why = machine_dtype(args.dtype, "cpu", checkpoint_dtype(model_dir))
+    config = describe_config(args, model_dir, requests, dtype, why)
     print("config:")
     for k, v in config.items():
         print(f"  {k}: {v}")
     print(f"torch threads: {torch.get_num_threads()}", flush=True)
 
-    peak = matmul_peak_flops()
-    print(f"bf16 matmul peak: {peak / 1e9:.1f} GFLOP/s", flush=True)
+    peak = matmul_peak_flops(getattr(torch, dtype))
+    print(f"{dtype} matmul peak: {peak / 1e9:.1f} GFLOP/s", flush=True)
 
     results: dict[str, RunResult] = {}
     kvray_error: str | None = None
@@ -457,14 +472,15 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         else:
             print("running kvray ...", flush=True)
-            results["kvray"] = run_kvray(classes, requests, warmup, engine_kwargs(args))
+            results["kvray"] = run_kvray(classes, requests, warmup, engine_kwargs(args), dtype)
     if not args.skip_baseline:
         print("running transformers static batching ...", flush=True)
-        results["baseline"] = run_baseline(model_dir, requests, warmup, args.batch_size)
+        results["baseline"] = run_baseline(model_dir, requests, warmup, args.batch_size,
+                                           dtype)
 
     ordered = {k: results[k] for k in ("baseline", "kvray") if k in results}
     eff = decode_efficiency(ordered["kvray"], cfg, peak) if "kvray" in ordered else {}
-    report(ordered, eff, peak)
+    report(ordered, eff, peak, dtype)
     if args.json:
         write_json(args.json, config, ordered, eff, peak, kvray_error)
     return 0

@@ -7,12 +7,12 @@ value from ``--config FILE``.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from typing import Any, get_args
 
-from kvray.config import _SECTIONS as SECTIONS
-from kvray.config import FIELD_SECTION, ConfigError, EngineConfig, load_config
+from kvray.config import FIELD_SECTION, SECTIONS, ConfigError, EngineConfig, load_config
 
 
 def _positive_int(text: str) -> int:
@@ -60,10 +60,29 @@ def _cmd_setup(args: argparse.Namespace) -> int:
     return 0
 
 
+class _StderrHandler(logging.Handler):
+    """Writes to the current ``sys.stderr`` at each record (tests and Ray replace it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:  # logging must never break generation
+            self.handleError(record)
+
+
+def show_kvray_info_on_stderr() -> None:
+    """Print kvray's INFO lines (e.g. the dtype ``auto`` chose, and why) on stderr; idempotent."""
+    logger = logging.getLogger("kvray")
+    logger.setLevel(logging.INFO)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler())
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvray.engine.llm import LLM
     from kvray.sampling_params import SamplingParams
 
+    show_kvray_info_on_stderr()
     config = config_from_args(args)
     llm = LLM(**{k: v for k, v in config.to_flat().items() if v is not None})
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
@@ -179,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--num-replicas", type=_positive_int, default=1,
                      help="model replicas (data parallelism)")
     srv.add_argument("--address", default=None,
-                     help="Ray cluster address (default: RAY_ADDRESS, a running local "
-                          "cluster, or a new one on 127.0.0.1)")
+                     help="Ray cluster address, e.g. 'auto' for the cluster `ray start` runs "
+                          "here (default: RAY_ADDRESS, else a new private cluster on "
+                          "127.0.0.1)")
     srv.add_argument("--max-waiting", type=_positive_int, default=512,
                      help="waiting requests beyond which new ones get 503 (default 512)")
     add_config_flags(srv)

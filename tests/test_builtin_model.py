@@ -7,7 +7,8 @@ import torch
 from conftest import builtin_model_or_skip
 
 from kvray.engine.reference import generate_by_recompute
-from kvray.models.loader import load_model, load_tokenizer
+from kvray.models.loader import load_model
+from kvray.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

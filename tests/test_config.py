@@ -13,7 +13,7 @@ CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
 def test_defaults_are_valid_and_cpu_friendly():
     cfg = load_config()
-    assert cfg.model.dtype == "bfloat16"
+    assert cfg.model.dtype == "auto"
     assert cfg.cache.block_size == 16
     assert cfg.parallel.world_size == 1
 

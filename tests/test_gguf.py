@@ -11,7 +11,8 @@ from tiny_models import VOCAB_SIZE, load_hf
 
 from kvray.engine.reference import generate_by_recompute
 from kvray.kernels.attention import AttentionMetadata
-from kvray.models.loader import load_model, load_tokenizer
+from kvray.models.loader import load_model
+from kvray.tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen2_bias", "qwen3_qknorm_headdim"])

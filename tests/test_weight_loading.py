@@ -10,8 +10,9 @@ from safetensors.torch import load_file, save_file
 from tiny_models import load_hf
 
 from kvray.kernels.attention import AttentionMetadata
-from kvray.models.loader import WeightLoadError, load_model, load_tokenizer
+from kvray.models.loader import WeightLoadError, load_model
 from kvray.models.spec import UnsupportedModelError
+from kvray.tokenizer import load_tokenizer
 
 
 def _copy_model(src, dst, mutate):

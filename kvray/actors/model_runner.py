@@ -16,7 +16,7 @@ from kvray.config import EngineConfig
 from kvray.kernels import cpu_paged_attention
 from kvray.kernels.attention import AttentionMetadata
 from kvray.kernels.sampling import SamplingBatch, sample
-from kvray.models.loader import load_model, resolve_dtype, resolve_max_model_len
+from kvray.models.loader import load_model, resolve_max_model_len
 from kvray.parallel import ParallelContext
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -51,7 +51,7 @@ class ModelRunner:
         self.device = device
         self.model, self.spec = load_model(model_path, config.model.dtype, ctx,
                                            config.model.max_model_len, device)
-        self.dtype = resolve_dtype(config.model.dtype, self.spec)
+        self.dtype = next(self.model.parameters()).dtype  # resolved once, by load_model
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.spec)
         self.block_size = config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}

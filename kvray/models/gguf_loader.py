@@ -131,7 +131,6 @@ class GGUFCheckpoint:
 
     def load_tokenizer(self) -> Any:
         """The tokenizer (with chat template) embedded in the GGUF, via transformers."""
-        from transformers import AutoTokenizer
+        from kvray.tokenizer import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(
-            str(self.path.parent), gguf_file=self.path.name, local_files_only=True)
+        return load_tokenizer(self.path)

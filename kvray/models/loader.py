@@ -8,6 +8,7 @@ names the tensors.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,10 +17,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from kvray.hardware import machine_dtype
 from kvray.models.llama import STACKED_PARAMS, LlamaForCausalLM
 from kvray.models.spec import ModelSpec
 from kvray.parallel import ParallelContext
+from kvray.tokenizer import check_model_path, load_tokenizer
 
+logger = logging.getLogger("kvray")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 # Tensors some checkpoints carry that the model recomputes.
@@ -30,23 +34,28 @@ class WeightLoadError(ValueError):
     """Checkpoint tensors and model parameters do not match; the message names them."""
 
 
-def resolve_dtype(name: str, spec: ModelSpec) -> torch.dtype:
-    """``auto`` means the checkpoint's own dtype (bf16 when it does not say)."""
-    if name == "auto":
-        name = spec.torch_dtype if spec.torch_dtype in DTYPES else "bfloat16"
-    return DTYPES[name]
+def resolve_dtype(name: str, spec: ModelSpec, device: torch.device | str = "cpu",
+                  log: bool = True) -> torch.dtype:
+    """The dtype to run ``spec``'s model in on ``device``; ``auto`` is decided by
+    :func:`kvray.hardware.choose_dtype` (fast on this CPU/GPU). With ``log``, one INFO line
+    says what was chosen and why."""
+    chosen, reason = machine_dtype(name, torch.device(device).type, spec.torch_dtype)
+    if log:
+        arrow = f"auto -> {chosen}" if name == "auto" else chosen
+        logger.info("kvray: dtype %s (%s)", arrow, reason)
+    return DTYPES[chosen]
+
+
+def checkpoint_dtype(model_path: str | Path) -> str | None:
+    """The dtype the checkpoint at ``model_path`` declares (None when it names none)."""
+    return ModelSpec.from_hf_config(open_checkpoint(model_path).hf_config).torch_dtype
 
 
 def load_hf_config(model_path: str | Path) -> Any:
     """Read ``config.json`` of a local Hugging Face model directory."""
     from transformers import AutoConfig
 
-    path = Path(model_path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{path} is not a Hugging Face model directory (no config.json); pass a local "
-            "directory or a .gguf file — kvray never downloads weights"
-        )
+    path = check_model_path(model_path)
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
@@ -172,9 +181,7 @@ class HFCheckpoint:
         return iter_safetensors(self.path)
 
     def load_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        return load_tokenizer(self.path)
 
 
 def open_checkpoint(path: str | Path) -> Any:
@@ -182,23 +189,8 @@ def open_checkpoint(path: str | Path) -> Any:
     ``iter_weights()`` and ``load_tokenizer()``)."""
     from kvray.models.gguf_loader import GGUFCheckpoint
 
-    path = Path(path)
-    if path.suffix == ".gguf":
-        return GGUFCheckpoint(path)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model path {path} does not exist; pass a local Hugging Face directory or a "
-            ".gguf file (kvray never downloads weights), or omit it for the built-in model")
-    return HFCheckpoint(path)
-
-
-def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = None) -> Any:
-    """The tokenizer from ``tokenizer_path`` if given, else the checkpoint's own."""
-    if tokenizer_path is not None:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(tokenizer_path), local_files_only=True)
-    return open_checkpoint(model_path).load_tokenizer()
+    path = check_model_path(path)
+    return GGUFCheckpoint(path) if path.suffix == ".gguf" else HFCheckpoint(path)
 
 
 def resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
@@ -215,11 +207,15 @@ def resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
 def load_model(model_path: str | Path, dtype: str, ctx: ParallelContext | None = None,
                max_model_len: int | None = None, device: torch.device | str = "cpu",
                ) -> tuple[LlamaForCausalLM, ModelSpec]:
-    """Build this rank's shard of the model at ``model_path`` and load its weights."""
+    """Build this rank's shard of the model at ``model_path`` and load its weights.
+
+    ``dtype`` is resolved here, once (logged by the replica's first rank only); read the
+    result back from the model's parameters rather than resolving it again."""
     ckpt = open_checkpoint(model_path)
     spec = ModelSpec.from_hf_config(ckpt.hf_config)
     max_len = resolve_max_model_len(max_model_len, spec)
-    model = build_model(spec, ctx or ParallelContext(), resolve_dtype(dtype, spec), max_len,
-                        device)
+    ctx = ctx or ParallelContext()
+    torch_dtype = resolve_dtype(dtype, spec, device, log=ctx.world_rank == 0)
+    model = build_model(spec, ctx, torch_dtype, max_len, device)
     load_weights(model, ckpt.iter_weights())
     return model, spec

@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvray.kernels.rotary import SUPPORTED_ROPE_TYPES
-
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",

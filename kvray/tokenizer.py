@@ -1,0 +1,43 @@
+"""Locate a local model and load its tokenizer, without importing torch.
+
+The engine core needs the tokenizer (to tokenize prompts and detokenize outputs) but never
+the weights: those live in the workers. Loading is local only; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def check_model_path(path: str | Path) -> Path:
+    """Return ``path`` as a Path if it is a ``.gguf`` file or a Hugging Face directory
+    (with ``config.json``); else raise FileNotFoundError saying what to pass instead."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return path
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {path} does not exist; pass a local Hugging Face directory or a "
+            ".gguf file (kvray never downloads weights), or omit it for the built-in model")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a Hugging Face model directory (no config.json); pass a local "
+            "directory or a .gguf file — kvray never downloads weights")
+    return path
+
+
+def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = None) -> Any:
+    """The tokenizer at ``tokenizer_path`` if given, else the model's own: a Hugging Face
+    directory's files, or the tokenizer (with chat template) embedded in a GGUF file."""
+    from transformers import AutoTokenizer
+
+    if tokenizer_path is not None:
+        return AutoTokenizer.from_pretrained(str(tokenizer_path), local_files_only=True)
+    path = check_model_path(model_path)
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                             local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
