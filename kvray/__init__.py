@@ -4,7 +4,7 @@
 """
 
 from kvray.config import ConfigError, EngineConfig, load_config
-from kvray.engine.outputs import CompletionOutput, RequestOutput
+from kvray.outputs import CompletionOutput, RequestOutput
 from kvray.sampling_params import SamplingParams
 
 __version__ = "0.1.0"

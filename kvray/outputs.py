@@ -1,7 +1,14 @@
-"""What the engine returns to callers, with vLLM's names."""
+"""What the engine returns to callers, with vLLM's names.
+
+With ``RequestOutputKind.DELTA`` each output carries only what is new: the text, token ids
+and logprobs generated since the previous output, the sequences that changed, and the prompt
+(``prompt``, ``prompt_token_ids``) on the first output only. :meth:`RequestOutput.add` folds
+a later output into an earlier one, so a consumer that needs the whole can rebuild it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -17,8 +24,20 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    def copy(self) -> CompletionOutput:
+        """A copy whose lists may be extended without touching this one."""
+        return dataclasses.replace(self, token_ids=list(self.token_ids),
+                                   logprobs=None if self.logprobs is None else list(self.logprobs))
+
+    def add(self, later: CompletionOutput) -> None:
+        """Append a later delta of the same sequence."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        if later.logprobs is not None:
+            self.logprobs = self.logprobs or []
+            self.logprobs.extend(later.logprobs)
+        self.cumulative_logprob = later.cumulative_logprob
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
 
 
 @dataclass
@@ -49,8 +68,27 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None  # None on DELTA outputs after the first
     prompt_logprobs: list[dict[int, float] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: RequestMetrics = field(repr=False, default=None)
+    metrics: RequestMetrics | None = field(repr=False, default=None)
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold a later DELTA output of the same request into this one (``later`` is left
+        as it was)."""
+        assert later.request_id == self.request_id, "outputs of different requests"
+        if self.prompt_token_ids is None:
+            self.prompt, self.prompt_token_ids = later.prompt, later.prompt_token_ids
+        if later.prompt_logprobs:
+            self.prompt_logprobs = self.prompt_logprobs or []
+            self.prompt_logprobs.extend(later.prompt_logprobs)
+        by_index = {c.index: c for c in self.outputs}
+        for comp in later.outputs:
+            if comp.index in by_index:
+                by_index[comp.index].add(comp)
+            else:
+                by_index[comp.index] = comp.copy()  # never alias the delta being folded
+        self.outputs = sorted(by_index.values(), key=lambda c: c.index)
+        self.finished = later.finished
+        self.metrics = later.metrics

@@ -6,9 +6,18 @@ raises ``ValueError`` naming the field, the value and what is allowed.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each :class:`~kvray.outputs.RequestOutput` of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything generated so far, every time
+    DELTA = 1  # only what is new since the previous output: streams cost O(length) in all
+    FINAL_ONLY = 2  # one output, when the request has finished
 
 
 @dataclass
@@ -23,13 +32,16 @@ class SamplingParams:
         presence_penalty / frequency_penalty: OpenAI penalties over output tokens.
         logit_bias: token id -> bias added to its logit.
         seed: per-request seed; the same seed gives the same tokens whatever else runs.
-        stop: strings that end the output (not included in the text).
+        stop: strings that end the output (not included in the text unless
+            include_stop_str_in_output).
         stop_token_ids: token ids that end the output (included in token_ids, not the text).
         ignore_eos: keep generating past the EOS token.
         max_tokens / min_tokens: bounds on the number of generated tokens.
         logprobs: number of top log-probabilities to return per output token (None = none).
         prompt_logprobs: the same for each prompt token (None = none).
         skip_special_tokens: drop special tokens from the text.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+        output_kind: cumulative, delta or final-only outputs (see RequestOutputKind).
     """
 
     n: int = 1
@@ -50,6 +62,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: the model's EOS ids (ignored when ignore_eos).
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 

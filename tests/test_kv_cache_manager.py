@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvray.engine.request import Request
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.kv_cache_manager import KVCacheManager
+from kvray.scheduler.request import Request
 
 
 def _req(rid: str, tokens: list[int], **params) -> Request:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvray.config import CacheConfig, SchedulerConfig
-from kvray.engine.request import Request, RequestStatus
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput
+from kvray.scheduler.request import Request, RequestStatus
 from kvray.scheduler.scheduler import RequestTooLongError, Scheduler
 
 
@@ -24,7 +25,9 @@ def _sched(num_blocks=64, block_size=4, budget=32, max_seqs=8, policy="fcfs",
 
 
 def _req(rid, n_prompt, max_tokens=4, priority=0, t=0.0, tokens=None) -> Request:
-    ids = tokens if tokens is not None else [(hash(rid) + i) % 50 for i in range(n_prompt)]
+    # crc32, not hash(): str hashes are salted per process, so tests would not repeat.
+    base = zlib.crc32(rid.encode())
+    ids = tokens if tokens is not None else [(base + i) % 50 for i in range(n_prompt)]
     return Request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), t,
                    priority, max_tokens)
 
@@ -71,16 +74,50 @@ def test_priority_policy_admits_lower_value_first_then_by_arrival():
     assert list(_run_step(s).num_scheduled_tokens) == ["urgent_earlier"]
 
 
-def test_preemption_picks_the_latest_arrival_and_requeues_it_first():
-    s = _sched(num_blocks=4, block_size=4, budget=64, max_len=64)
-    s.add_request(_req("old", 8, max_tokens=8, t=0))
-    s.add_request(_req("new", 7, max_tokens=8, t=1))
-    _run_step(s)
-    for _ in range(3):
-        _run_step(s)
-    assert s.num_preemptions >= 1
-    assert s.requests["new"].status in (RequestStatus.PREEMPTED, RequestStatus.RUNNING)
-    assert s.requests["old"].num_preemptions == 0
+def _fill_cache_with_three_running(policy: str = "fcfs", priorities=(0, 0, 0)) -> Scheduler:
+    """a, b, c (arrived in that order) each hold 2 of 6 blocks with 8 computed tokens; d
+    waits. The next step needs a block for a's 9th token and none is free."""
+    s = _sched(num_blocks=6, block_size=4, budget=64, max_len=64, policy=policy)
+    for t, (rid, prio) in enumerate(zip("abc", priorities, strict=True)):
+        s.add_request(_req(rid, 8, max_tokens=8, priority=prio, t=t))
+    _run_step(s)  # prefill 8 tokens each (2 full blocks), sample a 9th
+    s.add_request(_req("d", 4, max_tokens=8, t=10))
+    assert sorted(r.request_id for r in s.running) == ["a", "b", "c"] and s.kv.pool.num_free == 0
+    return s
+
+
+def test_preemption_evicts_the_latest_arrival_and_requeues_it_ahead_of_waiting_ones():
+    s = _fill_cache_with_three_running()
+    out = s.schedule()
+    assert out.preempted_req_ids == {"c"}
+    c = s.requests["c"]
+    assert c.status is RequestStatus.PREEMPTED and c.num_computed_tokens == 0
+    assert [r.request_id for r in s.waiting] == ["c", "d"]  # front, before the later arrival
+    assert list(out.num_scheduled_tokens) == ["a", "b"]  # nothing admitted in that step
+    assert s.kv.block_ids("c") == [] and s.kv.pool.num_free == 0  # c's blocks went to a, b
+
+
+def test_priority_preemption_evicts_the_least_important_even_if_it_arrived_first():
+    s = _fill_cache_with_three_running("priority", priorities=(5, 0, 1))
+    out = s.schedule()
+    assert out.preempted_req_ids == {"a"}
+    a = s.requests["a"]
+    assert a.status is RequestStatus.PREEMPTED and a.num_preemptions == 1 and a in s.waiting
+    assert s.waiting.peek() is s.requests["d"]  # priority 0 waits ahead of the evicted 5
+    assert list(out.num_scheduled_tokens) == ["b", "c"]
+
+
+def test_preempted_request_is_readmitted_before_later_arrivals_and_finishes():
+    s = _fill_cache_with_three_running()
+    _run_step(s)  # c preempted
+    order = []
+    for _ in range(40):
+        out = _run_step(s)
+        order += [r for r in out.num_scheduled_tokens if r not in order]
+        if not s.has_unfinished_requests():
+            break
+    assert order.index("c") < order.index("d")
+    assert not s.has_unfinished_requests() and s.kv.pool.num_free == 6
 
 
 def test_request_that_can_never_fit_is_rejected_at_admission():
@@ -109,11 +146,11 @@ def _check_invariants(s: Scheduler) -> None:
     assert pool.num_free + used == len(pool.blocks)
     running = {r.request_id for r in s.running}
     waiting = {r.request_id for r in s.waiting}
-    swapped = {r.request_id for r in s.swapped}
+    swapped = {r.request_id for r in s.swap.queue}
     assert not running & waiting and not running & swapped and not waiting & swapped
     assert running | waiting | swapped == set(s.requests)
-    assert s.swap_used_blocks == sum(r.num_swapped_blocks for r in s.swapped)
-    assert s.swap_used_blocks <= s.swap_capacity_blocks
+    assert s.swap.used_blocks == sum(r.num_swapped_blocks for r in s.swap.queue)
+    assert s.swap.used_blocks <= s.swap.capacity_blocks
     assert set(s.kv.req_blocks) <= running
     assert len(s.running) <= s.config.max_num_seqs
 
@@ -159,7 +196,7 @@ def test_random_workloads_keep_invariants_and_finish_everything(
     assert all(len(r.output_token_ids) == r.max_tokens for r in accepted
                if r.status is RequestStatus.FINISHED_LENGTH)
     assert s.kv.pool.num_free == num_blocks
-    assert s.swap_used_blocks == 0 and not s.swapped
+    assert s.swap.used_blocks == 0 and not s.swap
 
 
 def test_swap_preemption_keeps_progress_and_swaps_back_before_admitting():
@@ -173,9 +210,9 @@ def test_swap_preemption_keeps_progress_and_swaps_back_before_admitting():
         swapped_in = swapped_in or out.swap_in
         if not s.has_unfinished_requests():
             break
-    assert swapped_out and "new" in swapped_out and s.num_swaps_out >= 1
-    assert swapped_in and set(swapped_in) <= set(swapped_out) and s.num_swaps_in >= 1
-    assert not s.has_unfinished_requests() and s.swap_used_blocks == 0
+    assert swapped_out and "new" in swapped_out and s.swap.num_swaps_out >= 1
+    assert swapped_in and set(swapped_in) <= set(swapped_out) and s.swap.num_swaps_in >= 1
+    assert not s.has_unfinished_requests() and s.swap.used_blocks == 0
 
 
 def test_full_swap_pool_falls_back_to_recompute():

@@ -15,9 +15,10 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
 
 
 def num_blocks_for_budget(cache: CacheConfig, bytes_per_block: int,
-                          device: torch.device, weights_bytes: int = 0) -> int:
-    """Blocks that fit: the override, else ``kv_cache_memory`` on CPU, else on CUDA the free
-    part of ``gpu_memory_utilization`` x total memory after weights and a profile run."""
+                          device: torch.device) -> int:
+    """Blocks that fit: the override, else ``kv_cache_memory`` on CPU, else on CUDA what is
+    left of ``gpu_memory_utilization`` x total memory once the weights are loaded (measured
+    now; no profile run reserves room for activations yet)."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     if device.type == "cuda":

@@ -14,10 +14,10 @@ import os
 import tempfile
 import time
 import uuid
-from typing import Any
 
 from kvray.actors.worker import Worker, free_port
 from kvray.config import EngineConfig
+from kvray.models.spec import ModelSpec
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -83,14 +83,29 @@ class _RankedWorker:
     def init_worker(self, init_method: str | None) -> None:
         self.worker = Worker(self.config, self.model_path, self.rank, init_method)
 
-    def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.worker, method)(*args)
+    # The Worker's interface, one typed method each (Ray calls them by attribute).
+    def model_info(self) -> tuple[ModelSpec, int]:
+        return self.worker.model_info()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def kv_bytes_per_block(self) -> int:
+        return self.worker.kv_bytes_per_block()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def swap_objects(self) -> int:
+        return self.worker.swap_objects()
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.worker.execute_model(out)
 
 
 class RayExecutor:
+    """The :class:`~kvray.actors.executor.Executor` over TP x PP Ray worker actors."""
+
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         import ray
         from ray.util.placement_group import placement_group
@@ -132,7 +147,7 @@ class RayExecutor:
                 init_method = "single"  # no process group, but size threads as an actor
             self._get([w.init_worker.remote(init_method) for w in self.workers])
             self.spec, self.max_model_len = self._get(
-                [self.workers[-self.tp].call.remote("model_info")])[0]
+                [self.workers[-self.tp].model_info.remote()])[0]
         except BaseException:
             self.shutdown()
             raise
@@ -173,20 +188,17 @@ class RayExecutor:
                     f"a kvray worker actor died ({err.__class__.__name__}): {err}") from err
         return [done[r] for r in refs]
 
-    def _all(self, method: str, *args: Any) -> list:
-        return self._get([w.call.remote(method, *args) for w in self.workers])
-
     def determine_num_blocks(self) -> int:
-        return min(self._all("determine_num_blocks"))
+        return min(self._get([w.determine_num_blocks.remote() for w in self.workers]))
 
     def kv_bytes_per_block(self) -> int:
-        return max(self._all("kv_bytes_per_block"))
+        return max(self._get([w.kv_bytes_per_block.remote() for w in self.workers]))
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self._all("initialize_cache", num_blocks)
+        self._get([w.initialize_cache.remote(num_blocks) for w in self.workers])
 
     def swap_objects(self) -> list[int]:
-        return self._all("swap_objects")
+        return self._get([w.swap_objects.remote() for w in self.workers])
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         import ray

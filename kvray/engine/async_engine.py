@@ -19,8 +19,8 @@ from typing import Any
 
 from kvray.config import EngineConfig
 from kvray.engine.llm_engine import LLMEngine, PromptType
-from kvray.engine.outputs import RequestOutput
-from kvray.sampling_params import SamplingParams
+from kvray.outputs import RequestOutput
+from kvray.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +100,9 @@ class AsyncLLM:
     # ---- asyncio side -------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output each time it changes (cumulative), the last one
-        finished. Raises ValueError for an invalid request before yielding anything."""
+        """Yield the request's output each time it changes, in the kind ``params`` asks for
+        (cumulative, delta or final only), the last one finished. Raises ValueError for an
+        invalid request before yielding anything."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
@@ -115,14 +116,19 @@ class AsyncLLM:
                 with contextlib.suppress(EngineLoopDead):
                     self._call(lambda: self.engine.abort_request(request_id))
             raise
+        delta = params.output_kind is RequestOutputKind.DELTA
         finished = False
         try:
             while not finished:
                 item = await q.get()
-                # Outputs are cumulative: when the consumer lags, skip to the newest one, so a
-                # busy server sends fewer, larger chunks instead of falling further behind.
+                # When the consumer lags, fold what queued up into one output, so a busy
+                # server sends fewer, larger chunks instead of falling further behind.
                 while not q.empty() and not isinstance(item, BaseException):
-                    item = q.get_nowait()
+                    later = q.get_nowait()
+                    if delta and not isinstance(later, BaseException):
+                        item.add(later)
+                    else:  # a cumulative output supersedes the previous; an error wins
+                        item = later
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -146,3 +152,4 @@ class AsyncLLM:
         self._wake.set()
         self._thread.join(timeout=10)
         self.engine.shutdown()
+

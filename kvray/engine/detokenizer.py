@@ -57,6 +57,11 @@ class IncrementalDetokenizer:
             self._chunks = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""
 
+    @property
+    def sent_text(self) -> str:
+        """The text returned by get_delta so far (safe to show: no partial stop string)."""
+        return self.output_text[: self._num_sent]
+
     def get_delta(self, finished: bool) -> str:
         """Text produced since the previous get_delta call, for streaming. While not finished,
         holds back the last (longest stop string length - 1) characters, because they might be

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -11,8 +12,8 @@ from tqdm.auto import tqdm
 
 from kvray.config import EngineConfig, config_from_flat, load_config
 from kvray.engine.llm_engine import LLMEngine, PromptType
-from kvray.engine.outputs import RequestOutput
-from kvray.sampling_params import SamplingParams
+from kvray.outputs import RequestOutput
+from kvray.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, str]]
 
@@ -62,6 +63,9 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        # Only finished outputs are returned: the engine need not build the others.
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                  for p in params]
         priority = list(priority) if priority is not None else [0] * len(prompts)
         ids = []
         for prompt, p, prio in zip(prompts, params, priority, strict=True):

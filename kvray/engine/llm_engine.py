@@ -11,17 +11,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvray.actors.executor import Executor, make_executor
 from kvray.config import EngineConfig
 from kvray.default_model import resolve_model_path
 from kvray.engine.detokenizer import IncrementalDetokenizer
-from kvray.engine.executor import make_executor
-from kvray.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvray.engine.request import Request, RequestStatus
 from kvray.engine.stats import EngineStats
-from kvray.models.loader import load_tokenizer
-from kvray.sampling_params import SamplingParams
+from kvray.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvray.sampling_params import RequestOutputKind, SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvray.scheduler.request import Request, RequestStatus
 from kvray.scheduler.scheduler import Scheduler
+from kvray.tokenizer import load_tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -32,8 +32,10 @@ class _Sequence:
 
     request: Request
     detok: IncrementalDetokenizer
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, float]] | None  # DELTA: only those not yet sent
     cumulative_logprob: float = 0.0
+    num_sent_tokens: int = 0  # DELTA: output tokens already in an output
+    finish_sent: bool = False  # DELTA: the finish reason went out
 
 
 @dataclass
@@ -44,6 +46,8 @@ class _Parent:
     params: SamplingParams
     seqs: list[_Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_sent_prompt_logprobs: int = 0  # DELTA
+    prompt_sent: bool = False  # DELTA: the prompt went out with the first output
 
     @property
     def finished(self) -> bool:
@@ -65,7 +69,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[str, int]] = {}
-        self.executor = None
+        self.executor: Executor | None = None
         self._build_executor()
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -143,7 +147,8 @@ class LLMEngine:
         for i, child in enumerate(children):
             self.scheduler.add_request(child)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                           params.skip_special_tokens)
+                                           params.skip_special_tokens,
+                                           params.include_stop_str_in_output)
             parent.seqs.append(_Sequence(child, detok, [] if params.logprobs is not None
                                          else None))
             self._child_to_parent[child.request_id] = (request_id, i)
@@ -186,14 +191,14 @@ class LLMEngine:
         touched = self._apply_prompt_logprobs(result)
         touched |= self._apply_tokens(updated, result)
         self._update_gauges()
+        outputs = []
         for parent_id in touched:
-            for seq in self._parents[parent_id].seqs:
-                if seq.request.is_finished:
-                    seq.detok.get_delta(finished=True)  # flush a trailing partial character
-        outputs = [self._make_output(self._parents[p]) for p in touched if p in self._parents]
-        for o in outputs:
-            if o.finished:
-                self._drop(o.request_id)
+            parent = self._parents[parent_id]
+            out = self._make_output(parent)
+            if out is not None:
+                outputs.append(out)
+            if parent.finished:
+                self._drop(parent_id)
         return outputs
 
     def _fail_all(self, err: Exception) -> None:
@@ -273,36 +278,75 @@ class LLMEngine:
         s.prefix_cache_queries = sched.kv.stats.queries
         s.prefix_cache_hits = sched.kv.stats.hits
         s.num_preemptions = sched.num_preemptions
-        s.num_swapped = len(sched.swapped)
-        s.num_swaps_out = sched.num_swaps_out
-        s.num_swaps_in = sched.num_swaps_in
+        s.num_swapped = len(sched.swap)
+        s.num_swaps_out = sched.swap.num_swaps_out
+        s.num_swaps_in = sched.swap.num_swaps_in
 
     # ---- outputs ------------------------------------------------------------------------
-    def _make_output(self, parent: _Parent) -> RequestOutput:
+    def _make_output(self, parent: _Parent) -> RequestOutput | None:
+        """The request's output after this step, in the kind its params ask for (None for
+        FINAL_ONLY until it finishes, or a DELTA with nothing new)."""
+        kind = parent.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not parent.finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
         outs = []
-        stop = parent.params.stop
-        hold = max((len(s) for s in stop), default=1) - 1
         for i, seq in enumerate(parent.seqs):
-            req = seq.request
-            text = seq.detok.output_text
-            if hold and not req.is_finished:  # might be the start of a stop string
-                text = text[: max(0, len(text) - hold)]
-            outs.append(CompletionOutput(
-                index=i, text=text, token_ids=list(req.output_token_ids),
-                cumulative_logprob=(seq.cumulative_logprob if seq.logprobs is not None
-                                    else None),
-                logprobs=None if seq.logprobs is None else list(seq.logprobs),
-                finish_reason=req.finish_reason, stop_reason=req.stop_reason))
+            # Held-back text (a possible stop string's start) is released only when safe.
+            text = seq.detok.get_delta(finished=seq.request.is_finished)
+            comp = self._delta_completion(i, seq, text) if delta else \
+                self._cumulative_completion(i, seq)
+            if comp is not None:
+                outs.append(comp)
+        if delta and not outs:
+            return None
+        prompt, prompt_ids, prompt_lps = parent.prompt, parent.prompt_token_ids, \
+            parent.prompt_logprobs
+        if delta:
+            if parent.prompt_sent:
+                prompt = prompt_ids = None
+            parent.prompt_sent = True
+            if prompt_lps is not None:
+                prompt_lps = prompt_lps[parent.num_sent_prompt_logprobs:]
+                parent.num_sent_prompt_logprobs += len(prompt_lps)
+        return RequestOutput(parent.request_id, prompt, prompt_ids, prompt_lps, outs,
+                             parent.finished, self._metrics(parent))
+
+    def _cumulative_completion(self, index: int, seq: _Sequence) -> CompletionOutput:
+        req = seq.request
+        return CompletionOutput(
+            index=index, text=seq.detok.sent_text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason)
+
+    def _delta_completion(self, index: int, seq: _Sequence, text: str
+                          ) -> CompletionOutput | None:
+        """What is new in this sequence since its previous output, or None."""
+        req = seq.request
+        new_ids = req.output_token_ids[seq.num_sent_tokens:]
+        report_finish = req.is_finished and not seq.finish_sent
+        if not new_ids and not text and not report_finish:
+            return None
+        seq.num_sent_tokens += len(new_ids)
+        seq.finish_sent = req.is_finished
+        logprobs = seq.logprobs
+        if logprobs is not None:
+            seq.logprobs = []
+        return CompletionOutput(
+            index=index, text=text, token_ids=new_ids,
+            cumulative_logprob=seq.cumulative_logprob if logprobs is not None else None,
+            logprobs=logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason)
+
+    def _metrics(self, parent: _Parent) -> RequestMetrics:
         first = parent.seqs[0].request
-        metrics = RequestMetrics(
+        return RequestMetrics(
             first.arrival_time, first.first_scheduled_time,
             min((s.request.first_token_time for s in parent.seqs
                  if s.request.first_token_time is not None), default=None),
             max((s.request.finished_time or 0.0) for s in parent.seqs) or None,
             max(first.num_cached_tokens, 0),
             sum(s.request.num_preemptions for s in parent.seqs))
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             parent.prompt_logprobs, outs, parent.finished, metrics)
 
     def _drop(self, request_id: str) -> None:
         parent = self._parents.pop(request_id)

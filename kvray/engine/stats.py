@@ -1,4 +1,5 @@
-"""Engine-level counters the server's metrics will expose (plain numbers for now)."""
+"""Engine-level counters: plain numbers the server publishes as Prometheus gauges and
+counters (kvray.serve.metrics) and benchmarks read directly."""
 
 from __future__ import annotations
 

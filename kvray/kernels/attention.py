@@ -27,7 +27,8 @@ class AttentionMetadata:
         query_start_loc: [B + 1] offsets of each sequence's new tokens in the batch.
         positions: [T] absolute position of each token in its sequence.
         slot_mapping: [T] cache slot for each token's K/V (paged mode only).
-        block_tables: [B, max_blocks] physical block ids per sequence, -padded (paged).
+        block_tables: [B, max_blocks] physical block ids per sequence, padded with block 0
+            (never read: attention stops at seq_lens).
         seq_lens: [B] context length of each sequence after this step (paged).
         seq_lens_list: the same as Python ints (no device sync).
         num_decodes: the first ``num_decodes`` sequences have exactly one new token.

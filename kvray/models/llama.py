@@ -107,8 +107,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """The decoder stack of one pipeline stage: embedding on the first stage, layers
-    [start, end), final norm on the last. Other stages' layers are ``None`` placeholders so
-    parameter names keep their global layer index."""
+    [start, end), final norm on the last. Other stages' layers are ``nn.Identity`` stand-ins
+    (no parameters) so parameter names keep their global layer index."""
 
     def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype,
                  max_positions: int) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvray.engine.request import Request
+from kvray.scheduler.request import Request
 
 
 @dataclass(eq=False)

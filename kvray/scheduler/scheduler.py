@@ -5,7 +5,7 @@ its ``num_tokens``, and the step's token budget (``max_num_batched_tokens``) dec
 far each advances. That gives chunked prefill and mixed prefill/decode batches.
 
 Invariants relied on:
-- a request is in exactly one of ``waiting`` / ``running`` until it finishes;
+- a request is in exactly one of ``waiting`` / ``running`` / ``swap`` until it finishes;
 - ``num_computed_tokens`` advances only when a step's output comes back
   (:meth:`update_from_output`), so a request preempted in the step that scheduled it has
   computed nothing new;
@@ -15,12 +15,10 @@ Invariants relied on:
 
 from __future__ import annotations
 
-import heapq
 import time
-from collections import deque
+from dataclasses import dataclass, field
 
 from kvray.config import CacheConfig, SchedulerConfig
-from kvray.engine.request import Request, RequestStatus
 from kvray.scheduler.kv_cache_manager import KVCacheManager
 from kvray.scheduler.output import (
     CachedRequestData,
@@ -28,47 +26,33 @@ from kvray.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from kvray.scheduler.queues import make_waiting_queue
+from kvray.scheduler.request import Request, RequestStatus
+from kvray.scheduler.swap import SwapSpace
 
 
 class RequestTooLongError(ValueError):
     """The request can never be scheduled; the message says why."""
 
 
-class WaitingQueue:
-    """FCFS (deque; preempted requests go to the front) or priority (heap on
-    (priority, arrival)) queue of waiting requests."""
+@dataclass
+class StepPlan:
+    """What one :meth:`Scheduler.schedule` call has decided so far."""
 
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._deque: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = 0
+    budget: int  # tokens still free in this step
+    num_scheduled: dict[str, int] = field(default_factory=dict)  # req -> tokens, batch order
+    new_blocks: dict[str, list[int]] = field(default_factory=dict)  # req -> block ids added
+    preempted: bool = False  # a request lost its blocks this step
 
-    def __len__(self) -> int:
-        return len(self._deque) + len(self._heap)
+    def schedule(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
+        self.num_scheduled[request.request_id] = num_tokens
+        self.new_blocks[request.request_id] = block_ids
+        self.budget -= num_tokens
 
-    def __iter__(self):
-        return iter(self._deque) if self.policy == "fcfs" else (e[3] for e in self._heap)
-
-    def add(self, request: Request, front: bool = False) -> None:
-        if self.policy == "fcfs":
-            self._deque.appendleft(request) if front else self._deque.append(request)
-        else:
-            self._counter += 1
-            heapq.heappush(self._heap, (*request.sort_key(), self._counter, request))
-
-    def peek(self) -> Request:
-        return self._deque[0] if self.policy == "fcfs" else self._heap[0][3]
-
-    def pop(self) -> Request:
-        return self._deque.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[3]
-
-    def remove(self, request: Request) -> None:
-        if self.policy == "fcfs":
-            self._deque.remove(request)
-        else:
-            self._heap = [e for e in self._heap if e[3] is not request]
-            heapq.heapify(self._heap)
+    def unschedule(self, request: Request) -> None:
+        """Take back a request scheduled earlier in this step (it was just preempted)."""
+        self.budget += self.num_scheduled.pop(request.request_id, 0)
+        self.new_blocks.pop(request.request_id, None)
 
 
 class Scheduler:
@@ -77,17 +61,12 @@ class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  max_model_len: int, swap_capacity_blocks: int = 0) -> None:
         self.config = sched
-        self.swap_capacity_blocks = swap_capacity_blocks
-        self.swap_used_blocks = 0
-        self.swapped: deque[Request] = deque()
-        self.num_swaps_out = 0
-        self.num_swaps_in = 0
-        self._swap_drop: set[str] = set()
         self.max_model_len = max_model_len
         self.block_size = cache.block_size
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.waiting = WaitingQueue(sched.scheduling_policy)
+        self.waiting = make_waiting_queue(sched.scheduling_policy)
         self.running: list[Request] = []
+        self.swap = SwapSpace(swap_capacity_blocks)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._known_to_workers: set[str] = set()
@@ -124,36 +103,35 @@ class Scheduler:
                 f"max_num_batched_tokens ({budget}) and chunked prefill is disabled")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.swapped) or len(self.waiting) > 0
+        return bool(self.running) or bool(self.swap) or len(self.waiting) > 0
 
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Decide this step: running requests first (preempting the least important when
+        blocks run out), then swapped ones coming back, then new admissions. A step that
+        preempts admits nothing, and nothing new is admitted while any request is swapped."""
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step,
-                              swap_drop=self._swap_drop)
-        self._finished_since_last_step, self._swap_drop = set(), set()
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
-        budget, preempted = self._schedule_running(budget, scheduled, new_blocks, out)
-        if not preempted:
-            budget = self._schedule_swapped(budget, scheduled, new_blocks, out)
-        if not preempted and not self.swapped:  # swapped requests come back first
-            self._schedule_waiting(budget, scheduled, new_blocks)
-        self._fill_output(out, scheduled, new_blocks)
+                              swap_drop=self.swap.take_drops())
+        self._finished_since_last_step = set()
+        plan = StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan, out)
+        if not plan.preempted:
+            self._schedule_swapped(plan, out)
+        if not plan.preempted and not self.swap:
+            self._schedule_waiting(plan)
+        self._fill_output(out, plan)
         return out
 
-    def _schedule_running(self, budget, scheduled, new_blocks, out) -> tuple[int, bool]:
-        preempted = False
+    def _schedule_running(self, plan: StepPlan, out: SchedulerOutput) -> None:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and plan.budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
             ids = self.kv.allocate_slots(req, num_new)
             while ids is None:
                 victim = self._pick_victim()
-                preempted = True
-                budget += scheduled.pop(victim.request_id, 0)
-                new_blocks.pop(victim.request_id, None)
+                plan.unschedule(victim)
+                plan.preempted = True
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -161,10 +139,7 @@ class Scheduler:
             if ids is None:
                 continue  # req itself was preempted; running[i] is now the next request
             i = self.running.index(req) + 1  # earlier victims shift it left
-            scheduled[req.request_id] = num_new
-            new_blocks[req.request_id] = ids
-            budget -= num_new
-        return budget, preempted
+            plan.schedule(req, num_new, ids)
 
     def _pick_victim(self) -> Request:
         """Lowest priority (largest value), then latest arrival."""
@@ -174,8 +149,7 @@ class Scheduler:
         """Swap the victim out when asked and the pool has room, else recompute later."""
         self.running.remove(req)
         num_saved = -(-req.num_computed_tokens // self.block_size)
-        swap = (self.config.preemption_mode == "swap" and num_saved > 0
-                and self.swap_used_blocks + num_saved <= self.swap_capacity_blocks)
+        swap = self.config.preemption_mode == "swap" and self.swap.can_swap_out(num_saved)
         if swap:
             out.swap_out[req.request_id] = self.kv.block_ids(req.request_id)[:num_saved]
         self.kv.free(req)
@@ -184,45 +158,36 @@ class Scheduler:
         self._known_to_workers.discard(req.request_id)
         out.preempted_req_ids.add(req.request_id)
         if swap:  # keeps num_computed_tokens: their K/V is in the pool
-            req.status = RequestStatus.SWAPPED
-            req.num_swapped_blocks = num_saved
-            self.swap_used_blocks += num_saved
-            self.num_swaps_out += 1
-            self.swapped.append(req)
+            self.swap.swap_out(req, num_saved)
         else:
             req.status = RequestStatus.PREEMPTED
             req.num_computed_tokens = 0
-            self.waiting.add(req, front=True)
+            self.waiting.add_front(req)
 
-    def _schedule_swapped(self, budget, scheduled, new_blocks, out) -> int:
+    def _has_seq_room(self, plan: StepPlan) -> bool:
+        return plan.budget > 0 and len(self.running) < self.config.max_num_seqs
+
+    def _schedule_swapped(self, plan: StepPlan, out: SchedulerOutput) -> None:
         """Bring swapped requests back (oldest first) while blocks allow: fresh blocks, the
         saved K/V copied into them, and this step's tokens scheduled right away."""
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.swapped[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        while self.swap and self._has_seq_room(plan):
+            req = self.swap.peek()
+            num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
             ids = self.kv.allocate_slots(req, num_new)
             if ids is None:
                 break
-            self.swapped.popleft()
             out.swap_in[req.request_id] = ids[: req.num_swapped_blocks]
-            self.swap_used_blocks -= req.num_swapped_blocks
-            req.num_swapped_blocks = 0
-            self.num_swaps_in += 1
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled[req.request_id] = num_new
-            new_blocks[req.request_id] = ids
-            budget -= num_new
-        return budget
+            self.swap.swap_in()
+            self._admit(req, num_new, ids, plan)
 
-    def _schedule_waiting(self, budget, scheduled, new_blocks) -> None:
-        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        while len(self.waiting) and self._has_seq_room(plan):
             req = self.waiting.peek()
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            if not self.config.enable_chunked_prefill and num_new > plan.budget:
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, plan.budget)
             ids = self.kv.allocate_slots(req, num_new, hits)
             if ids is None:
                 break
@@ -230,16 +195,18 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit
-            req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
-            self.running.append(req)
-            scheduled[req.request_id] = num_new
-            new_blocks[req.request_id] = ids
-            budget -= num_new
+            self._admit(req, num_new, ids, plan)
 
-    def _fill_output(self, out, scheduled, new_blocks) -> None:
-        for req_id, num in scheduled.items():
+    def _admit(self, req: Request, num_new: int, block_ids: list[int], plan: StepPlan) -> None:
+        """A waiting or swapped request joins the running batch with this step's tokens."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        plan.schedule(req, num_new, block_ids)
+
+    def _fill_output(self, out: SchedulerOutput, plan: StepPlan) -> None:
+        for req_id, num in plan.num_scheduled.items():
             req = self.requests[req_id]
             out.num_scheduled_tokens[req_id] = num
             if req_id not in self._known_to_workers:
@@ -253,7 +220,7 @@ class Scheduler:
                 sent = self._last_sent_len[req_id] - req.num_prompt_tokens
                 assert sent >= 0
                 out.cached_requests.append(CachedRequestData(
-                    req_id, req.output_token_ids[sent:], new_blocks[req_id],
+                    req_id, req.output_token_ids[sent:], plan.new_blocks[req_id],
                     req.num_computed_tokens))
             self._last_sent_len[req_id] = req.num_tokens
 
@@ -298,10 +265,7 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.SWAPPED:
-            self.swapped.remove(req)
-            self.swap_used_blocks -= req.num_swapped_blocks
-            req.num_swapped_blocks = 0
-            self._swap_drop.add(req.request_id)
+            self.swap.discard(req)
         else:
             self.waiting.remove(req)
         self.kv.free(req)
@@ -313,6 +277,7 @@ class Scheduler:
         del self.requests[req.request_id]
 
     def abort_request(self, request_id: str) -> bool:
+        """Abort a queued, running or swapped request; False if it is unknown."""
         req = self.requests.get(request_id)
         if req is None:
             return False

@@ -1,63 +1,90 @@
-"""/v1/completions and /v1/chat/completions: turn engine outputs into OpenAI responses,
-whole or as Server-Sent Events."""
+"""/v1/completions and /v1/chat/completions: turn the engine's delta outputs into OpenAI
+responses, whole or as Server-Sent Events.
+
+The engine streams each request as deltas (``RequestOutputKind.DELTA``): only new text,
+token ids and logprobs cross from the replica to the ingress, so a stream costs O(its
+length). A handler folds the deltas of each prompt into one running total (usage, metrics,
+the non-streamed response) and turns each delta into SSE chunks.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from kvray.serve.openai_app import (
-    APIError,
-    OpenAIServer,
-    gather_outputs,
-    sse,
-    streaming_response,
-)
-from kvray.serve.protocol import (
-    ProtocolError,
-    error_body,
-    new_id,
-    now,
-)
+from kvray.outputs import CompletionOutput, RequestOutput
+from kvray.serve.http import APIError, drain, sse, streaming_response
+from kvray.serve.protocol import ProtocolError, error_body, new_id, now
+
+if TYPE_CHECKING:
+    from kvray.serve.openai_app import OpenAIServer
+
+Logprobs = list[dict[int, float]] | None
+
+
+@dataclass
+class _Pending:
+    """One choice's tokens not yet sent in a chunk (their text is still held back: a
+    possible stop string's start or a partial character), and where the next token's text
+    starts for logprob ``text_offset`` (which counts an echoed prompt)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Logprobs = None
+    text_offset: int = 0
+    started: bool = False
+
+    def take(self, comp: CompletionOutput) -> tuple[list[int], Logprobs]:
+        """Add ``comp``'s new tokens; return all pending ones and forget them."""
+        ids, self.token_ids = self.token_ids + comp.token_ids, []
+        lps = None
+        if comp.logprobs is not None:
+            lps, self.logprobs = (self.logprobs or []) + comp.logprobs, []
+        return ids, lps
+
+    def keep(self, ids: list[int], lps: Logprobs) -> None:
+        """Put back what :meth:`take` returned when no chunk goes out yet."""
+        self.token_ids, self.logprobs = ids, lps
 
 
 class _Handler:
-    object_name = ""
-    chunk_name = ""
+    id_prefix = object_name = chunk_name = ""
 
     def __init__(self, server: OpenAIServer, req: Any) -> None:
         self.server, self.req = server, req
         self.id = new_id(self.id_prefix)
         self.created = now()
         self.start = time.monotonic()
-        self.token_times: dict[str, list[float]] = {}
-        self.sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, seq) -> chars, toks
-        self.finished: set[tuple[int, int]] = set()  # (prompt, seq) whose finish was sent
+        self.totals: dict[int, RequestOutput] = {}  # prompt index -> deltas folded so far
+        self.pending: dict[tuple[int, int], _Pending] = {}  # (prompt, choice) -> unsent
 
     def _params(self, prompt_len: int):
         try:
-            return self.sampling_params(self.server._max_tokens(self.requested_max_tokens(),
-                                                                 prompt_len))
+            max_tokens = self.server.resolve_max_tokens(self.requested_max_tokens(), prompt_len)
+            return self.sampling_params(max_tokens)
         except ProtocolError as err:
             raise APIError(400, str(err), "BadRequestError", err.param) from None
 
-    def _timed(self, stream: AsyncIterator, key: str) -> AsyncIterator:
-        """Record when each output arrives (TTFT / inter-token latency metrics)."""
-        times = self.token_times.setdefault(key, [])
+    def _track(self, i: int, stream: AsyncIterator[RequestOutput]
+               ) -> AsyncIterator[RequestOutput]:
+        """Pass prompt ``i``'s deltas through, folding each into ``totals[i]`` and noting
+        when tokens arrive (TTFT / inter-token latency); record the request at the end."""
+        times: list[float] = []
 
         async def gen():
-            last = None
             try:
                 async for out in stream:
-                    if sum(len(c.token_ids) for c in out.outputs) > 0:
+                    if any(c.token_ids for c in out.outputs):
                         times.append(time.monotonic())
-                    last = out
+                    total = self.totals.setdefault(
+                        i, RequestOutput(out.request_id, None, None, None, [], False))
+                    total.add(out)
                     yield out
             finally:  # finished, or the client went away (then the request was aborted)
-                if last is not None:
-                    self.server.record(last, self.start, times)
+                if i in self.totals:
+                    self.server.record(self.totals[i], self.start, times)
 
         return gen()
 
@@ -66,27 +93,30 @@ class _Handler:
         return {"id": self.id, "object": object_name, "created": self.created,
                 "model": self.server.model_name, "choices": choices, **extra}
 
-    def delta_chunks(self, i: int, out) -> list[dict]:
-        """One chunk per sequence of prompt ``i`` with new text or a new finish reason."""
+    def delta_chunks(self, i: int, out: RequestOutput) -> list[dict]:
+        """One chunk per choice of prompt ``i`` with new text or a finish reason."""
         chunks = []
         for comp in out.outputs:
-            key = (i, comp.index)
-            if key in self.finished:
+            pend = self.pending.setdefault((i, comp.index), _Pending())
+            ids, lps = pend.take(comp)
+            prefix = ""
+            if not pend.started:
+                pend.started = True
+                prefix = self.prefix_text(i)
+                pend.text_offset = len(prefix)
+            text = prefix + comp.text
+            if not text and comp.finish_reason is None:
+                pend.keep(ids, lps)
                 continue
-            chars, toks = self.sent.get(key, (0, 0))
-            text = self.full_text(out, comp)
-            delta = text[chars:]
-            if not delta and comp.finish_reason is None:
-                continue
-            choice = self.delta_choice(i, comp, delta, toks, chars)
+            choice = self.choice(i, comp, text, ids, lps, pend.text_offset)
             chunks.append(self.envelope(self.chunk_name, [choice]))
-            self.sent[key] = (len(text), len(comp.token_ids))
-            if comp.finish_reason is not None:
-                self.finished.add(key)
+            offsets = (choice["logprobs"] or {}).get("text_offset")
+            if offsets:  # tokens whose text is still held back count all the same
+                pend.text_offset = offsets[-1] + len(choice["logprobs"]["tokens"][-1])
         return chunks
 
-    def usage(self, outs: list) -> dict:
-        prompt = sum(len(o.prompt_token_ids) for o in outs)
+    def usage(self, outs: list[RequestOutput]) -> dict:
+        prompt = sum(len(o.prompt_token_ids or ()) for o in outs)
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
@@ -96,10 +126,9 @@ class _Handler:
         streams = []
         for i, (text, ids) in enumerate(prompts):
             params = self._params(len(ids))
-            rid = f"{self.id}-{i}"
             engine_prompt = {"prompt_token_ids": ids, "prompt": text}
-            streams.append(self._timed(self.server.stream(rid, engine_prompt, params,
-                                                          self.req.priority), rid))
+            streams.append(self._track(i, self.server.stream(
+                f"{self.id}-{i}", engine_prompt, params, self.req.priority)))
         try:
             firsts = [await s.__anext__() for s in streams]  # a bad request fails here: 400
         except BaseException:
@@ -108,9 +137,8 @@ class _Handler:
             raise
         if self.req.stream:
             return streaming_response(self._sse(streams, firsts))
-        finals = await gather_outputs([_prepend(f, s) for f, s in zip(firsts, streams,
-                                                                       strict=True)])
-        return self.response(finals)
+        await drain(streams)
+        return self.response([self.totals[i] for i in range(len(streams))])
 
     async def _sse(self, streams, firsts) -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue()
@@ -126,7 +154,6 @@ class _Handler:
 
         tasks = [asyncio.create_task(pump(i, f, s))
                  for i, (f, s) in enumerate(zip(firsts, streams, strict=True))]
-        finals: dict[int, Any] = {}
         try:
             for chunk in self.first_chunks():
                 yield sse(chunk)
@@ -139,23 +166,16 @@ class _Handler:
                 if isinstance(out, Exception):  # headers are sent: end the stream with it
                     yield sse(error_body(f"request failed: {out}", "InternalServerError", 500))
                     break
-                finals[i] = out
                 for chunk in self.delta_chunks(i, out):
                     yield sse(chunk)
             opts = self.req.stream_options
             if opts is not None and opts.include_usage:
-                yield sse(self.envelope(self.chunk_name, [],
-                                        usage=self.usage(list(finals.values()))))
+                totals = [self.totals[i] for i in sorted(self.totals)]
+                yield sse(self.envelope(self.chunk_name, [], usage=self.usage(totals)))
             yield sse("[DONE]")
         finally:
             for t in tasks:  # client gone: cancelling the pumps aborts the requests
                 t.cancel()
-
-
-async def _prepend(first, stream):
-    yield first
-    async for out in stream:
-        yield out
 
 
 class CompletionHandler(_Handler):
@@ -183,46 +203,44 @@ class CompletionHandler(_Handler):
                 raise APIError(400, "prompt must not be empty", "BadRequestError", "prompt")
         return out
 
-    def _logprobs(self, comp, start_tok: int, text_offset: int) -> dict | None:
-        if comp.logprobs is None:
+    def prefix_text(self, i: int) -> str:
+        """With ``echo``, the prompt shown before the completion."""
+        if not self.req.echo:
+            return ""
+        total = self.totals[i]
+        if total.prompt is not None:
+            return total.prompt
+        return self.server.tokenizer.decode(total.prompt_token_ids)
+
+    def _logprobs(self, ids: list[int], lps: Logprobs, text_offset: int) -> dict | None:
+        if lps is None:
             return None
         tok = self.server.tokenizer
-        entries = comp.logprobs[start_tok:]
-        ids = comp.token_ids[start_tok:start_tok + len(entries)]
         tokens = [tok.decode([t]) for t in ids]
         offsets, pos = [], text_offset
         for s in tokens:
             offsets.append(pos)
             pos += len(s)
-        return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(ids, entries,
-                                                                            strict=True)],
-                "top_logprobs": [{tok.decode([k]): v for k, v in e.items()} for e in entries],
+        return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(ids, lps, strict=True)],
+                "top_logprobs": [{tok.decode([k]): v for k, v in e.items()} for e in lps],
                 "text_offset": offsets}
 
-    def response(self, finals) -> dict:
+    def choice(self, i: int, comp: CompletionOutput, text: str, ids: list[int],
+               lps: Logprobs, text_offset: int) -> dict:
+        return {"index": i * self.req.n + comp.index, "text": text,
+                "logprobs": self._logprobs(ids, lps, text_offset),
+                "finish_reason": comp.finish_reason}
+
+    def response(self, finals: list[RequestOutput]) -> dict:
         choices = []
         for i, out in enumerate(finals):
-            for comp in out.outputs:
-                text = self.full_text(out, comp)
-                echo_len = len(text) - len(comp.text)  # offsets count the echoed prompt
-                choices.append(self.delta_choice(i, comp, text, 0, echo_len))
+            prefix = self.prefix_text(i)  # logprob offsets count the echoed prompt
+            choices.extend(self.choice(i, c, prefix + c.text, c.token_ids, c.logprobs,
+                                       len(prefix)) for c in out.outputs)
         return self.envelope(self.object_name, choices, usage=self.usage(finals))
 
     def first_chunks(self) -> list[dict]:
         return []
-
-    def full_text(self, out, comp) -> str:
-        """The text this choice shows: the completion, after the prompt with ``echo``."""
-        if not self.req.echo:
-            return comp.text
-        prompt = out.prompt if out.prompt is not None else self.server.tokenizer.decode(
-            out.prompt_token_ids)
-        return prompt + comp.text
-
-    def delta_choice(self, i, comp, text, toks, chars) -> dict:
-        return {"index": i * self.req.n + comp.index, "text": text,
-                "logprobs": self._logprobs(comp, toks, chars),
-                "finish_reason": comp.finish_reason}
 
 
 class ChatHandler(_Handler):
@@ -240,17 +258,20 @@ class ChatHandler(_Handler):
         return self.req.sampling_params(max_tokens, (top or 0) if self.req.logprobs else None)
 
     def prompt_ids(self) -> list[tuple[str | None, list[int]]]:
-        ids = self.server._chat_ids(self.req.conversation(), self.req.add_generation_prompt)
+        ids = self.server.chat_prompt_ids(self.req.conversation(),
+                                          self.req.add_generation_prompt)
         return [(None, ids)]
 
-    def _logprobs(self, comp, start_tok: int) -> dict | None:
-        if comp.logprobs is None:
+    def prefix_text(self, i: int) -> str:
+        return ""
+
+    def _logprobs(self, ids: list[int], lps: Logprobs) -> dict | None:
+        if lps is None:
             return None
         tok = self.server.tokenizer
         k = self.req.top_logprobs or 0
         content = []
-        for t, entry in zip(comp.token_ids[start_tok:], comp.logprobs[start_tok:],
-                            strict=False):
+        for t, entry in zip(ids, lps, strict=False):
             s = tok.decode([t])
             top = sorted(((v, i) for i, v in entry.items()), reverse=True)[:k]
             content.append({"token": s, "logprob": entry[t], "bytes": list(s.encode()),
@@ -259,9 +280,15 @@ class ChatHandler(_Handler):
                                              for v, i in top]})
         return {"content": content}
 
-    def response(self, finals) -> dict:
+    def choice(self, i: int, comp: CompletionOutput, text: str, ids: list[int],
+               lps: Logprobs, text_offset: int) -> dict:
+        return {"index": comp.index, "delta": {"content": text},
+                "logprobs": self._logprobs(ids, lps), "finish_reason": comp.finish_reason}
+
+    def response(self, finals: list[RequestOutput]) -> dict:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason}
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                    "finish_reason": c.finish_reason}
                    for c in finals[0].outputs]
         return self.envelope(self.object_name, choices, usage=self.usage(finals))
 
@@ -269,10 +296,3 @@ class ChatHandler(_Handler):
         return [self.envelope(self.chunk_name, [{
             "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
             "finish_reason": None}]) for i in range(self.req.n)]
-
-    def full_text(self, out, comp) -> str:
-        return comp.text
-
-    def delta_choice(self, i, comp, text, toks, chars) -> dict:
-        return {"index": comp.index, "delta": {"content": text},
-                "logprobs": self._logprobs(comp, toks), "finish_reason": comp.finish_reason}

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from ray import serve
 
 from kvray.config import config_from_flat
-from kvray.engine.outputs import RequestOutput
+from kvray.outputs import RequestOutput
 from kvray.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvray.serve")
@@ -126,8 +126,8 @@ class OpenAIIngress:
     async def __init__(self, llm_handle, model_path: str, tokenizer_path: str | None,
                        model_name: str, api_key: str | None, max_waiting: int,
                        board_name: str) -> None:
-        from kvray.models.loader import load_tokenizer
         from kvray.serve.openai_app import OpenAIServer
+        from kvray.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(model_path, tokenizer_path)
         board = _stats_board(board_name)

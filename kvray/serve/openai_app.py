@@ -1,15 +1,14 @@
 """The OpenAI-compatible HTTP API as a FastAPI app over an engine client.
 
 The client is anything with ``generate(request_id, prompt, params, priority)`` (an async
-iterator of cumulative :class:`RequestOutput`), ``engine_stats()`` (list of (replica, dict))
-and ``tokenizer``: the in-process :class:`AsyncLLM`, or the Ray Serve handle wrapper.
+iterator of the request's :class:`RequestOutput` in the kind its params ask for: the
+handlers ask for deltas), ``engine_stats()`` (list of (replica, dict)) and ``tokenizer``:
+the in-process :class:`AsyncLLM`, or the Ray Serve handle wrapper.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,10 +16,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvray
+from kvray.outputs import RequestOutput
+from kvray.serve.completions import ChatHandler, CompletionHandler
+from kvray.serve.http import APIError, error_response
 from kvray.serve.metrics import ServerMetrics
 from kvray.serve.protocol import (
     ChatCompletionRequest,
@@ -28,25 +30,10 @@ from kvray.serve.protocol import (
     DetokenizeRequest,
     ProtocolError,
     TokenizeRequest,
-    error_body,
     now,
 )
 
 logger = logging.getLogger("kvray.serve")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, err_type: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.err_type = status, message, err_type
-        self.param, self.headers = param, headers
-
-
-def _error(status: int, message: str, err_type: str, param: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, err_type, status, param), status_code=status,
-                        headers=headers)
 
 
 class OpenAIServer:
@@ -69,7 +56,7 @@ class OpenAIServer:
 
         @app.exception_handler(APIError)
         async def _api_error(_: Request, err: APIError):
-            return _error(err.status, err.message, err.err_type, err.param, err.headers)
+            return error_response(err.status, err.message, err.err_type, err.param, err.headers)
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(_: Request, err: RequestValidationError):
@@ -77,21 +64,21 @@ class OpenAIServer:
             loc0 = tuple(first.get("loc", ()))
             if first.get("type") == "json_invalid" or (
                     loc0 == ("body",) and first.get("type") == "model_attributes_type"):
-                return _error(400, "request body is not valid JSON", "BadRequestError")
+                return error_response(400, "request body is not valid JSON", "BadRequestError")
             loc = [str(x) for x in first.get("loc", ()) if x != "body"]
             param = ".".join(loc) or None
-            return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid')}",
+            return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid')}",
                           "BadRequestError", param)
 
         @app.exception_handler(StarletteHTTPException)
         async def _http(_: Request, err: StarletteHTTPException):
             kind = "NotFoundError" if err.status_code == 404 else "BadRequestError"
-            return _error(err.status_code, str(err.detail), kind)
+            return error_response(err.status_code, str(err.detail), kind)
 
         @app.exception_handler(Exception)
         async def _internal(_: Request, err: Exception):
             logger.exception("internal error")
-            return _error(500, f"internal server error: {err.__class__.__name__}",
+            return error_response(500, f"internal server error: {err.__class__.__name__}",
                           "InternalServerError")
 
         @app.middleware("http")
@@ -101,7 +88,7 @@ class OpenAIServer:
                 given = request.headers.get("authorization", "")
                 expected = f"Bearer {self.api_key}"
                 if not hmac.compare_digest(given.encode(), expected.encode()):
-                    return _error(401, "invalid or missing API key", "AuthenticationError")
+                    return error_response(401, "invalid or missing API key", "AuthenticationError")
             return await call_next(request)
 
     def _check_model(self, model: str | None) -> None:
@@ -115,7 +102,9 @@ class OpenAIServer:
             raise APIError(503, f"server overloaded: {waiting} requests waiting",
                            "ServiceUnavailableError", headers={"Retry-After": "1"})
 
-    def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        """``max_tokens`` for a prompt: as requested, or all the room left in the context;
+        an APIError (400) when prompt + max_tokens exceeds the context length."""
         room = self.max_model_len - prompt_len
         if requested is None:
             requested = room
@@ -157,7 +146,7 @@ class OpenAIServer:
         self._check_model(req.model)
         if req.messages is not None:
             conv = [{"role": m.role, "content": m.content or ""} for m in req.messages]
-            ids = self._chat_ids(conv, req.add_generation_prompt)
+            ids = self.chat_prompt_ids(conv, req.add_generation_prompt)
         elif req.prompt is not None:
             ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens
                                  )["input_ids"]
@@ -173,7 +162,9 @@ class OpenAIServer:
                            "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
-    def _chat_ids(self, conv: list[dict], add_generation_prompt: bool) -> list[int]:
+    def chat_prompt_ids(self, conv: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Token ids of a conversation through the chat template (400 if it has none or
+        rejects the messages)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            "BadRequestError", "messages")
@@ -186,15 +177,11 @@ class OpenAIServer:
                            "BadRequestError", "messages") from None
 
     async def completions(self, req: CompletionRequest):
-        from kvray.serve.completions import CompletionHandler
-
         self._check_model(req.model)
         self._check_capacity()
         return await CompletionHandler(self, req).run()
 
     async def chat_completions(self, req: ChatCompletionRequest):
-        from kvray.serve.completions import ChatHandler
-
         self._check_model(req.model)
         self._check_capacity()
         return await ChatHandler(self, req).run()
@@ -216,12 +203,13 @@ class OpenAIServer:
         async for out in gen:
             yield out
 
-    def record(self, out, start: float, token_times: list[float]) -> None:
-        """Request-level metrics and the one log line per request."""
+    def record(self, out: RequestOutput, start: float, token_times: list[float]) -> None:
+        """Request-level metrics and the one log line per request, from the request's
+        folded output (finished, or cut short when the client went away)."""
         e2e = time.monotonic() - start
         gen_tokens = sum(len(c.token_ids) for c in out.outputs)
         reasons = [c.finish_reason for c in out.outputs]
-        reason = "abort" if None in reasons else reasons[0]
+        reason = "abort" if not out.finished or None in reasons else reasons[0]
         m = out.metrics
         ttft = (token_times[0] - start) if token_times else None
         itl = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
@@ -229,24 +217,3 @@ class OpenAIServer:
                                      m.queue_time if m else None, ttft, e2e, itl)
         logger.info("request %s: %d prompt + %d generated tokens, %s, %.3f s",
                     out.request_id, len(out.prompt_token_ids), gen_tokens, reason, e2e)
-
-
-def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
-
-
-def streaming_response(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-
-
-async def gather_outputs(streams: list[AsyncIterator]) -> list:
-    """Run several request streams concurrently and return each one's last output."""
-    async def last(stream):
-        final = None
-        async for item in stream:
-            final = item
-        return final
-
-    return await asyncio.gather(*(last(s) for s in streams))

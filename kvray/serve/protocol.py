@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvray.sampling_params import SamplingParams
+from kvray.sampling_params import RequestOutputKind, SamplingParams
 
 
 class ProtocolError(ValueError):
@@ -51,9 +51,11 @@ class _Sampling(_Request):
     stop_token_ids: list[int] | None = None
     priority: int = 0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters for this request; outputs stream back as deltas."""
         bias = None
         if self.logit_bias:
             try:
@@ -71,7 +73,9 @@ class _Sampling(_Request):
                 logit_bias=bias, seed=self.seed, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                output_kind=RequestOutputKind.DELTA)
         except ValueError as err:
             raise ProtocolError(str(err), str(err).split(" ", 1)[0]) from None
 

@@ -1,0 +1,71 @@
+"""The executor interface: how the engine core drives its worker(s).
+
+An executor owns one model replica's workers and hands each step's ``SchedulerOutput`` to
+all of them, returning the sampled tokens. Two implementations share this interface:
+``UniProcExecutor`` (one in-process worker: tests, TP = PP = 1, no Ray start-up cost) and
+``RayExecutor`` (TP x PP worker actors in a placement group). The engine sees only
+:class:`Executor`; this module imports neither torch nor Ray.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvray.config import EngineConfig
+from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvray.models.spec import ModelSpec
+
+
+class Executor(Protocol):
+    """What the engine core calls on its workers, in this order: sizing, cache, steps."""
+
+    spec: ModelSpec  # the model's architecture facts (read by the workers)
+    max_model_len: int  # resolved context length
+    broadcast_s: float  # seconds spent shipping SchedulerOutputs to workers so far
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks every worker can hold within its memory budget (the minimum)."""
+        ...
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block takes on the largest worker shard (sizes the swap pool)."""
+        ...
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks on every worker."""
+        ...
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on all workers; the sampling worker's result."""
+        ...
+
+    def swap_objects(self) -> list[int]:
+        """Per worker, how many swapped-out requests it still holds (leak checks)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release the workers (and any Ray actors / placement group); idempotent."""
+        ...
+
+
+def executor_backend(config: EngineConfig) -> str:
+    """``uni`` or ``ray``: as configured, else ``ray`` exactly when TP x PP > 1."""
+    par = config.parallel
+    backend = par.distributed_executor_backend or ("ray" if par.world_size > 1 else "uni")
+    if backend == "uni" and par.world_size > 1:
+        raise ValueError(
+            f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size x "
+            f"pipeline_parallel_size = {par.world_size}; use 'ray' or leave it unset")
+    return backend
+
+
+def make_executor(config: EngineConfig, model_path: str) -> Executor:
+    """Build the executor the config asks for (imports torch / Ray only then)."""
+    cls: Any
+    if executor_backend(config) == "ray":
+        from kvray.actors.ray_executor import RayExecutor as cls
+    else:
+        from kvray.actors.uniproc_executor import UniProcExecutor as cls
+    return cls(config, model_path)

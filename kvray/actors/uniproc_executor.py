@@ -1,0 +1,34 @@
+"""UniProcExecutor: one worker in this process (TP = PP = 1, no Ray start-up cost)."""
+
+from __future__ import annotations
+
+from kvray.actors.worker import Worker
+from kvray.config import EngineConfig
+from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+
+class UniProcExecutor:
+    """The :class:`~kvray.actors.executor.Executor` over one in-process :class:`Worker`."""
+
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        self.worker: Worker | None = Worker(config, model_path)
+        self.spec, self.max_model_len = self.worker.model_info()
+        self.broadcast_s = 0.0  # nothing crosses a process boundary
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def kv_bytes_per_block(self) -> int:
+        return self.worker.kv_bytes_per_block()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(out)
+
+    def swap_objects(self) -> list[int]:
+        return [self.worker.swap_objects()]
+
+    def shutdown(self) -> None:
+        self.worker = None

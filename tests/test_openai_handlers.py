@@ -1,0 +1,98 @@
+"""The OpenAI handlers over delta outputs, in process (ASGI, a real engine): a streamed
+response carries exactly the non-streamed one's text, logprobs and finish reasons, with
+echo, stop strings (held back until safe, or kept with include_stop_str_in_output), n > 1
+and several prompts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvray.config import config_from_flat
+from kvray.engine.async_engine import AsyncLLM
+from kvray.serve.openai_app import OpenAIServer
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    engine = AsyncLLM(config_from_flat(dict(model=str(tiny_model_dir("llama_gqa")),
+                                            dtype="float32", block_size=4, max_model_len=256,
+                                            num_gpu_blocks_override=256)))
+    try:
+        yield TestClient(OpenAIServer(engine, "m", 256).app)
+    finally:
+        engine.shutdown()
+
+
+def _events(resp) -> list[dict]:
+    lines = [ln.removeprefix("data: ") for ln in resp.text.split("\n\n") if ln]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def _fold_completion_chunks(chunks: list[dict]) -> dict[int, dict]:
+    """Per choice index: concatenated text and logprobs, and the finish reason."""
+    folded: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            f = folded.setdefault(c["index"], {"text": "", "tokens": [], "offsets": [],
+                                               "finish_reason": None})
+            f["text"] += c["text"]
+            if c["logprobs"]:
+                f["tokens"] += c["logprobs"]["tokens"]
+                f["offsets"] += c["logprobs"]["text_offset"]
+            assert f["finish_reason"] is None, "a choice finished twice"
+            f["finish_reason"] = c["finish_reason"]
+    return folded
+
+
+BODY = {"model": "m", "prompt": ["Hello world", "Once upon a"], "n": 2, "max_tokens": 24,
+        "temperature": 1.0, "seed": 11, "stop": ["e", "o w"], "logprobs": 2, "echo": True}
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_streamed_completion_equals_the_whole_response(client, include_stop):
+    body = {**BODY, "include_stop_str_in_output": include_stop}
+    whole = client.post("/v1/completions", json=body).json()
+    streamed = _fold_completion_chunks(_events(client.post(
+        "/v1/completions", json={**body, "stream": True})))
+    assert sorted(streamed) == [0, 1, 2, 3]
+    for choice in whole["choices"]:
+        got = streamed[choice["index"]]
+        assert got["text"] == choice["text"]
+        assert got["tokens"] == choice["logprobs"]["tokens"]
+        assert got["offsets"] == choice["logprobs"]["text_offset"]
+        assert got["finish_reason"] == choice["finish_reason"]
+        prompt = BODY["prompt"][choice["index"] // 2]
+        assert choice["text"].startswith(prompt)  # echo
+        completion = choice["text"][len(prompt):]
+        if choice["finish_reason"] == "stop":
+            assert completion.endswith(("e", "o w")) == include_stop
+    assert any(c["finish_reason"] == "stop" for c in whole["choices"])
+
+
+def test_streamed_chat_equals_the_whole_response(client):
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi there"}], "n": 2,
+            "max_tokens": 20, "temperature": 1.0, "seed": 5, "stop": ["a"], "logprobs": True,
+            "top_logprobs": 1}
+    whole = client.post("/v1/chat/completions", json=body).json()
+    chunks = _events(client.post("/v1/chat/completions", json={**body, "stream": True}))
+    text = {0: "", 1: ""}
+    tokens: dict[int, list[str]] = {0: [], 1: []}
+    finish = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            text[c["index"]] += c["delta"].get("content", "")
+            if c["logprobs"]:
+                tokens[c["index"]] += [e["token"] for e in c["logprobs"]["content"]]
+            if c["finish_reason"]:
+                assert c["index"] not in finish
+                finish[c["index"]] = c["finish_reason"]
+    for choice in whole["choices"]:
+        i = choice["index"]
+        assert text[i] == choice["message"]["content"]
+        assert tokens[i] == [e["token"] for e in choice["logprobs"]["content"]]
+        assert finish[i] == choice["finish_reason"]
+    assert whole["usage"]["completion_tokens"] == sum(len(t) for t in tokens.values())
