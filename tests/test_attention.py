@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import skip_or_fail_in_ci
 
 from kvray.kernels import cpu_paged_attention
 from kvray.kernels.attention import (
@@ -73,19 +74,34 @@ def test_paged_reference_matches_dense_for_mixed_decode_and_prefill(window):
     assert torch.allclose(got, _expected(ks, vs, qs, window), atol=1e-5)
 
 
-def test_decode_buckets_pad_little_and_cover_every_row():
-    lens = [100, 95, 90, 60, 58, 20, 3, 2]
-    buckets = decode_buckets(lens)
-    assert buckets[0][0] == 0 and buckets[-1][1] == len(lens)
-    assert all(a[1] == b[0] for a, b in zip(buckets, buckets[1:], strict=False))
-    assert len(buckets) <= 4
-    assert decode_buckets([]) == []
+@pytest.mark.parametrize("lens,max_buckets,want", [
+    # 95 and 90 are >= 0.8 x 100 = 80, so they share 100's padding; 60 < 80 opens a bucket.
+    # 58 >= 0.8 x 60 = 48 joins it; 20 < 48 opens one, 3 < 16 another; 2 < 0.8 x 3 = 2.4 would
+    # open a fifth, but the fourth bucket is the last one allowed, so 2 is padded to 3.
+    ([100, 95, 90, 60, 58, 20, 3, 2], 4, [(0, 3), (3, 5), (5, 6), (6, 8)]),
+    # Compared with the bucket's FIRST row, not the previous one: 85 >= 80 stays, 79 < 80
+    # opens a bucket at 79, then 70 >= 0.8 x 79 = 63.2 stays with it.
+    ([100, 85, 79, 70], 4, [(0, 2), (2, 4)]),
+    # The bound is strict: 8 == 0.8 x 10 is not below it, 7 is.
+    ([10, 8], 4, [(0, 2)]),
+    ([10, 7], 4, [(0, 1), (1, 2)]),
+    # Equal lengths never split; a single row is one bucket.
+    ([5, 5, 5], 4, [(0, 3)]),
+    ([7], 4, [(0, 1)]),
+    # max_buckets=2: 50 < 80 opens the second and last bucket, which takes every shorter row.
+    ([100, 50, 25, 12, 6], 2, [(0, 1), (1, 5)]),
+    ([], 4, []),
+])
+def test_decode_buckets_pad_little_and_cover_every_row(lens, max_buckets, want):
+    assert decode_buckets(lens, max_buckets=max_buckets) == want
 
 
 @pytest.fixture(scope="module")
 def kernel():
     if cpu_paged_attention.load_kernel() is None:
-        pytest.skip("no C++ compiler for the CPU kernel here")
+        # CI must test the kernel the engine uses on CPU, not pass by skipping it.
+        skip_or_fail_in_ci("no C++ compiler for the CPU kernel here",
+                           "install a C++ compiler (g++) so the CPU decode kernel builds")
     return cpu_paged_attention.paged_decode
 
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 from conftest import builtin_model_or_skip
 
+from kvray import LLM, SamplingParams
 from kvray.cli import main
 
 
@@ -31,11 +32,21 @@ def test_generate_help_lists_config_flags(capsys):
         assert flag in text
 
 
-def test_generate_on_a_local_model_prints_text(tiny_model_dir, capsys):
-    rc = main(["generate", "--model", str(tiny_model_dir("llama_gqa")), "--prompt", "Hello",
-               "--max-tokens", "5", "--dtype", "float32"])
+def test_generate_on_a_local_model_prints_the_offline_api_text(tiny_model_dir, capsys):
+    path = tiny_model_dir("llama_gqa")
+    rc = main(["generate", "--model", str(path), "--prompt", "Hello", "--max-tokens", "5",
+               "--dtype", "float32"])
     assert rc == 0
-    assert capsys.readouterr().out.strip() != ""
+    printed = capsys.readouterr().out
+    # The CLI's default temperature is 0: it must print exactly the greedy completion of the
+    # offline API (leading spaces included), followed by print()'s one newline.
+    llm = LLM(str(path), dtype="float32")
+    try:
+        want = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=5),
+                            use_tqdm=False)[0].outputs[0].text
+    finally:
+        llm.shutdown()
+    assert want and printed == want + "\n"
 
 
 def test_flag_overrides_config_file_and_bad_value_fails_with_field_name(tmp_path, capsys):

@@ -31,18 +31,44 @@ def _ids(n: int, seed: int) -> list[int]:
                          ).tolist()
 
 
-def test_mixed_prompt_forms_come_back_in_input_order(llm):
+@torch.inference_mode()
+def _greedy_reference(hf, prompt: list[int], max_tokens: int, *,
+                      logit_bias: dict[int, float] | None = None, banned: tuple[int, ...] = (),
+                      repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
+                      presence_penalty: float = 0.0) -> list[int]:
+    """Greedy tokens from transformers, recomputing the whole sequence each step, with the
+    logit processors in vLLM's order: bias, banned ids, repetition (prompt and output), then
+    frequency and presence (output only). No stop handling: callers cut the list."""
+    out: list[int] = []
+    for _ in range(max_tokens):
+        logits = hf(torch.tensor([prompt + out])).logits[0, -1].float()
+        for tok, bias in (logit_bias or {}).items():
+            logits[tok] += bias
+        logits[list(banned)] = float("-inf")
+        seen = sorted(set(prompt) | set(out))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / repetition_penalty,
+                                   logits[seen] * repetition_penalty)
+        for tok in set(out):
+            logits[tok] -= frequency_penalty * out.count(tok) + presence_penalty
+        out.append(int(logits.argmax()))
+    return out
+
+
+def test_mixed_prompt_forms_come_back_in_input_order(llm, hf):
     tok = llm.get_tokenizer()
     prompts = ["The capital of France", {"prompt_token_ids": _ids(9, 0)}, "Hello world"]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5, 7)]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5, 7]
     assert outs[0].prompt == "The capital of France"
     assert outs[0].prompt_token_ids == tok("The capital of France")["input_ids"]
     assert outs[1].prompt is None and outs[1].prompt_token_ids == _ids(9, 0)
-    for o in outs:
+    # Each output is its own prompt's whole greedy continuation: a swap of prompts, params or
+    # outputs between requests would show here.
+    for o, n in zip(outs, (3, 5, 7), strict=True):
+        want = _greedy_reference(hf, o.prompt_token_ids, n)
+        assert o.outputs[0].token_ids == want
+        assert o.outputs[0].text == tok.decode(want, skip_special_tokens=True)
         assert o.finished and o.outputs[0].finish_reason == "length"
-        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
 
 
 @torch.inference_mode()
@@ -114,10 +140,13 @@ def test_n_sequences_share_the_prompt_blocks_and_differ(llm):
     assert llm.llm_engine.stats.prefix_cache_hits - before >= 2 * 36
 
 
-def test_stop_token_ids_min_tokens_and_max_tokens(llm):
-    prompt = {"prompt_token_ids": _ids(8, 5)}
+def test_stop_token_ids_min_tokens_and_max_tokens(llm, hf):
+    tok = llm.get_tokenizer()
+    prompt_ids = _ids(8, 214)
+    prompt = {"prompt_token_ids": prompt_ids}
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
+    assert free.token_ids == _greedy_reference(hf, prompt_ids, 12)
     stop_tok = free.token_ids[4]
     first = free.token_ids.index(stop_tok)
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12,
@@ -126,8 +155,14 @@ def test_stop_token_ids_min_tokens_and_max_tokens(llm):
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
     held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, min_tokens=12,
                                                stop_token_ids=[stop_tok]), use_tqdm=False)[0]
-    assert len(held.outputs[0].token_ids) == 12
-    assert stop_tok not in held.outputs[0].token_ids  # banned until min_tokens
+    # Until min_tokens the stop token and EOS are banned: greedy picks the next best instead,
+    # for all 12 tokens, and the request ends by length. With this prompt the next best after
+    # the stop token is EOS, so a missing EOS ban shows too.
+    want = _greedy_reference(hf, prompt_ids, 12, banned=(stop_tok, tok.eos_token_id))
+    assert stop_tok in free.token_ids and want != free.token_ids
+    assert held.outputs[0].token_ids == want
+    assert held.outputs[0].text == tok.decode(want, skip_special_tokens=True)
+    assert held.outputs[0].finish_reason == "length"
 
 
 def test_stop_string_ends_generation_and_is_not_in_the_text(llm):
@@ -153,16 +188,25 @@ def test_chat_uses_the_template(llm):
     assert len(llm.chat([conv, conv], SamplingParams(max_tokens=2), use_tqdm=False)) == 2
 
 
-def test_penalties_and_logit_bias_steer_greedy_output(llm):
-    prompt = {"prompt_token_ids": _ids(10, 6)}
+def test_penalties_and_logit_bias_steer_greedy_output(llm, hf):
+    tok = llm.get_tokenizer()
+    prompt_ids = _ids(10, 21)
+    prompt = {"prompt_token_ids": prompt_ids}
     forced = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
                                                  logit_bias={42: 100.0}), use_tqdm=False)[0]
     assert forced.outputs[0].token_ids == [42] * 5
-    rep = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
-                                              logit_bias={42: 100.0}, frequency_penalty=2.0,
-                                              presence_penalty=2.0, repetition_penalty=2.0),
-                       use_tqdm=False)[0]
-    assert rep.outputs[0].token_ids[0] == 42  # penalties only start once 42 was generated
+    # A bias of 5 (logits here are within about +-2) makes 42 win until the penalties on its
+    # repeats outweigh it. With this prompt, dropping any one of the bias, the repetition
+    # penalty on prompt tokens, the frequency or the presence penalty changes the 12 tokens,
+    # so the comparison with the reference checks each of them.
+    penalties = dict(logit_bias={42: 5.0}, frequency_penalty=0.5, presence_penalty=0.5,
+                     repetition_penalty=1.5)
+    rep = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                              **penalties), use_tqdm=False)[0].outputs[0]
+    want = _greedy_reference(hf, prompt_ids, 12, **penalties)
+    assert 42 not in prompt_ids and want[0] == 42 and want != [42] * 12
+    assert rep.token_ids == want
+    assert rep.text == tok.decode(want, skip_special_tokens=True)
 
 
 def test_invalid_requests_fail_before_queueing(llm):

@@ -163,22 +163,33 @@ def test_stop_string_is_excluded(client, model_name):
     assert out.choices[0].text == free[: free.index(stop)]
 
 
-def test_32_concurrent_streams_all_complete(server, model_name):
-    async def one(aclient, i):
-        stream = await aclient.completions.create(model=model_name, prompt=f"Request {i}",
-                                                  max_tokens=8, temperature=0, stream=True,
-                                                  extra_body={"ignore_eos": True})
-        n = 0
+def test_32_concurrent_streams_each_get_their_own_greedy_text(server, client, model_name):
+    prompts = [f"Request {i}" for i in range(32)]
+    params = dict(model=model_name, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    # Reference: each prompt alone, not streamed. On this tiny model the 32 greedy texts all
+    # differ, so a stream that got another request's tokens cannot match by chance.
+    want = [client.completions.create(prompt=p, **params).choices[0] for p in prompts]
+    assert len({w.text for w in want}) == len(prompts)
+
+    async def one(aclient, prompt):
+        stream = await aclient.completions.create(prompt=prompt, stream=True, **params)
+        text, finish_reasons = "", []
         async for chunk in stream:
-            n += bool(chunk.choices and chunk.choices[0].text)
-        return n
+            for choice in chunk.choices:
+                text += choice.text
+                finish_reasons += [choice.finish_reason] if choice.finish_reason else []
+        return text, finish_reasons
 
     async def main():
         aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY)
-        return await asyncio.gather(*(one(aclient, i) for i in range(32)))
+        return await asyncio.gather(*(one(aclient, p) for p in prompts))
 
-    counts = asyncio.run(main())
-    assert len(counts) == 32 and all(c > 0 for c in counts)
+    got = asyncio.run(main())
+    # Batched with 31 others, every stream still carries exactly its own prompt's greedy text
+    # and ends once, by length (ignore_eos), like its unbatched reference.
+    assert [text for text, _ in got] == [w.text for w in want]
+    assert [reasons for _, reasons in got] == [[w.finish_reason] for w in want]
+    assert all(w.finish_reason == "length" for w in want)
 
 
 def _metric(server: str, name: str) -> float:
