@@ -7,8 +7,13 @@ run the dtype kvray's ``auto`` picks for this CPU (bf16 only where it is native,
 unless ``--dtype`` says otherwise. It also measures the matmul peak in that dtype and
 kvray's model FLOP/s during pure-decode steps.
 
+Workloads (``--workload``): ``uniform`` lengths, ``chat`` (log-normal lengths, prompt median
+~120 and output median ~90 tokens) and ``prefix`` (90 % of every prompt is one shared system
+prompt, which prefix caching computes once).
+
 Usage:
-    python benchmarks/throughput.py [--num-requests 128] [--seed 0] [--skip-baseline]
+    python benchmarks/throughput.py [--workload uniform|chat|prefix] [--num-requests 128]
+        [--seed 0] [--skip-baseline]
         [--skip-kvray] [--max-num-seqs N] [--max-num-batched-tokens N] [--dtype D]
         [--json PATH]
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -76,16 +82,33 @@ class RunResult:
 
 
 def make_workload(n: int, seed: int, vocab_size: int, prompt_range: tuple[int, int],
-                  output_range: tuple[int, int]) -> list[Request]:
-    """``n`` seeded requests: uniform prompt/output lengths, token ids in [100, vocab-100)."""
+                  output_range: tuple[int, int], kind: str = "uniform") -> list[Request]:
+    """``n`` seeded requests, token ids in [100, vocab-100), lengths by ``kind``:
+
+    - ``uniform``: prompt and output lengths uniform in their ranges;
+    - ``chat``: log-normal lengths like chat traffic (prompt median 120, output median 90,
+      sigma 0.7), clipped to the ranges;
+    - ``prefix``: every prompt is one shared system prompt (90 % of its length, the upper
+      end of the prompt range) plus its own question; outputs uniform.
+    """
     rng = random.Random(seed)
+    shared = [rng.randrange(100, vocab_size - 100) for _ in range(prompt_range[1] * 9 // 10)]
     requests = []
     for _ in range(n):
-        plen = rng.randint(*prompt_range)
-        olen = rng.randint(*output_range)
-        ids = [rng.randrange(100, vocab_size - 100) for _ in range(plen)]
+        if kind == "chat":
+            plen = _clip(round(rng.lognormvariate(math.log(120), 0.7)), prompt_range)
+            olen = _clip(round(rng.lognormvariate(math.log(90), 0.7)), output_range)
+        else:
+            plen, olen = rng.randint(*prompt_range), rng.randint(*output_range)
+        prefix = shared if kind == "prefix" else []
+        own = max(1, plen - len(prefix)) if kind == "prefix" else plen
+        ids = prefix + [rng.randrange(100, vocab_size - 100) for _ in range(own)]
         requests.append(Request(ids, olen))
     return requests
+
+
+def _clip(value: int, bounds: tuple[int, int]) -> int:
+    return max(bounds[0], min(bounds[1], value))
 
 
 def warmup_workload(vocab_size: int, seed: int) -> list[Request]:
@@ -382,6 +405,9 @@ def write_json(path: Path, config: dict[str, Any], results: dict[str, RunResult]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--workload", choices=["uniform", "chat", "prefix"], default="uniform",
+                   help="uniform lengths; chat: log-normal lengths; prefix: 90%% of every "
+                   "prompt is one shared system prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=512)
@@ -418,7 +444,8 @@ def describe_config(args: argparse.Namespace, model_dir: Path, requests: list[Re
     return {
         "model_dir": str(model_dir), "hardware": describe(), "dtype": dtype,
         "dtype_reason": dtype_reason, "num_requests": len(requests),
-        "seed": args.seed, "prompt_len_range": [args.min_prompt, args.max_prompt],
+        "workload": args.workload, "seed": args.seed,
+        "prompt_len_range": [args.min_prompt, args.max_prompt],
         "output_len_range": [args.min_output, args.max_output],
         "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
         "output_tokens": sum(r.output_len for r in requests),
@@ -450,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_config(model_dir)
     requests = make_workload(args.num_requests, args.seed, cfg["vocab_size"],
                              (args.min_prompt, args.max_prompt),
-                             (args.min_output, args.max_output))
+                             (args.min_output, args.max_output), args.workload)
     warmup = warmup_workload(cfg["vocab_size"], args.seed)
     dtype, why = machine_dtype(args.dtype, "cpu", checkpoint_dtype(model_dir))
     config = describe_config(args, model_dir, requests, dtype, why)

@@ -52,3 +52,15 @@ def builtin_model_or_skip() -> Path:
         skip_or_fail_in_ci("built-in model not set up (run `kvray setup`)",
                            ".ci/run must run `kvray setup`")
     return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """kvray's compiled CPU ops (:mod:`kvray.kernels.cpu_ops`); CI must test the kernels the
+    engine uses on CPU, not pass by skipping them."""
+    from kvray.kernels import cpu_ops
+
+    if cpu_ops.load_ops() is None:
+        skip_or_fail_in_ci("no C++ compiler for the CPU kernels here",
+                           "install a C++ compiler (g++) so the CPU kernels build")
+    return cpu_ops

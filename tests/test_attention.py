@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import skip_or_fail_in_ci
 
-from kvray.kernels import cpu_paged_attention
 from kvray.kernels.attention import (
     AttentionMetadata,
     decode_buckets,
@@ -97,12 +95,8 @@ def test_decode_buckets_pad_little_and_cover_every_row(lens, max_buckets, want):
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    if cpu_paged_attention.load_kernel() is None:
-        # CI must test the kernel the engine uses on CPU, not pass by skipping it.
-        skip_or_fail_in_ci("no C++ compiler for the CPU kernel here",
-                           "install a C++ compiler (g++) so the CPU decode kernel builds")
-    return cpu_paged_attention.paged_decode
+def kernel(cpu_kernels):
+    return cpu_kernels.paged_decode
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])

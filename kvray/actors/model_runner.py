@@ -6,6 +6,7 @@ the scheduler only sends what changed.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -13,13 +14,17 @@ import torch
 from kvray.actors.cache_engine import CacheEngine, kv_bytes_per_block, num_blocks_for_budget
 from kvray.actors.swap_pool import SwapPool
 from kvray.config import EngineConfig
-from kvray.kernels import cpu_paged_attention
+from kvray.kernels import cpu_ops
 from kvray.kernels.attention import AttentionMetadata
 from kvray.kernels.sampling import SamplingBatch, sample
+from kvray.models.layers import use_small_m_kernel
+from kvray.models.llama import use_cpu_kernels
 from kvray.models.loader import load_model, resolve_max_model_len
 from kvray.parallel import ParallelContext
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("kvray")
 
 
 @dataclass
@@ -60,8 +65,21 @@ class ModelRunner:
         self.cache: CacheEngine | None = None
         self.swap_pool = SwapPool()
         self.decode_kernel = None
-        if device.type == "cpu" and cpu_paged_attention.load_kernel() is not None:
-            self.decode_kernel = cpu_paged_attention.paged_decode
+        if device.type == "cpu" and cpu_ops.load_ops() is not None:
+            self.decode_kernel = cpu_ops.paged_decode
+            use_cpu_kernels(self.model, cpu_ops)
+            if self.dtype == torch.float32:
+                self._use_small_m_kernel()
+
+    def _use_small_m_kernel(self) -> None:
+        """Decode-sized matmuls through the CPU kernel; a bf16 checkpoint run in fp32 also
+        keeps bf16 copies of its weights for it, halving the bytes each decode step reads."""
+        bf16_checkpoint = self.spec.torch_dtype == "bfloat16"
+        extra = use_small_m_kernel(self.model, cpu_ops.linear_small_m,
+                                   cpu_ops.SMALL_M_MAX_ROWS, bf16_weights=bf16_checkpoint)
+        if extra and self.ctx.world_rank == 0:
+            logger.info("kvray: bf16 copies of the weights for decode steps: %.0f MiB",
+                        extra / 2**20)
 
     # ---- KV cache ---------------------------------------------------------------------
     def _local_kv_shape(self) -> tuple[int, int, int]:

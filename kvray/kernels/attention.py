@@ -32,7 +32,7 @@ class AttentionMetadata:
         seq_lens: [B] context length of each sequence after this step (paged).
         seq_lens_list: the same as Python ints (no device sync).
         num_decodes: the first ``num_decodes`` sequences have exactly one new token.
-        decode_kernel: fast decode attention with :func:`cpu_paged_attention.paged_decode`'s
+        decode_kernel: fast decode attention with :func:`cpu_ops.paged_decode`'s
             signature (None = the PyTorch reference).
     """
 

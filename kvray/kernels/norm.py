@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -12,9 +14,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+FusedRMSNorm = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None], torch.Tensor]
+
+
 class RMSNorm(torch.nn.Module):
     """RMSNorm with an optional fused residual add: ``forward(x, residual)`` returns
-    ``(norm(x + residual), x + residual)``, which saves a pass over the hidden states."""
+    ``(norm(x + residual), x + residual)``, which saves a pass over the hidden states.
+
+    ``fused`` (set by :func:`kvray.models.llama.use_cpu_kernels`) does it in one kernel call;
+    it then adds ``x`` into ``residual`` in place and returns that tensor as the sum."""
+
+    fused: FusedRMSNorm | None = None
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -22,6 +32,9 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused is not None:
+            out = self.fused(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         x = x + residual

@@ -4,6 +4,7 @@ checkpoints), with Llama-3 and linear frequency scaling."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +45,11 @@ class RotaryEmbedding(torch.nn.Module):
     """Applies rotary embedding to q and k given each token's absolute position.
 
     cos/sin are precomputed in fp32 for ``max_positions`` and grown on demand.
+    ``fused_inplace`` (set by :func:`kvray.models.llama.use_cpu_kernels`) rotates in place
+    in one kernel call.
     """
+
+    fused_inplace: Callable[..., torch.Tensor] | None = None
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
                  max_positions: int) -> None:
@@ -52,11 +57,19 @@ class RotaryEmbedding(torch.nn.Module):
         self.head_dim = head_dim
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
         self._last = None
+        self._grown_for: torch.Tensor | None = None
         self._build(max_positions)
 
     def _build(self, n: int) -> None:
         freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
         self.cos, self.sin = freqs.cos(), freqs.sin()
+
+    def _grow(self, positions: torch.Tensor) -> None:
+        """Extend the tables past the largest position, on the positions' device."""
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            self._build(2 * int(positions.max()) + 1)
+        if self.cos.device != positions.device:
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos/sin rows for ``positions`` as [T, 1, D/2] in ``dtype``. Every layer of a step
@@ -64,10 +77,7 @@ class RotaryEmbedding(torch.nn.Module):
         key = (positions.data_ptr(), positions.shape, dtype)
         if self._last is not None and self._last[0] == key and self._last[1] is positions:
             return self._last[2]
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            self._build(2 * int(positions.max()) + 1)
-        if self.cos.device != positions.device:
-            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+        self._grow(positions)
         pair = (self.cos[positions].unsqueeze(1).to(dtype),
                 self.sin[positions].unsqueeze(1).to(dtype))
         self._last = (key, positions, pair)
@@ -75,11 +85,17 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T] -> rotated (q, k)."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.rotate_qk(positions, q), self.rotate_qk(positions, k)
 
     def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
-        """Rotate q and k heads held side by side ([T, Hq + Hk, D]) in one pass."""
+        """Rotate q and k heads held side by side ([T, Hq + Hk, D]) in one pass (in place
+        with the fused kernel: ``qk`` may be a view of the QKV projection)."""
+        if self.fused_inplace is not None and qk.stride(-1) == 1 \
+                and qk.stride(-2) == qk.shape[-1]:
+            if self._grown_for is not positions:  # once per step, not once per layer
+                self._grow(positions)
+                self._grown_for = positions
+            return self.fused_inplace(qk, positions, self.cos, self.sin)
         cos, sin = self.cos_sin(positions, qk.dtype)
         return _rotate(qk, cos, sin)
 

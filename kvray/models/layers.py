@@ -7,7 +7,7 @@ more than its shard. With ``tp_size == 1`` every slice is the whole tensor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,46 @@ def _split(size: int, parts: int, what: str) -> int:
     return size // parts
 
 
-class LinearBase(nn.Module):
+SmallMKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class SmallMMatmul:
+    """``x @ self.weight.T (+ b)``, with an optional kernel for inputs of few rows (decode
+    steps: one row per running sequence), where a general GEMM re-reads the weights per row.
+    The kernel may read a bf16 copy of the weights (``small_m_weight``) when it holds the
+    very same values: half the bytes, the same products."""
+
+    weight: torch.Tensor
+    small_m_kernel: SmallMKernel | None = None  # set per layer by use_small_m_kernel()
+    small_m_max_rows: int = 0
+    small_m_weight: torch.Tensor | None = None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.small_m_kernel is not None and 0 < x.shape[0] <= self.small_m_max_rows:
+            weight = self.small_m_weight if self.small_m_weight is not None else self.weight
+            return self.small_m_kernel(x, weight, bias)
+        return F.linear(x, self.weight, bias)
+
+
+def use_small_m_kernel(model: nn.Module, kernel: SmallMKernel, max_rows: int,
+                       bf16_weights: bool = False) -> int:
+    """Route every linear layer (and the LM head) of ``model`` through ``kernel`` when the
+    input has at most ``max_rows`` rows. With ``bf16_weights``, give the kernel a bf16 copy
+    of each weight that bf16 holds exactly (a bf16 checkpoint run in fp32). Returns the bytes
+    those copies take."""
+    extra = 0
+    for module in model.modules():
+        if isinstance(module, SmallMMatmul):
+            module.small_m_kernel, module.small_m_max_rows = kernel, max_rows
+            if bf16_weights:
+                copy = module.weight.to(torch.bfloat16)
+                if torch.equal(copy.to(module.weight.dtype), module.weight):
+                    module.small_m_weight = copy
+                    extra += copy.numel() * copy.element_size()
+    return extra
+
+
+class LinearBase(nn.Module, SmallMMatmul):
     """y = x W^T (+ b) with W of shape [out_local, in_local]."""
 
     def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype) -> None:
@@ -61,7 +100,7 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -147,7 +186,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        y = self.ctx.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
 
@@ -183,9 +222,9 @@ class VocabParallelEmbedding(nn.Module):
         return self.ctx.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, SmallMMatmul):
     """Vocab-parallel output projection; full logits are gathered for sampling."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.ctx.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.ctx.all_gather_last_dim(self.matmul(hidden, None))
         return logits[..., : self.vocab_size]

@@ -7,6 +7,9 @@ The forward pass takes a flat batch of tokens with positions (no padding).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,6 +75,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    fused_silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
         size = spec.intermediate_size
@@ -80,7 +85,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(ctx, size, spec.hidden_size, spec.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_silu_and_mul is not None:
+            return self.down_proj(self.fused_silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -168,3 +176,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head.compute_logits(hidden)
+
+
+def use_cpu_kernels(model: nn.Module, ops: ModuleType) -> None:
+    """Route the decoder's norms, rotary embedding and MLP activation through kvray's fused
+    CPU ops (:mod:`kvray.kernels.cpu_ops`): one call each instead of several tiny PyTorch
+    ops, whose dispatch dominates a decode step's elementwise work on CPU."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.fused = ops.rms_norm
+        elif isinstance(module, RotaryEmbedding):
+            module.fused_inplace = ops.rotary_inplace
+        elif isinstance(module, LlamaMLP):
+            module.fused_silu_and_mul = ops.silu_and_mul
+

@@ -1,7 +1,8 @@
-// CPU paged decode attention for kvray (see kvray/kernels/cpu_paged_attention.py).
+// CPU paged decode attention for kvray (built by kvray/kernels/cpu_ops.py).
 // Reads K/V straight from the paged cache [2, Hk, num_blocks, block_size, D]: one pass over
 // K for the scores, one over V for the output, parallel over (sequence, kv head).
-#include <torch/extension.h>
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
@@ -134,9 +135,4 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tens
         else decode_impl<scalar_t, 0>(q, kv, tables, seq_lens, scale, window, out);
       });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode,
-        "Paged decode attention: q [B, Hq, D] against the paged KV cache -> [B, Hq, D]");
 }

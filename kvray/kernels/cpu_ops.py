@@ -1,0 +1,117 @@
+"""kvray's CPU ops: a small C++ extension built on first use.
+
+- ``paged_decode``: paged decode attention. The PyTorch reference (``attention._decode``)
+  must first gather each sequence's blocks into a contiguous tensor, which on CPU costs more
+  memory traffic than the attention itself; the kernel reads K/V straight from the paged
+  cache, one pass over K for the scores and one over V, parallel over (sequence, kv head).
+- ``linear_small_m``: ``x @ w.T`` for the few rows of a decode step, reading each weight row
+  once for all rows (MKL re-reads the weights per row at small M).
+
+The sources under ``csrc/`` are compiled with the system C++ compiler through
+``torch.utils.cpp_extension`` the first time they are needed (cached under
+``~/.cache/torch_extensions``); if that fails, kvray falls back to the PyTorch reference
+paths and says so once. Tests check every op against its reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("cpu_paged_attention.cpp", "cpu_linear.cpp", "cpu_fused.cpp", "bindings.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+# linear_small_m handles 1..8 rows; above that MKL's sgemm reuses the weights itself.
+SMALL_M_MAX_ROWS = 8
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def load_ops():
+    """The compiled extension, or None if it cannot be built here (logged once)."""
+    with _lock:
+        if "ext" not in _state:
+            _state["ext"] = _build()
+        return _state["ext"]
+
+
+def _build():
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name=f"kvray_cpu_ops_{_build_tag()}",
+                    sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=_CFLAGS,
+                    extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"],
+                    verbose=False)
+    except Exception as err:  # a missing compiler must not stop the engine
+        logger.warning("kvray: CPU kernels unavailable (%s); using the PyTorch reference "
+                       "paths", err)
+        return None
+
+
+def _build_tag() -> str:
+    """Part of the build name: built with -march=native, a binary must not be reused on a CPU
+    with other instruction sets, nor after a source changed (the extension cache under
+    ~/.cache/torch_extensions is keyed by name)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    digest = hashlib.sha1(flags.encode())
+    for name in (*_SOURCES, "ops.h"):
+        digest.update((_CSRC / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None
+                 ) -> torch.Tensor:
+    """q: [B, Hq, D]; kv_cache: [2, Hk, num_blocks, block_size, D] -> [B, Hq, D]."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    return ext.paged_decode(q.contiguous(), kv_cache, block_tables.contiguous(),
+                            seq_lens.contiguous(), float(scale), sliding_window or -1)
+
+
+def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+    """``F.linear`` for fp32 ``x`` of 1..SMALL_M_MAX_ROWS rows (contiguous weight)."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    return ext.linear_small_m(x.contiguous(), weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension; with ``residual``, ``residual += x`` in place first
+    and the sum is normalised."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    res = None if residual is None else residual.view(-1, shape[-1])
+    return ext.rms_norm(flat.contiguous(), weight, float(eps), res).view(shape)
+
+
+def rotary_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (heads contiguous) in place by ``positions``; returns x."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    ext.rotary_inplace(x, positions, cos, sin)
+    return x
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` ([T, 2I] -> [T, I])."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    return ext.silu_and_mul(gate_up.contiguous())

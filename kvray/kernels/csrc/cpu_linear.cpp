@@ -1,0 +1,141 @@
+// Linear layer for the few-row inputs of decode steps (built by kvray/kernels/cpu_ops.py).
+//
+// A decode step multiplies one row of activations per running sequence by every weight
+// matrix: memory-bound, the weights streamed once from DRAM. MKL's sgemm (PyTorch's CPU
+// path) re-reads the whole weight matrix for each row below M of about 16, and its gemv
+// reaches about half of the read bandwidth on some CPUs. Here each weight row is loaded
+// once and multiplied with all M rows of x, which stay in L1/L2, parallel over weight rows.
+// Weights may be bf16 (widened to fp32 in registers, exactly): half the bytes to stream, the
+// same products as fp32 weights holding the same values.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+static inline float widen(float v) { return v; }
+static inline float widen(c10::BFloat16 v) {
+  uint32_t u = static_cast<uint32_t>(v.x) << 16;  // bf16 is the top half of an fp32
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+#ifdef __AVX2__
+#include <immintrin.h>
+
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// Rows [n0, n1) of y^T for M rows of x: y[m * N + n] = dot(x[m], w[n]) (+ b[n]).
+// R weight rows go together so that even M = 1 keeps R independent FMA chains in flight.
+template <int M, int R, typename W>
+static void rows(const float* __restrict__ x, const W* __restrict__ w,
+                 const float* __restrict__ b, float* __restrict__ y, int64_t K, int64_t N,
+                 int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    float acc[R][M];
+    int64_t k = 0;
+#ifdef __AVX2__
+    __m256 a[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) a[r][m] = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) {
+      for (int r = 0; r < R; ++r) {
+        const __m256 wv = load8(w + (n + r) * K + k);
+        for (int m = 0; m < M; ++m)
+          a[r][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), a[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = hsum(a[r][m]);
+#else
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+#endif
+    for (; k < K; ++k)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) acc[r][m] += widen(w[(n + r) * K + k]) * x[m * K + k];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = acc[r][m] + (b ? b[n + r] : 0.f);
+  }
+  if (n < n1) rows<M, 1, W>(x, w, b, y, K, N, n, n1);  // the last R - 1 rows at most
+}
+
+// Rows [n0, n1) of w against M rows of x, a tile of weight rows at a time: the tile stays
+// in L2 while groups of up to 4 x rows pass over it, so w is read from memory once.
+template <int M, typename W>
+static void tile_rows(const float* x, const W* w, const float* b, float* y, int64_t K,
+                      int64_t N, int64_t n0, int64_t n1) {
+  constexpr int G = M < 4 ? M : 4;  // x rows per pass: G * R accumulators fit 16 registers
+  constexpr int R = G == 1 ? 4 : 2;
+  const int64_t tile = std::max<int64_t>(R, (32768 / std::max<int64_t>(K, 1)) / R * R);
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
+    int m = 0;
+    for (; m + G <= M; m += G) rows<G, R, W>(x + m * K, w, b, y + m * N, K, N, t0, t1);
+    if constexpr (M % G != 0) rows<M % G, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1);
+  }
+}
+
+template <int M, typename W>
+static void run(const float* x, const W* w, const float* b, float* y, int64_t K, int64_t N) {
+  // ~64 KiB of weights per task: enough to amortise scheduling, small enough to balance.
+  const int64_t grain = std::max<int64_t>(4, 16384 / std::max<int64_t>(K, 1) / 4 * 4);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    tile_rows<M, W>(x, w, b, y, K, N, n0, n1);
+  });
+}
+
+template <typename W>
+static void dispatch_rows(const float* x, const W* w, const float* b, float* y, int64_t M,
+                          int64_t K, int64_t N) {
+  switch (M) {
+    case 1: run<1, W>(x, w, b, y, K, N); break;
+    case 2: run<2, W>(x, w, b, y, K, N); break;
+    case 3: run<3, W>(x, w, b, y, K, N); break;
+    case 4: run<4, W>(x, w, b, y, K, N); break;
+    case 5: run<5, W>(x, w, b, y, K, N); break;
+    case 6: run<6, W>(x, w, b, y, K, N); break;
+    case 7: run<7, W>(x, w, b, y, K, N); break;
+    default: run<8, W>(x, w, b, y, K, N); break;
+  }
+}
+
+at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "linear_small_m: x [M, K] and w [N, K] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat &&
+              (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "linear_small_m: fp32 x with fp32 or bf16 w only");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "linear_small_m: contiguous inputs");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(M >= 1 && M <= 8, "linear_small_m: 1 <= M <= 8");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N &&
+                bias->scalar_type() == at::kFloat, "linear_small_m: bias [N] fp32");
+    b = bias->data_ptr<float>();
+  }
+  auto y = at::empty({M, N}, x.options());
+  if (w.scalar_type() == at::kFloat)
+    dispatch_rows(x.data_ptr<float>(), w.data_ptr<float>(), b, y.data_ptr<float>(), M, K, N);
+  else
+    dispatch_rows(x.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), b, y.data_ptr<float>(), M,
+                  K, N);
+  return y;
+}

@@ -1,0 +1,21 @@
+// The CPU ops of kvray's extension (bound to Python in bindings.cpp).
+#pragma once
+#include <ATen/ATen.h>
+
+// Paged decode attention: q [B, Hq, D] against the paged cache [2, Hk, blocks, bs, D].
+at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
+                        double scale, int64_t window);
+
+// y = x w^T (+ bias) for a few rows of x (fp32): every weight row is read once for all rows.
+at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+
+// RMSNorm of each row (fp32 math); with residual: residual += x in place first, and the
+// sum is normalised (the fused residual add of a decoder layer).
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps,
+                    c10::optional<at::Tensor> residual);
+
+// Rotary embedding ("rotate half") of x [T, H, D] in place; cos/sin: fp32 [max_pos, D/2].
+void rotary_inplace(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin);
+
+// silu(gate) * up for gate_up = [gate | up] of shape [T, 2 * I] -> [T, I].
+at::Tensor silu_and_mul(at::Tensor gate_up);
