@@ -60,9 +60,12 @@ def test_layers_use_the_kernel_only_for_few_rows(ops):
         return ops.linear_small_m(x, w, b)
 
     use_small_m_kernel(layer, counting, max_rows=4)
+    assert layer.weight_major_gemm  # rows past the kernel's: (W x^T)^T, then the bias
     for rows in (1, 4, 5, 32):
         x = torch.randn(rows, 16)
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        y = layer(x)
+        assert y.is_contiguous() and y.shape == (rows, 8)
+        torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
     assert calls == [1, 4]
 
 
