@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("cpu_paged_attention.cpp", "cpu_linear.cpp", "cpu_fused.cpp", "bindings.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
-# linear_small_m handles 1..8 rows; above that MKL's sgemm reuses the weights itself.
-SMALL_M_MAX_ROWS = 8
+# linear_small_m takes 1..32 rows; the engine uses it up to 16: past that MKL catches up
+# (measured on an AVX2 EPYC: 1.1-2.7x MKL at 8-16 rows, 0.9-1.3x at 24-32).
+SMALL_M_MAX_ROWS = 16
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -83,7 +84,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
 
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                    ) -> torch.Tensor:
-    """``F.linear`` for fp32 ``x`` of 1..SMALL_M_MAX_ROWS rows (contiguous weight)."""
+    """``F.linear`` for fp32 ``x`` of 1..32 rows (contiguous fp32 or bf16 weight)."""
     ext = load_ops()
     assert ext is not None, "call load_ops() first and check it is available"
     return ext.linear_small_m(x.contiguous(), weight, bias)

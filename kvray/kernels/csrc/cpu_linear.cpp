@@ -78,42 +78,36 @@ static void rows(const float* __restrict__ x, const W* __restrict__ w,
 
 // Rows [n0, n1) of w against M rows of x, a tile of weight rows at a time: the tile stays
 // in L2 while groups of up to 4 x rows pass over it, so w is read from memory once.
-template <int M, typename W>
-static void tile_rows(const float* x, const W* w, const float* b, float* y, int64_t K,
-                      int64_t N, int64_t n0, int64_t n1) {
-  constexpr int G = M < 4 ? M : 4;  // x rows per pass: G * R accumulators fit 16 registers
-  constexpr int R = G == 1 ? 4 : 2;
-  const int64_t tile = std::max<int64_t>(R, (32768 / std::max<int64_t>(K, 1)) / R * R);
+template <typename W>
+static void tile_rows(const float* x, const W* w, const float* b, float* y, int64_t M,
+                      int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  // 4 x rows * 2 weight rows = 8 accumulators (+ loads) fit the 16 vector registers.
+  const int64_t tile = std::max<int64_t>(4, (32768 / std::max<int64_t>(K, 1)) / 4 * 4);
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
-    int m = 0;
-    for (; m + G <= M; m += G) rows<G, R, W>(x + m * K, w, b, y + m * N, K, N, t0, t1);
-    if constexpr (M % G != 0) rows<M % G, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1);
+    if (M == 1) {  // one row: 4 weight rows in flight keep the FMA chains busy
+      rows<1, 4, W>(x, w, b, y, K, N, t0, t1);
+      continue;
+    }
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) rows<4, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1);
+    switch (M - m) {
+      case 3: rows<3, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
+      case 2: rows<2, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
+      case 1: rows<1, 4, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
+      default: break;
+    }
   }
-}
-
-template <int M, typename W>
-static void run(const float* x, const W* w, const float* b, float* y, int64_t K, int64_t N) {
-  // ~64 KiB of weights per task: enough to amortise scheduling, small enough to balance.
-  const int64_t grain = std::max<int64_t>(4, 16384 / std::max<int64_t>(K, 1) / 4 * 4);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    tile_rows<M, W>(x, w, b, y, K, N, n0, n1);
-  });
 }
 
 template <typename W>
-static void dispatch_rows(const float* x, const W* w, const float* b, float* y, int64_t M,
-                          int64_t K, int64_t N) {
-  switch (M) {
-    case 1: run<1, W>(x, w, b, y, K, N); break;
-    case 2: run<2, W>(x, w, b, y, K, N); break;
-    case 3: run<3, W>(x, w, b, y, K, N); break;
-    case 4: run<4, W>(x, w, b, y, K, N); break;
-    case 5: run<5, W>(x, w, b, y, K, N); break;
-    case 6: run<6, W>(x, w, b, y, K, N); break;
-    case 7: run<7, W>(x, w, b, y, K, N); break;
-    default: run<8, W>(x, w, b, y, K, N); break;
-  }
+static void run(const float* x, const W* w, const float* b, float* y, int64_t M, int64_t K,
+                int64_t N) {
+  // ~64 KiB of weights per task: enough to amortise scheduling, small enough to balance.
+  const int64_t grain = std::max<int64_t>(4, 16384 / std::max<int64_t>(K, 1) / 4 * 4);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    tile_rows<W>(x, w, b, y, M, K, N, n0, n1);
+  });
 }
 
 at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
@@ -124,7 +118,7 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> 
               "linear_small_m: fp32 x with fp32 or bf16 w only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "linear_small_m: contiguous inputs");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(M >= 1 && M <= 8, "linear_small_m: 1 <= M <= 8");
+  TORCH_CHECK(M >= 1 && M <= 32, "linear_small_m: 1 <= M <= 32");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N &&
@@ -133,9 +127,8 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> 
   }
   auto y = at::empty({M, N}, x.options());
   if (w.scalar_type() == at::kFloat)
-    dispatch_rows(x.data_ptr<float>(), w.data_ptr<float>(), b, y.data_ptr<float>(), M, K, N);
+    run(x.data_ptr<float>(), w.data_ptr<float>(), b, y.data_ptr<float>(), M, K, N);
   else
-    dispatch_rows(x.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), b, y.data_ptr<float>(), M,
-                  K, N);
+    run(x.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), b, y.data_ptr<float>(), M, K, N);
   return y;
 }
