@@ -88,8 +88,9 @@ class SchedulerConfig(_Section):
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="fcfs: arrival order; priority: lower value first, ties by arrival."
     )
-    preemption_mode: Literal["recompute", "swap"] = Field(
-        "recompute", description="How a request gives up its blocks under memory pressure."
+    preemption_mode: Literal["recompute", "swap", "auto"] = Field(
+        "recompute", description="How a request gives up its blocks under memory pressure; "
+        "auto: per victim, the cheaper of the two by costs measured at engine start-up.",
     )
 
 

@@ -6,22 +6,29 @@ import random
 import zlib
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
 from kvray.config import CacheConfig, SchedulerConfig
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput
+from kvray.scheduler.preemption import PreemptionCosts
 from kvray.scheduler.request import Request, RequestStatus
 from kvray.scheduler.scheduler import RequestTooLongError, Scheduler
 
+# One block (4 tokens) costs as much to swap out and in as 3.5 tokens to recompute: "auto"
+# swaps a victim with 8 computed tokens (7 < 8) and recomputes one with 5 (7 > 5).
+MIXED_COSTS = PreemptionCosts(prefill_s_per_token=1.0, swap_s_per_byte=3.5 / 64,
+                              bytes_per_block=64)
+
 
 def _sched(num_blocks=64, block_size=4, budget=32, max_seqs=8, policy="fcfs",
-           prefix=True, max_len=256, mode="recompute", swap_blocks=0) -> Scheduler:
+           prefix=True, max_len=256, mode="recompute", swap_blocks=0,
+           costs=MIXED_COSTS) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                                      scheduling_policy=policy, preemption_mode=mode),
                      CacheConfig(block_size=block_size, enable_prefix_caching=prefix),
-                     num_blocks, max_len, swap_capacity_blocks=swap_blocks)
+                     num_blocks, max_len, swap_capacity_blocks=swap_blocks, costs=costs)
 
 
 def _req(rid, n_prompt, max_tokens=4, priority=0, t=0.0, tokens=None) -> Request:
@@ -32,8 +39,57 @@ def _req(rid, n_prompt, max_tokens=4, priority=0, t=0.0, tokens=None) -> Request
                    priority, max_tokens)
 
 
-def _run_step(s: Scheduler, rng: random.Random | None = None):
+class ShadowKV:
+    """What the workers' KV cache holds, slot by slot: the K/V written at position p stands
+    for the request's tokens 0..p (as a chained hash). Steps apply like the worker applies
+    them: swaps first, then every scheduled token is written, then every scheduled request
+    reads its whole context, which must be its own tokens. This catches a request reading a
+    block that was never computed (e.g. keyed by a request preempted before computing it)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.slots: dict[int, int] = {}
+        self.saved: dict[str, list[int | None]] = {}
+
+    def _slot(self, table: list[int], pos: int) -> int:
+        return table[pos // self.bs] * self.bs + pos % self.bs
+
+    def apply(self, s: Scheduler, out) -> None:
+        for rid, blocks in out.swap_out.items():
+            self.saved[rid] = [self.slots.get(b * self.bs + i) for b in blocks
+                               for i in range(self.bs)]
+        for rid, blocks in out.swap_in.items():
+            saved = self.saved.pop(rid)
+            assert len(saved) == len(blocks) * self.bs
+            for k, value in enumerate(saved):
+                self.slots[blocks[k // self.bs] * self.bs + k % self.bs] = value
+        for rid in out.swap_drop:
+            self.saved.pop(rid)
+        prefixes = {rid: _prefix_hashes(s.requests[rid].all_token_ids)
+                    for rid in out.num_scheduled_tokens}
+        for rid, n in out.num_scheduled_tokens.items():
+            r, table = s.requests[rid], s.kv.block_ids(rid)
+            for pos in range(r.num_computed_tokens, r.num_computed_tokens + n):
+                self.slots[self._slot(table, pos)] = prefixes[rid][pos]
+        for rid, n in out.num_scheduled_tokens.items():
+            r, table = s.requests[rid], s.kv.block_ids(rid)
+            for pos in range(r.num_computed_tokens + n):
+                assert self.slots.get(self._slot(table, pos)) == prefixes[rid][pos], \
+                    f"{rid} reads wrong K/V at position {pos}"
+
+
+def _prefix_hashes(tokens: list[int]) -> list[int]:
+    out, h = [], 0
+    for t in tokens:
+        h = hash((h, t))  # ints hash the same in every process
+        out.append(h)
+    return out
+
+
+def _run_step(s: Scheduler, rng: random.Random | None = None, shadow: ShadowKV | None = None):
     out = s.schedule()
+    if shadow is not None:
+        shadow.apply(s, out)
     sampled = []
     for rid, n in out.num_scheduled_tokens.items():
         r = s.requests[rid]
@@ -153,27 +209,28 @@ def _check_invariants(s: Scheduler) -> None:
     assert s.swap.used_blocks <= s.swap.capacity_blocks
     assert set(s.kv.req_blocks) <= running
     assert len(s.running) <= s.config.max_num_seqs
+    if s.config.scheduling_policy == "priority":  # so a swapped request never preempts
+        assert all(sw.priority >= r.priority for sw in s.swap.queue for r in s.running)
+    assert s.num_priority_preemptions <= s.num_preemptions
 
 
+PREFIXES = [list(range(1, 21)), list(range(21, 41)), [5, 6, 7, 8] * 5]
 workload = st.lists(
     st.tuples(st.sampled_from(["arrive", "step", "step", "step", "abort"]),
               st.integers(1, 60), st.integers(1, 12), st.integers(0, 3)),
     min_size=1, max_size=60)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workload, st.sampled_from(["fcfs", "priority"]), st.booleans(),
-       st.integers(8, 40), st.sampled_from(["recompute", "swap"]), st.integers(0, 30),
-       st.randoms(use_true_random=False))
-def test_random_workloads_keep_invariants_and_finish_everything(
-        ops, policy, prefix, num_blocks, mode, swap_blocks, rng):
-    s = _sched(num_blocks=num_blocks, block_size=4, budget=24, max_seqs=6, policy=policy,
-               prefix=prefix, max_len=128, mode=mode, swap_blocks=swap_blocks)
-    accepted, t = [], 0.0
+def _drive(s: Scheduler, ops, rng: random.Random) -> None:
+    """Run ``ops`` (arrive / step / abort) and then steps until everything ends, checking
+    the invariants and what every request reads after each; then check that every
+    accepted request finished whole."""
+    accepted, t, shadow = [], 0.0, ShadowKV(s.block_size)
     for op, n_prompt, max_tokens, prio in ops:
         if op == "arrive":
             t += 1
-            shared = [1, 2, 3, 4, 5, 6, 7, 8][: n_prompt]  # common prefixes exercise the cache
+            # Common prefixes (one of three, up to 20 tokens) exercise the prefix cache.
+            shared = PREFIXES[n_prompt % len(PREFIXES)][: rng.randint(0, n_prompt)]
             tokens = shared + [rng.randrange(50) for _ in range(n_prompt - len(shared))]
             r = _req(f"r{t}", n_prompt, max_tokens, prio, t, tokens)
             try:
@@ -184,19 +241,52 @@ def test_random_workloads_keep_invariants_and_finish_everything(
         elif op == "abort" and s.requests:
             s.abort_request(rng.choice(sorted(s.requests)))
         else:
-            _run_step(s, rng)
+            _run_step(s, rng, shadow)
         _check_invariants(s)
     for _ in range(2000):
         if not s.has_unfinished_requests():
             break
-        _run_step(s, rng)
+        _run_step(s, rng, shadow)
         _check_invariants(s)
     assert not s.has_unfinished_requests(), "a request was left behind"
     assert all(r.is_finished for r in accepted)
     assert all(len(r.output_token_ids) == r.max_tokens for r in accepted
                if r.status is RequestStatus.FINISHED_LENGTH)
-    assert s.kv.pool.num_free == num_blocks
-    assert s.swap.used_blocks == 0 and not s.swap
+    assert s.kv.pool.num_free == s.kv.num_blocks
+    assert s.swap.used_blocks == 0 and not s.swap and not shadow.saved
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload, st.sampled_from(["fcfs", "priority"]), st.booleans(),
+       st.integers(8, 40), st.sampled_from(["recompute", "swap", "auto"]), st.integers(0, 30),
+       st.integers(2, 6), st.randoms(use_true_random=False))
+def test_random_workloads_keep_invariants_and_finish_everything(
+        ops, policy, prefix, num_blocks, mode, swap_blocks, max_seqs, rng):
+    # Under "priority", arrivals of priority 0..3 preempt less important running requests
+    # when blocks or the max_seqs slots run short (few slots make the slot case common).
+    s = _sched(num_blocks=num_blocks, block_size=4, budget=24, max_seqs=max_seqs,
+               policy=policy, prefix=prefix, max_len=128, mode=mode, swap_blocks=swap_blocks)
+    _drive(s, ops, rng)
+    target(float(s.num_priority_preemptions), label="preemptions for waiting requests")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+def test_seeded_priority_workloads_preempt_for_arrivals_and_keep_invariants(mode):
+    """The same checks over fixed random workloads that surely take the path where a waiting
+    request preempts running ones (blocks and slots), with each preemption mode."""
+    num_priority_preemptions = num_swaps = 0
+    for seed in range(25):
+        rng = random.Random(seed)
+        ops = [(rng.choice(["arrive", "arrive", "step", "step", "abort"]), rng.randint(1, 40),
+                rng.randint(1, 12), rng.randint(0, 3)) for _ in range(50)]
+        s = _sched(num_blocks=rng.randint(10, 30), block_size=4, budget=24,
+                   max_seqs=rng.randint(2, 5), policy="priority", prefix=seed % 2 == 0,
+                   max_len=128, mode=mode, swap_blocks=rng.randint(0, 20))
+        _drive(s, ops, rng)
+        num_priority_preemptions += s.num_priority_preemptions
+        num_swaps += s.swap.num_swaps_out
+    assert num_priority_preemptions >= 10
+    assert (num_swaps > 0) == (mode != "recompute")
 
 
 def test_swap_preemption_keeps_progress_and_swaps_back_before_admitting():

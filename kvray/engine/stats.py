@@ -15,6 +15,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
     num_preemptions: int = 0
+    num_priority_preemptions: int = 0  # of which for a more important waiting request
     num_swapped: int = 0  # requests whose KV is in the swap pool now
     num_swaps_out: int = 0
     num_swaps_in: int = 0
@@ -25,3 +26,6 @@ class EngineStats:
     decode_time_s: float = 0.0
     decode_tokens: int = 0
     decode_context_tokens: int = 0  # sum of context lengths attended in those steps
+    # preemption_mode="auto": the per-unit costs measured at start-up (0.0 otherwise)
+    prefill_s_per_token: float = 0.0
+    swap_s_per_byte: float = 0.0

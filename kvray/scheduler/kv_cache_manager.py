@@ -13,6 +13,7 @@ request with the same prefix, or evicted (key dropped) when a fresh block is nee
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvray.scheduler.request import Request
@@ -141,9 +142,19 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """The longest chain of cached full blocks that prefixes the request's tokens, and
-        how many tokens they cover. At least one token is always left to compute, so the
-        step still produces logits."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        how many tokens they cover, counted in the prefix-cache stats. At least one token is
+        always left to compute, so the step still produces logits."""
+        if not self._uses_cache(request):
+            return [], 0
+        hits, num_hit = self.find_cached_prefix(request)
+        self.stats.requests += 1
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_hit
+        return hits, num_hit
+
+    def find_cached_prefix(self, request: Request) -> tuple[list[Block], int]:
+        """What :meth:`get_computed_blocks` finds, without counting it in the stats."""
+        if not self._uses_cache(request):
             return [], 0
         self._update_hashes(request)
         tokens, bs = request.all_token_ids, self.block_size
@@ -155,9 +166,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.requests += 1
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * bs
         return hits, len(hits) * bs
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int,
@@ -208,6 +216,35 @@ class KVCacheManager:
             self.pool.cache(blocks[i], request.block_hashes[i],
                             tuple(tokens[i * bs:(i + 1) * bs]), parent)
         self._num_keyed[request.request_id] = end
+
+    def num_freed_by_prefixes(self, requests: Iterable[Request]) -> Iterator[int]:
+        """For ``requests[:1]``, ``requests[:2]``, ...: how many blocks would join the free
+        queue if those requests were freed (the blocks no other request holds)."""
+        refs: dict[int, int] = {}
+        num_freed = 0
+        for request in requests:
+            for block in self.req_blocks.get(request.request_id, ()):
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+                num_freed += refs[block.block_id] == block.ref_cnt
+            yield num_freed
+
+    def _uses_cache(self, request: Request) -> bool:
+        # Prompt logprobs need every prompt position computed, so such a request never hits.
+        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+
+    def num_shared_prefix_tokens(self, request: Request) -> int:
+        """Computed tokens at the start of ``request`` in cached blocks that another request
+        also holds: freed now, ``request`` will find them cached when it comes back, while a
+        swap would restore private copies of them."""
+        if not self._uses_cache(request):
+            return 0
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_shared = 0
+        for block in blocks[: request.num_computed_tokens // self.block_size]:
+            if block.block_hash is None or block.ref_cnt < 2:
+                break
+            num_shared += 1
+        return num_shared * self.block_size
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks (tail first, so it is evicted first).

@@ -1,4 +1,4 @@
-"""Waiting queues, one class per scheduling policy.
+"""Waiting queues, one class per scheduling policy (the swap queue uses them too).
 
 Both answer the same small interface (``add``, ``add_front``, ``peek``, ``pop``, ``remove``)
 so the scheduler never branches on the policy name.

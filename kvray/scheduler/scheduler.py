@@ -9,8 +9,17 @@ Invariants relied on:
 - ``num_computed_tokens`` advances only when a step's output comes back
   (:meth:`update_from_output`), so a request preempted in the step that scheduled it has
   computed nothing new;
-- when a step preempts, it admits no waiting request (no thrash, and no request can hit a
-  block that a preempted request keyed but never computed).
+- when a step preempts to make room for running requests, it admits no waiting request (no
+  thrash, and no request can hit a block that a preempted request keyed but never computed);
+- under the priority policy a waiting request may preempt running requests of strictly lower
+  priority (:meth:`Scheduler._preempt_for`), but only while no waiting request has been
+  admitted in the step, and the step then admits that request and no other: a victim's only
+  uncomputed blocks are the ones it keyed in this step, nobody admitted before it can hold
+  them, and ``free`` drops their keys, so nothing admitted after it can hit them;
+- under the priority policy no swapped request outranks a running one (victims go lowest
+  first, swapped requests come back lowest (priority, arrival) first, and a waiting request
+  is admitted past a swapped one only if it outranks it), so swapped requests never need to
+  preempt.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from kvray.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from kvray.scheduler.preemption import PreemptionCosts
 from kvray.scheduler.queues import make_waiting_queue
 from kvray.scheduler.request import Request, RequestStatus
 from kvray.scheduler.swap import SwapSpace
@@ -43,6 +53,7 @@ class StepPlan:
     num_scheduled: dict[str, int] = field(default_factory=dict)  # req -> tokens, batch order
     new_blocks: dict[str, list[int]] = field(default_factory=dict)  # req -> block ids added
     preempted: bool = False  # a request lost its blocks this step
+    admitted_waiting: bool = False  # a waiting request joined the batch this step
 
     def schedule(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
         self.num_scheduled[request.request_id] = num_tokens
@@ -59,16 +70,22 @@ class Scheduler:
     """Decides each step which requests advance by how many tokens, and owns their blocks."""
 
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
-                 max_model_len: int, swap_capacity_blocks: int = 0) -> None:
+                 max_model_len: int, swap_capacity_blocks: int = 0,
+                 costs: PreemptionCosts | None = None) -> None:
+        """``costs``: measured preemption costs, required by ``preemption_mode="auto"``."""
+        if sched.preemption_mode == "auto" and costs is None:
+            raise ValueError("preemption_mode='auto' needs the measured PreemptionCosts")
         self.config = sched
         self.max_model_len = max_model_len
         self.block_size = cache.block_size
+        self.costs = costs
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.waiting = make_waiting_queue(sched.scheduling_policy)
         self.running: list[Request] = []
-        self.swap = SwapSpace(swap_capacity_blocks)
+        self.swap = SwapSpace(swap_capacity_blocks, sched.scheduling_policy)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # of which for a more important waiting request
         self._known_to_workers: set[str] = set()
         self._finished_since_last_step: set[str] = set()
         self._last_sent_len: dict[str, int] = {}
@@ -109,7 +126,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step: running requests first (preempting the least important when
         blocks run out), then swapped ones coming back, then new admissions. A step that
-        preempts admits nothing, and nothing new is admitted while any request is swapped."""
+        preempts for running requests admits nothing, and a waiting request is admitted only
+        if no swapped request of equal or higher priority (under fcfs: none at all) is
+        waiting to come back."""
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step,
                               swap_drop=self.swap.take_drops())
         self._finished_since_last_step = set()
@@ -117,8 +136,7 @@ class Scheduler:
         self._schedule_running(plan, out)
         if not plan.preempted:
             self._schedule_swapped(plan, out)
-        if not plan.preempted and not self.swap:
-            self._schedule_waiting(plan)
+            self._schedule_waiting(plan, out)
         self._fill_output(out, plan)
         return out
 
@@ -130,9 +148,7 @@ class Scheduler:
             ids = self.kv.allocate_slots(req, num_new)
             while ids is None:
                 victim = self._pick_victim()
-                plan.unschedule(victim)
-                plan.preempted = True
-                self._preempt(victim, out)
+                self._preempt(victim, plan, out)
                 if victim is req:
                     break
                 ids = self.kv.allocate_slots(req, num_new)
@@ -145,11 +161,21 @@ class Scheduler:
         """Lowest priority (largest value), then latest arrival."""
         return max(self.running, key=Request.sort_key)
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        """Swap the victim out when asked and the pool has room, else recompute later."""
+    def _outranks(self, a: Request, b: Request) -> bool:
+        """Whether ``a`` may go before ``b`` (preempt it, or be admitted while it is
+        swapped): only under the priority policy and only by a strictly lower priority
+        value. Equal priority never does, so a victim can never preempt back the request
+        it yielded to."""
+        return self.config.scheduling_policy == "priority" and a.priority < b.priority
+
+    def _preempt(self, req: Request, plan: StepPlan, out: SchedulerOutput) -> None:
+        """Take ``req``'s blocks and any tokens it was given this step; save its K/V to the
+        swap pool or let it recompute later, as :meth:`_should_swap` decides."""
+        plan.unschedule(req)
+        plan.preempted = True
         self.running.remove(req)
         num_saved = -(-req.num_computed_tokens // self.block_size)
-        swap = self.config.preemption_mode == "swap" and self.swap.can_swap_out(num_saved)
+        swap = self._should_swap(req, num_saved)  # before free: it reads the block table
         if swap:
             out.swap_out[req.request_id] = self.kv.block_ids(req.request_id)[:num_saved]
         self.kv.free(req)
@@ -164,14 +190,34 @@ class Scheduler:
             req.num_computed_tokens = 0
             self.waiting.add_front(req)
 
+    def _should_swap(self, req: Request, num_saved: int) -> bool:
+        """Never under ``recompute`` or when the pool lacks room for ``num_saved`` blocks;
+        always under ``swap``. Under ``auto``, never for a request that shares its prefix
+        with a running one: it would come back into private copies of the shared blocks,
+        needing more blocks than it gave up (measured: 0.63-0.77x of recompute's
+        throughput on shared-prefix requests), while recomputing it finds the prefix
+        cached. Otherwise when copying the blocks out and back costs less than recomputing
+        its tokens."""
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.swap.can_swap_out(num_saved):
+            return False
+        if mode == "swap":
+            return True
+        if self.kv.num_shared_prefix_tokens(req) > 0:
+            return False
+        return self.costs.prefers_swap(num_saved, req.num_computed_tokens)
+
     def _has_seq_room(self, plan: StepPlan) -> bool:
         return plan.budget > 0 and len(self.running) < self.config.max_num_seqs
 
     def _schedule_swapped(self, plan: StepPlan, out: SchedulerOutput) -> None:
-        """Bring swapped requests back (oldest first) while blocks allow: fresh blocks, the
-        saved K/V copied into them, and this step's tokens scheduled right away."""
+        """Bring swapped requests back in the swap queue's order while blocks allow: fresh
+        blocks, the saved K/V copied into them, and this step's tokens scheduled right away.
+        A waiting request of higher priority goes first."""
         while self.swap and self._has_seq_room(plan):
             req = self.swap.peek()
+            if len(self.waiting) and self._outranks(self.waiting.peek(), req):
+                break
             num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
             ids = self.kv.allocate_slots(req, num_new)
             if ids is None:
@@ -180,24 +226,90 @@ class Scheduler:
             self.swap.swap_in()
             self._admit(req, num_new, ids, plan)
 
-    def _schedule_waiting(self, plan: StepPlan) -> None:
-        while len(self.waiting) and self._has_seq_room(plan):
+    def _schedule_waiting(self, plan: StepPlan, out: SchedulerOutput) -> None:
+        """Admit waiting requests in queue order while budget, slots and blocks allow. Under
+        the priority policy the head may first preempt less important running requests;
+        the step then admits it and no other."""
+        while len(self.waiting) and plan.budget > 0:
             req = self.waiting.peek()
-            hits, num_hit = self.kv.get_computed_blocks(req)
-            num_new = req.num_tokens - num_hit
-            if not self.config.enable_chunked_prefill and num_new > plan.budget:
+            if self.swap and not self._outranks(req, self.swap.peek()):
+                break  # a swapped request of equal or higher priority comes back first
+            admitted = self._admit_waiting(req, plan)
+            if not admitted and self._preempt_for(req, plan, out):
+                admitted = self._admit_waiting(req, plan)
+            if not admitted or plan.preempted:
                 break
-            num_new = min(num_new, plan.budget)
-            ids = self.kv.allocate_slots(req, num_new, hits)
-            if ids is None:
-                break
-            self.waiting.pop()
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            req.num_computed_tokens = num_hit
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            self._admit(req, num_new, ids, plan)
+
+    def _admit_waiting(self, req: Request, plan: StepPlan) -> bool:
+        """Admit the waiting queue's head ``req`` if it gets a slot and blocks for this
+        step's tokens (after its prefix-cache hits); False, changing nothing, if not."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        hits, num_hit = self.kv.get_computed_blocks(req)
+        num_new = req.num_tokens - num_hit
+        if not self.config.enable_chunked_prefill and num_new > plan.budget:
+            return False
+        num_new = min(num_new, plan.budget)
+        ids = self.kv.allocate_slots(req, num_new, hits)
+        if ids is None:
+            return False
+        popped = self.waiting.pop()
+        assert popped is req, "admitting a request that is not the queue's head"
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        req.num_computed_tokens = num_hit
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        plan.admitted_waiting = True
+        self._admit(req, num_new, ids, plan)
+        return True
+
+    def _preempt_for(self, req: Request, plan: StepPlan, out: SchedulerOutput) -> bool:
+        """Priority policy: preempt the running requests :meth:`_victims_for` names so that
+        the waiting ``req`` fits. Returns whether any was preempted.
+
+        Only before any waiting request is admitted in this step: one admitted earlier may
+        hold a block a victim keyed this step but will not compute. The victims themselves
+        were running when the step began, so every block they keyed before it is computed
+        (a request swapped in this step ranks at or above ``req``, so it is never a victim:
+        workers save before they restore, so it must not be swapped out in the same step).
+        """
+        if self.config.scheduling_policy != "priority" or plan.admitted_waiting:
+            return False
+        victims = self._victims_for(req, plan)
+        for victim in victims:
+            self._preempt(victim, plan, out)
+        self.num_priority_preemptions += len(victims)
+        return bool(victims)
+
+    def _victims_for(self, req: Request, plan: StepPlan) -> list[Request]:
+        """The fewest running requests of strictly lower priority than ``req``, lowest
+        priority first, then latest arrival, whose preemption surely gives ``req`` a slot
+        and its blocks in this step; [] if all of them would not be enough."""
+        candidates = sorted((r for r in self.running if self._outranks(req, r)),
+                            key=Request.sort_key, reverse=True)
+        _, num_hit = self.kv.find_cached_prefix(req)
+        budget = plan.budget
+        freed = self.kv.num_freed_by_prefixes(candidates)
+        for k, (victim, num_freed) in enumerate(zip(candidates, freed, strict=True), start=1):
+            budget += plan.num_scheduled.get(victim.request_id, 0)  # given back on preempt
+            if self._fits_once_freed(req, num_hit, budget, k, num_freed):
+                return candidates[:k]
+        return []
+
+    def _fits_once_freed(self, req: Request, num_hit: int, budget: int, num_victims: int,
+                         num_freed: int) -> bool:
+        """Whether ``req`` surely gets a slot and its blocks once ``num_victims`` running
+        requests holding ``num_freed`` blocks alone are gone and ``budget`` tokens are left.
+        It then takes at most the blocks covering ``min(num_tokens, num_hit + budget)``
+        tokens: freeing victims can only shorten its cached prefix (their keyed but
+        uncomputed blocks lose their keys), which never raises that bound."""
+        if len(self.running) - num_victims >= self.config.max_num_seqs:
+            return False
+        if not self.config.enable_chunked_prefill and req.num_tokens - num_hit > budget:
+            return False
+        need = -(-min(req.num_tokens, num_hit + budget) // self.block_size)
+        return self.kv.pool.num_free + num_freed >= need
 
     def _admit(self, req: Request, num_new: int, block_ids: list[int], plan: StepPlan) -> None:
         """A waiting or swapped request joins the running batch with this step's tokens."""

@@ -3,18 +3,20 @@ how many of its blocks they use. The copies themselves live with the workers."""
 
 from __future__ import annotations
 
-from collections import deque
-
+from kvray.scheduler.queues import WaitingQueue, make_waiting_queue
 from kvray.scheduler.request import Request, RequestStatus
 
 
 class SwapSpace:
-    """Swapped-out requests, oldest first, bounded by ``capacity_blocks``."""
+    """Swapped-out requests, bounded by ``capacity_blocks``, in the order they come back:
+    the scheduling policy's (fcfs: oldest swapped first; priority: lowest (priority,
+    arrival) first, so a more important request is never stuck behind a less important
+    one)."""
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, policy: str = "fcfs") -> None:
         self.capacity_blocks = capacity_blocks
         self.used_blocks = 0
-        self.queue: deque[Request] = deque()
+        self.queue: WaitingQueue = make_waiting_queue(policy)
         self.num_swaps_out = 0
         self.num_swaps_in = 0
         self._to_drop: set[str] = set()  # saved copies the workers may forget
@@ -31,14 +33,14 @@ class SwapSpace:
         request.num_swapped_blocks = num_blocks
         self.used_blocks += num_blocks
         self.num_swaps_out += 1
-        self.queue.append(request)
+        self.queue.add(request)
 
     def peek(self) -> Request:
-        return self.queue[0]
+        return self.queue.peek()
 
     def swap_in(self) -> Request:
-        """Take the oldest swapped request back; return it (its blocks are restored)."""
-        request = self.queue.popleft()
+        """Take the next swapped request back; return it (its blocks are restored)."""
+        request = self.queue.pop()
         self.used_blocks -= request.num_swapped_blocks
         request.num_swapped_blocks = 0
         self.num_swaps_in += 1
