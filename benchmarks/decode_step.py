@@ -7,7 +7,9 @@ the same dtype, also measured here. Prints one table; compare ratios within one 
 (the machines are shared and differ).
 
 With ``--neighbour`` a second process spins on one core during the decode steps, as the
-Serve ingress, Ray or another tenant would: the steps must degrade gracefully, not collapse.
+Serve ingress, Ray or another tenant would. PyTorch's OpenMP threads spin at barriers by
+default, which a busy neighbour turns into long stalls; compare with OMP_WAIT_POLICY=PASSIVE
+in the environment (see benchmarks/RESULTS.md for the trade-off).
 
 Usage:
     python benchmarks/decode_step.py [--batches 1,4,8,16,64] [--steps 48] [--dtype auto]
