@@ -37,6 +37,8 @@ _state: dict[str, object] = {}
 
 def load_ops():
     """The compiled extension, or None if it cannot be built here (logged once)."""
+    if "ext" in _state:  # every op call asks: no lock once it is built
+        return _state["ext"]
     with _lock:
         if "ext" not in _state:
             _state["ext"] = _build()
