@@ -53,11 +53,48 @@ def cpu_info() -> CpuInfo:
             text = f.read()
     except OSError:
         text = ""
+    return parse_cpuinfo(text, available_cores())
+
+
+def cgroup_cpu_limit(cpu_max: str | None, cfs_quota: str | None = None,
+                     cfs_period: str | None = None) -> int | None:
+    """Whole cores a cgroup CPU quota allows (rounded up), from cgroup v2's ``cpu.max``
+    ("200000 100000" or "max 100000") or v1's ``cpu.cfs_quota_us`` / ``cfs_period_us``
+    (quota -1: none); None without a quota."""
+    quota = period = None
+    if cpu_max:
+        fields = cpu_max.split()
+        if len(fields) == 2 and fields[0] != "max":
+            quota, period = fields
+    elif cfs_quota and cfs_period and cfs_quota.strip() != "-1":
+        quota, period = cfs_quota, cfs_period
+    try:
+        q, per = int(quota), int(period)
+    except (TypeError, ValueError):
+        return None
+    return max(1, -(-q // per)) if q > 0 and per > 0 else None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def available_cores() -> int:
+    """Cores this process may actually use: its affinity mask, capped by a cgroup CPU quota
+    (a container's ``--cpus`` / a Kubernetes CPU limit, which os.cpu_count() ignores: as
+    many threads as the host has cores would then be throttled)."""
     if hasattr(os, "sched_getaffinity"):
-        num_cores = len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     else:
-        num_cores = os.cpu_count() or 1
-    return parse_cpuinfo(text, num_cores)
+        cores = os.cpu_count() or 1
+    limit = cgroup_cpu_limit(_read("/sys/fs/cgroup/cpu.max"),
+                             _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
+                             _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
+    return min(cores, limit) if limit else cores
 
 
 def describe() -> str:

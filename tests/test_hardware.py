@@ -131,3 +131,23 @@ def test_bf16_checkpoint_on_an_avx2_cpu_loads_in_float32(tiny_model_dir, tmp_pat
     assert [r.getMessage() for r in caplog.records if "dtype" in r.getMessage()] == [
         "kvray: dtype auto -> float32 (CPU 'AMD EPYC' has no native bf16: "
         "no amx_bf16/avx512_bf16)"]
+
+
+@pytest.mark.parametrize("cpu_max,quota,period,expected", [
+    ("200000 100000", None, None, 2),  # cgroup v2, --cpus=2
+    ("150000 100000", None, None, 2),  # 1.5 CPUs: round up, never 0 threads
+    ("50000 100000", None, None, 1),
+    ("max 100000", None, None, None),  # no quota
+    (None, "400000", "100000", 4),  # cgroup v1
+    (None, "-1", "100000", None),
+    (None, None, None, None),  # no cgroup files (not Linux)
+    ("garbage", None, None, None),
+])
+def test_cgroup_cpu_quota_caps_the_cores_used(cpu_max, quota, period, expected):
+    assert hardware.cgroup_cpu_limit(cpu_max, quota, period) == expected
+
+
+def test_available_cores_never_exceed_the_affinity_mask():
+    import os
+
+    assert 1 <= hardware.available_cores() <= len(os.sched_getaffinity(0))

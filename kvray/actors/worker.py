@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from kvray.actors.model_runner import ModelRunner
 from kvray.config import EngineConfig
+from kvray.hardware import available_cores
 from kvray.parallel import ParallelContext
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -54,15 +55,27 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str,
                            world_rank=rank)
 
 
+def set_cpu_threads(in_actor: bool, world_size: int) -> None:
+    """Size torch's thread pool by the cores this process may use. Ray starts actors with
+    OMP_NUM_THREADS=1: there the usable cores are shared among the ranks. In-process, torch
+    sizes its pool by the host's physical cores, blind to a container's CPU quota: capped to
+    it (unless the user set OMP_NUM_THREADS)."""
+    cores = available_cores()
+    if in_actor:
+        torch.set_num_threads(max(1, cores // world_size))
+    elif "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > cores:
+        torch.set_num_threads(cores)
+
+
 class Worker:
     def __init__(self, config: EngineConfig, model_path: str, rank: int = 0,
                  init_method: str | None = None, device: torch.device | None = None) -> None:
         self.config = config
         self.rank = rank
         self.device = device or pick_device()
-        if init_method is not None and self.device.type == "cpu":
-            # Ray starts actors with OMP_NUM_THREADS=1; share the node's cores among ranks.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.world_size))
+        if self.device.type == "cpu":
+            set_cpu_threads(in_actor=init_method is not None,
+                            world_size=config.parallel.world_size)
         par = config.parallel
         if par.world_size > 1:
             assert init_method not in (None, "single"), "multi-rank workers need a rendezvous"

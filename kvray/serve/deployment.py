@@ -53,16 +53,15 @@ class LLMServer:
     """One model replica: the engine core and its step loop."""
 
     async def __init__(self, engine_config: dict, board_name: str) -> None:
-        import os
-
         import torch
 
         from kvray.engine.async_engine import AsyncLLM
+        from kvray.hardware import available_cores
 
         config = config_from_flat(engine_config)
         if config.parallel.world_size == 1 and not torch.cuda.is_available():
             # The engine runs in this replica; Ray starts actors with OMP_NUM_THREADS=1.
-            torch.set_num_threads(os.cpu_count() or 1)
+            torch.set_num_threads(available_cores())
         self.engine = AsyncLLM(config)
         replica_id = getattr(serve.get_replica_context(), "replica_id", None)
         self.replica = getattr(replica_id, "unique_id", None) or str(id(self))
