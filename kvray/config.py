@@ -102,6 +102,18 @@ class ParallelConfig(_Section):
     distributed_executor_backend: Literal["uni", "ray"] | None = Field(
         None, description="uni: one in-process worker; ray: worker actors. None = ray if TP*PP>1."
     )
+    pipeline_micro_batches: int | None = Field(
+        None, ge=1, le=64,
+        description="Steps in flight at once with PP > 1, each over its own share of the "
+        "running requests, so that every stage has work (vLLM's virtual engines). "
+        "None = pipeline_parallel_size; 1 = one step at a time (stages take turns).")
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Steps the engine keeps in flight: 1 without pipeline parallelism."""
+        if self.pipeline_parallel_size == 1:
+            return 1
+        return self.pipeline_micro_batches or self.pipeline_parallel_size
 
     @property
     def world_size(self) -> int:

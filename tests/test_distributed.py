@@ -94,9 +94,25 @@ def test_parallel_layouts_match_one_worker(cluster, models, reference, model, tp
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
 
 
+def test_pipelined_steps_overlap_and_give_the_same_tokens(cluster, models, unconstrained):
+    """PP=2 keeps two steps in flight over disjoint halves of the batch, also while blocks
+    run short (preemption only of requests not in flight) and prefixes are shared; with one
+    micro-batch the stages take turns."""
+    for micro_batches, overlapped in ((None, True), (1, False)):
+        tokens, llm = _long_preemption_run(models, pipeline_parallel_size=2,
+                                           pipeline_micro_batches=micro_batches)
+        try:
+            stats = llm.llm_engine.stats
+            assert tokens == unconstrained
+            assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+            assert (stats.num_overlapped_steps > 0) is overlapped
+        finally:
+            llm.shutdown()
+
+
 def _long_preemption_run(models, **kw) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(models["gqa4"]), distributed_executor_backend="ray",
-              num_gpu_blocks_override=24, **{**COMMON, "max_num_batched_tokens": 32}, **kw)
+    llm = LLM(str(models["gqa4"]), **{"distributed_executor_backend": "ray", **kw},
+              num_gpu_blocks_override=24, **{**COMMON, "max_num_batched_tokens": 32})
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = llm.generate(_prompts(), params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm

@@ -24,11 +24,12 @@ MIXED_COSTS = PreemptionCosts(prefill_s_per_token=1.0, swap_s_per_byte=3.5 / 64,
 
 def _sched(num_blocks=64, block_size=4, budget=32, max_seqs=8, policy="fcfs",
            prefix=True, max_len=256, mode="recompute", swap_blocks=0,
-           costs=MIXED_COSTS) -> Scheduler:
+           costs=MIXED_COSTS, micro_batches=1) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                                      scheduling_policy=policy, preemption_mode=mode),
                      CacheConfig(block_size=block_size, enable_prefix_caching=prefix),
-                     num_blocks, max_len, swap_capacity_blocks=swap_blocks, costs=costs)
+                     num_blocks, max_len, swap_capacity_blocks=swap_blocks, costs=costs,
+                     num_micro_batches=micro_batches)
 
 
 def _req(rid, n_prompt, max_tokens=4, priority=0, t=0.0, tokens=None) -> Request:
@@ -90,15 +91,21 @@ def _run_step(s: Scheduler, rng: random.Random | None = None, shadow: ShadowKV |
     out = s.schedule()
     if shadow is not None:
         shadow.apply(s, out)
+    _finish_step(s, out, rng)
+    return out
+
+
+def _finish_step(s: Scheduler, out, rng: random.Random | None = None) -> None:
+    """Feed back the step's output as a worker would: a token for each request whose
+    scheduled tokens reach its end (none for one aborted while the step ran)."""
     sampled = []
     for rid, n in out.num_scheduled_tokens.items():
-        r = s.requests[rid]
-        done = r.num_computed_tokens + n == r.num_tokens
+        r = s.requests.get(rid)
+        done = r is not None and r.num_computed_tokens + n == r.num_tokens
         sampled.append([rng.randrange(50) if rng else 7] if done else [])
     result = ModelRunnerOutput(list(out.num_scheduled_tokens), sampled, [None] * len(sampled),
                                [[0.0] * len(x) for x in sampled])
     s.update_from_output(out, result)
-    return out
 
 
 def test_chunked_prefill_respects_the_token_budget_and_mixes_decodes():
@@ -176,6 +183,24 @@ def test_preempted_request_is_readmitted_before_later_arrivals_and_finishes():
     assert not s.has_unfinished_requests() and s.kv.pool.num_free == 6
 
 
+def test_pipelined_steps_take_disjoint_halves_and_never_preempt_a_request_in_flight():
+    s = _sched(num_blocks=8, block_size=4, budget=64, micro_batches=2)
+    for t, rid in enumerate("abcd"):  # 2 full blocks each; the 9th token needs a third
+        s.add_request(_req(rid, 8, max_tokens=8, t=t))
+    first = s.schedule()
+    second = s.schedule()  # before the first step's output is back
+    assert list(first.num_scheduled_tokens) == ["a", "b"]
+    assert list(second.num_scheduled_tokens) == ["c", "d"]
+    assert not s.has_schedulable_requests() and s.kv.pool.num_free == 0
+    _finish_step(s, first)  # a and b sampled a token; c and d are still in flight
+    third = s.schedule()  # the victim would be d, the latest arrival: a and b wait for it
+    assert third.is_noop and s.kv.pool.num_free == 0
+    _finish_step(s, third)
+    _finish_step(s, second)
+    fourth = s.schedule()
+    assert list(fourth.num_scheduled_tokens) == ["a", "b"] and fourth.preempted_req_ids == {"d"}
+
+
 def test_request_that_can_never_fit_is_rejected_at_admission():
     s = _sched(num_blocks=4, block_size=4, max_len=256)
     with pytest.raises(RequestTooLongError, match="more KV cache than exists"):
@@ -221,11 +246,40 @@ workload = st.lists(
     min_size=1, max_size=60)
 
 
+class Pipeline:
+    """Steps in flight, as the engine keeps them with pipeline parallelism: a step is
+    submitted (and the shadow workers apply it, in submission order) while fewer than
+    ``num_micro_batches`` are out and a request could run; else the oldest completes."""
+
+    def __init__(self, s: Scheduler, shadow: ShadowKV, rng: random.Random) -> None:
+        self.s, self.shadow, self.rng = s, shadow, rng
+        self.in_flight: list = []
+
+    def step(self) -> None:
+        s = self.s
+        if len(self.in_flight) < s.num_micro_batches and (
+                not self.in_flight or s.has_schedulable_requests()):
+            out = s.schedule()
+            flying = {r for o in self.in_flight for r in o.num_scheduled_tokens}
+            assert not flying & set(out.num_scheduled_tokens), "a request in two steps"
+            assert not flying & (out.preempted_req_ids | set(out.swap_out)), \
+                "a request in flight was preempted"
+            self.shadow.apply(s, out)
+            self.in_flight.append(out)
+        else:
+            _finish_step(s, self.in_flight.pop(0), self.rng)
+
+    @property
+    def idle(self) -> bool:
+        return not self.in_flight and not self.s.has_unfinished_requests()
+
+
 def _drive(s: Scheduler, ops, rng: random.Random) -> None:
     """Run ``ops`` (arrive / step / abort) and then steps until everything ends, checking
     the invariants and what every request reads after each; then check that every
-    accepted request finished whole."""
+    accepted request finished whole. With ``num_micro_batches`` > 1 steps overlap."""
     accepted, t, shadow = [], 0.0, ShadowKV(s.block_size)
+    pipe = Pipeline(s, shadow, rng)
     for op, n_prompt, max_tokens, prio in ops:
         if op == "arrive":
             t += 1
@@ -241,14 +295,14 @@ def _drive(s: Scheduler, ops, rng: random.Random) -> None:
         elif op == "abort" and s.requests:
             s.abort_request(rng.choice(sorted(s.requests)))
         else:
-            _run_step(s, rng, shadow)
+            pipe.step()
         _check_invariants(s)
-    for _ in range(2000):
-        if not s.has_unfinished_requests():
+    for _ in range(4000):
+        if pipe.idle:
             break
-        _run_step(s, rng, shadow)
+        pipe.step()
         _check_invariants(s)
-    assert not s.has_unfinished_requests(), "a request was left behind"
+    assert pipe.idle, "a request was left behind"
     assert all(r.is_finished for r in accepted)
     assert all(len(r.output_token_ids) == r.max_tokens for r in accepted
                if r.status is RequestStatus.FINISHED_LENGTH)
@@ -259,21 +313,26 @@ def _drive(s: Scheduler, ops, rng: random.Random) -> None:
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload, st.sampled_from(["fcfs", "priority"]), st.booleans(),
        st.integers(8, 40), st.sampled_from(["recompute", "swap", "auto"]), st.integers(0, 30),
-       st.integers(2, 6), st.randoms(use_true_random=False))
+       st.integers(2, 6), st.sampled_from([1, 1, 2, 3]), st.randoms(use_true_random=False))
 def test_random_workloads_keep_invariants_and_finish_everything(
-        ops, policy, prefix, num_blocks, mode, swap_blocks, max_seqs, rng):
+        ops, policy, prefix, num_blocks, mode, swap_blocks, max_seqs, micro_batches, rng):
     # Under "priority", arrivals of priority 0..3 preempt less important running requests
     # when blocks or the max_seqs slots run short (few slots make the slot case common).
+    # With micro_batches > 1 up to that many steps are in flight (pipeline parallelism).
     s = _sched(num_blocks=num_blocks, block_size=4, budget=24, max_seqs=max_seqs,
-               policy=policy, prefix=prefix, max_len=128, mode=mode, swap_blocks=swap_blocks)
+               policy=policy, prefix=prefix, max_len=128, mode=mode, swap_blocks=swap_blocks,
+               micro_batches=micro_batches)
     _drive(s, ops, rng)
     target(float(s.num_priority_preemptions), label="preemptions for waiting requests")
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
-def test_seeded_priority_workloads_preempt_for_arrivals_and_keep_invariants(mode):
+def test_seeded_priority_workloads_preempt_for_arrivals_and_keep_invariants(mode,
+                                                                            micro_batches):
     """The same checks over fixed random workloads that surely take the path where a waiting
-    request preempts running ones (blocks and slots), with each preemption mode."""
+    request preempts running ones (blocks and slots), with each preemption mode, one step
+    at a time and two in flight."""
     num_priority_preemptions = num_swaps = 0
     for seed in range(25):
         rng = random.Random(seed)
@@ -281,11 +340,12 @@ def test_seeded_priority_workloads_preempt_for_arrivals_and_keep_invariants(mode
                 rng.randint(1, 12), rng.randint(0, 3)) for _ in range(50)]
         s = _sched(num_blocks=rng.randint(10, 30), block_size=4, budget=24,
                    max_seqs=rng.randint(2, 5), policy="priority", prefix=seed % 2 == 0,
-                   max_len=128, mode=mode, swap_blocks=rng.randint(0, 20))
+                   max_len=128, mode=mode, swap_blocks=rng.randint(0, 20),
+                   micro_batches=micro_batches)
         _drive(s, ops, rng)
         num_priority_preemptions += s.num_priority_preemptions
         num_swaps += s.swap.num_swaps_out
-    assert num_priority_preemptions >= 10
+    assert num_priority_preemptions >= (10 if micro_batches == 1 else 3)  # the path is taken
     assert (num_swaps > 0) == (mode != "recompute")
 
 

@@ -41,6 +41,16 @@ class Executor(Protocol):
         """Run one step on all workers; the sampling worker's result."""
         ...
 
+    def submit_step(self, out: SchedulerOutput) -> Any:
+        """Start one step and return a handle at once, so that the next step can be
+        submitted while this one is in the pipeline; workers run steps in submission
+        order."""
+        ...
+
+    def collect_step(self, handle: Any) -> ModelRunnerOutput:
+        """Wait for a step started by :meth:`submit_step`; the sampling worker's result."""
+        ...
+
     def swap_objects(self) -> list[int]:
         """Per worker, how many swapped-out requests it still holds (leak checks)."""
         ...

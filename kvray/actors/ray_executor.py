@@ -201,13 +201,21 @@ class RayExecutor:
         return self._get([w.swap_objects.remote() for w in self.workers])
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collect_step(self.submit_step(out))
+
+    def submit_step(self, out: SchedulerOutput) -> list:
+        """Every worker's call for this step, queued behind its earlier ones (an actor runs
+        one caller's calls in order), so stage 0 starts the next step while later stages
+        still run this one."""
         import ray
 
         start = time.perf_counter()
         ref = ray.put(out)  # once; every worker gets the same reference
         self.broadcast_s += time.perf_counter() - start
-        results = self._get([w.execute_model.remote(ref) for w in self.workers])
-        return results[self.output_rank]
+        return [w.execute_model.remote(ref) for w in self.workers]
+
+    def collect_step(self, handle: list) -> ModelRunnerOutput:
+        return self._get(handle)[self.output_rank]
 
     def shutdown(self) -> None:
         import ray

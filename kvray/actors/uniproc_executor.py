@@ -27,6 +27,12 @@ class UniProcExecutor:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(out)
 
+    def submit_step(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(out)  # one worker, one stage: nothing to overlap
+
+    def collect_step(self, handle: ModelRunnerOutput) -> ModelRunnerOutput:
+        return handle
+
     def swap_objects(self) -> list[int]:
         return [self.worker.swap_objects()]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +82,9 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[str, int]] = {}
         self.executor: Executor | None = None
+        # Steps submitted and not yet collected, oldest first: (output, handle, start time).
+        self._in_flight: deque[tuple[SchedulerOutput, Any, float]] = deque()
+        self._last_collect = 0.0  # when the previous step's result came back
         self._build_executor()
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -103,7 +107,9 @@ class LLMEngine:
         costs = self._measure_preemption_costs(num_blocks, swap_blocks) \
             if mode == "auto" else None
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
-                                   self.max_model_len, swap_blocks, costs)
+                                   self.max_model_len, swap_blocks, costs,
+                                   config.parallel.num_micro_batches)
+        self._in_flight.clear()
         self.stats.num_blocks = num_blocks
         if costs is not None:
             self.stats.prefill_s_per_token = costs.prefill_s_per_token
@@ -221,18 +227,35 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; return outputs of requests that changed."""
+        """Schedule and run one step; return outputs of requests that changed.
+
+        With pipeline parallelism up to ``num_micro_batches`` steps are in flight: this
+        submits steps over the requests not already in one until the pipeline is full,
+        then waits for the oldest and applies it."""
         if self.executor is None:
             raise EngineDeadError("the engine has been shut down")
-        out = self.scheduler.schedule()
-        start = time.perf_counter()
+        depth = self.scheduler.num_micro_batches
         try:
-            result = self.executor.execute_model(out)
+            while len(self._in_flight) < depth and (
+                    not self._in_flight or self.scheduler.has_schedulable_requests()):
+                out = self.scheduler.schedule()
+                if out.is_noop and self._in_flight:
+                    break  # nothing fits beside the steps in flight: wait for one
+                self.stats.num_overlapped_steps += bool(self._in_flight)
+                self._in_flight.append((out, self.executor.submit_step(out),
+                                        time.perf_counter()))
+                if out.is_empty:
+                    break
+            out, handle, start = self._in_flight.popleft()
+            result = self.executor.collect_step(handle)
         except Exception as err:
             self._fail_all(err)
             raise EngineDeadError(f"engine step failed, in-flight requests aborted: {err}"
                                   ) from err
-        elapsed = time.perf_counter() - start
+        now = time.perf_counter()
+        # Overlapping steps: count only the time this one added after the previous result.
+        elapsed = now - max(start, self._last_collect)
+        self._last_collect = now
         self._record_step(out, elapsed)
         updated = self.scheduler.update_from_output(out, result)
         touched = self._apply_prompt_logprobs(result)
@@ -250,6 +273,7 @@ class LLMEngine:
 
     def _fail_all(self, err: Exception) -> None:
         """Abort every request and drop the executor; the next request rebuilds it."""
+        self._in_flight.clear()
         for request_id in list(self._parents):
             self.abort_request(request_id)
         try:

@@ -22,6 +22,7 @@ class EngineStats:
     prompt_tokens_total: int = 0  # prompt tokens computed (cache hits excluded)
     generation_tokens_total: int = 0
     num_steps: int = 0
+    num_overlapped_steps: int = 0  # submitted while another step was in flight (PP)
     # pure-decode steps (every scheduled request advanced one generated token)
     decode_time_s: float = 0.0
     decode_tokens: int = 0

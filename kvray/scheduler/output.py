@@ -47,6 +47,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
 
+    @property
+    def is_noop(self) -> bool:
+        """Nothing to run and nothing for the workers to update: may be skipped."""
+        return not (self.num_scheduled_tokens or self.finished_req_ids or
+                    self.preempted_req_ids or self.swap_out or self.swap_in or self.swap_drop)
+
 
 @dataclass
 class ModelRunnerOutput:

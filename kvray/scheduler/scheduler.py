@@ -20,6 +20,18 @@ Invariants relied on:
   first, swapped requests come back lowest (priority, arrival) first, and a waiting request
   is admitted past a swapped one only if it outranks it), so swapped requests never need to
   preempt.
+
+Pipelined steps (``num_micro_batches`` > 1, for PP): up to that many scheduled steps may be
+in flight before the first one's output returns. A request scheduled in a step is *in
+flight* until :meth:`Scheduler.update_from_output` sees that step: later steps skip it and
+never preempt it (its step still writes its blocks), so each step is a disjoint micro-batch
+of at most ``ceil(active / num_micro_batches)`` requests. A running request short of blocks
+whose victim (in the usual order) is in flight sits the step out instead of preempting
+another, so victims go in the same total order as without pipelining. Workers run steps in
+submission
+order, so a block a step keys before its K/V exists (a prefill in flight) is written
+before any later step reads it, and blocks freed by an abort in flight are rewritten only
+by later steps.
 """
 
 from __future__ import annotations
@@ -50,10 +62,15 @@ class StepPlan:
     """What one :meth:`Scheduler.schedule` call has decided so far."""
 
     budget: int  # tokens still free in this step
+    max_requests: int  # requests this step may take (its micro-batch's share)
     num_scheduled: dict[str, int] = field(default_factory=dict)  # req -> tokens, batch order
     new_blocks: dict[str, list[int]] = field(default_factory=dict)  # req -> block ids added
     preempted: bool = False  # a request lost its blocks this step
     admitted_waiting: bool = False  # a waiting request joined the batch this step
+
+    @property
+    def full(self) -> bool:
+        return self.budget <= 0 or len(self.num_scheduled) >= self.max_requests
 
     def schedule(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
         self.num_scheduled[request.request_id] = num_tokens
@@ -71,8 +88,9 @@ class Scheduler:
 
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  max_model_len: int, swap_capacity_blocks: int = 0,
-                 costs: PreemptionCosts | None = None) -> None:
-        """``costs``: measured preemption costs, required by ``preemption_mode="auto"``."""
+                 costs: PreemptionCosts | None = None, num_micro_batches: int = 1) -> None:
+        """``costs``: measured preemption costs, required by ``preemption_mode="auto"``;
+        ``num_micro_batches``: steps that may be in flight at once (pipeline parallelism)."""
         if sched.preemption_mode == "auto" and costs is None:
             raise ValueError("preemption_mode='auto' needs the measured PreemptionCosts")
         self.config = sched
@@ -89,6 +107,8 @@ class Scheduler:
         self._known_to_workers: set[str] = set()
         self._finished_since_last_step: set[str] = set()
         self._last_sent_len: dict[str, int] = {}
+        self.num_micro_batches = num_micro_batches
+        self._in_flight: set[str] = set()  # scheduled in a step whose output is not back
 
     # ---- admission -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -122,6 +142,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.swap) or len(self.waiting) > 0
 
+    def has_schedulable_requests(self) -> bool:
+        """Whether a step scheduled now could run anything: a request not in flight."""
+        return len(self.waiting) > 0 or bool(self.swap) or \
+            any(r.request_id not in self._in_flight for r in self.running)
+
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Decide this step: running requests first (preempting the least important when
@@ -132,33 +157,52 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step,
                               swap_drop=self.swap.take_drops())
         self._finished_since_last_step = set()
-        plan = StepPlan(self.config.max_num_batched_tokens)
+        plan = StepPlan(self.config.max_num_batched_tokens, self._micro_batch_size())
         self._schedule_running(plan, out)
         if not plan.preempted:
             self._schedule_swapped(plan, out)
             self._schedule_waiting(plan, out)
         self._fill_output(out, plan)
+        self._in_flight.update(plan.num_scheduled)
         return out
+
+    def _micro_batch_size(self) -> int:
+        """Requests one step may take: all of them, or with pipelined steps an even share
+        of the active ones, so that every step in flight has work."""
+        if self.num_micro_batches == 1:
+            return 1 << 30  # max_num_seqs bounds the running set, not the step
+        active = min(len(self.running) + len(self.swap) + len(self.waiting),
+                     self.config.max_num_seqs)
+        return max(1, -(-active // self.num_micro_batches))
 
     def _schedule_running(self, plan: StepPlan, out: SchedulerOutput) -> None:
         i = 0
-        while i < len(self.running) and plan.budget > 0:
+        while i < len(self.running) and not plan.full:
             req = self.running[i]
+            if req.request_id in self._in_flight:
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
             ids = self.kv.allocate_slots(req, num_new)
             while ids is None:
                 victim = self._pick_victim()
+                if victim.request_id in self._in_flight:
+                    break  # req waits for the victim's step to return, then preempts it
                 self._preempt(victim, plan, out)
                 if victim is req:
                     break
                 ids = self.kv.allocate_slots(req, num_new)
-            if ids is None:
+            if ids is None and req.status is not RequestStatus.RUNNING:
                 continue  # req itself was preempted; running[i] is now the next request
             i = self.running.index(req) + 1  # earlier victims shift it left
-            plan.schedule(req, num_new, ids)
+            if ids is not None:
+                plan.schedule(req, num_new, ids)
 
     def _pick_victim(self) -> Request:
-        """Lowest priority (largest value), then latest arrival."""
+        """Lowest priority (largest value), then latest arrival. With pipelined steps it may
+        be in flight: it cannot yield its blocks before its step returns, and the request
+        needing them sits this step out rather than preempt a more important one (which
+        could then preempt it back: a livelock)."""
         return max(self.running, key=Request.sort_key)
 
     def _outranks(self, a: Request, b: Request) -> bool:
@@ -208,7 +252,7 @@ class Scheduler:
         return self.costs.prefers_swap(num_saved, req.num_computed_tokens)
 
     def _has_seq_room(self, plan: StepPlan) -> bool:
-        return plan.budget > 0 and len(self.running) < self.config.max_num_seqs
+        return not plan.full and len(self.running) < self.config.max_num_seqs
 
     def _schedule_swapped(self, plan: StepPlan, out: SchedulerOutput) -> None:
         """Bring swapped requests back in the swap queue's order while blocks allow: fresh
@@ -230,7 +274,7 @@ class Scheduler:
         """Admit waiting requests in queue order while budget, slots and blocks allow. Under
         the priority policy the head may first preempt less important running requests;
         the step then admits it and no other."""
-        while len(self.waiting) and plan.budget > 0:
+        while len(self.waiting) and not plan.full:
             req = self.waiting.peek()
             if self.swap and not self._outranks(req, self.swap.peek()):
                 break  # a swapped request of equal or higher priority comes back first
@@ -288,6 +332,10 @@ class Scheduler:
         and its blocks in this step; [] if all of them would not be enough."""
         candidates = sorted((r for r in self.running if self._outranks(req, r)),
                             key=Request.sort_key, reverse=True)
+        # Victims go in that order; one in flight cannot yield yet, and skipping it would
+        # leave a swapped request outranking a running one.
+        flying = [k for k, r in enumerate(candidates) if r.request_id in self._in_flight]
+        candidates = candidates[:flying[0]] if flying else candidates
         _, num_hit = self.kv.find_cached_prefix(req)
         budget = plan.budget
         freed = self.kv.num_freed_by_prefixes(candidates)
@@ -342,6 +390,7 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, finish requests that hit a
         length or stop-token limit. Returns the requests that got new tokens."""
         sampled = dict(zip(result.req_ids, result.sampled_token_ids, strict=True))
+        self._in_flight.difference_update(out.num_scheduled_tokens)
         updated = []
         for req_id, num in out.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
