@@ -6,9 +6,16 @@ each load, stops the server, then runs the same workload through the offline `LL
 compare throughput (target: server >= 0.85x offline). Both run the dtype kvray's `auto`
 picks for this CPU (bf16 only where it is native, else fp32) unless `--dtype` says otherwise.
 
+Peer mode (`--peer URL`): the same requests, at each `--concurrency`, against kvray and then
+against any other OpenAI-compatible server (e.g. llama.cpp's llama-server, see
+benchmarks/peer_llamacpp.sh), back to back, with a kvray / peer ratio table.
+
 Usage:
-    python benchmarks/serve.py [--rates 1,2,4,inf] [--concurrency N] [--num-requests 64]
+    python benchmarks/serve.py [--rates 1,2,4,inf] [--concurrency N[,N...]] [--num-requests 64]
         [--base-url http://127.0.0.1:8000] [--skip-offline] [--dtype D]
+        [--prompt-len 32,256] [--output-len 32,128]
+    python benchmarks/serve.py --peer http://127.0.0.1:8080 [--peer-name NAME]
+        (defaults then: --concurrency 1,8,16, prompts 64..256, outputs 64..128, no rates)
 """
 
 from __future__ import annotations
@@ -42,10 +49,12 @@ class Result:
     error: str = ""
 
 
-def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
+def workload(n: int, seed: int, prompt_len: tuple[int, int] = (32, 256),
+             output_len: tuple[int, int] = (32, 128)) -> list[tuple[list[int], int]]:
+    """n requests of random token ids (no special tokens), lengths uniform in the ranges."""
     rng = random.Random(seed)
-    return [([rng.randrange(100, 49000) for _ in range(rng.randint(32, 256))],
-             rng.randint(32, 128)) for _ in range(n)]
+    return [([rng.randrange(100, 49000) for _ in range(rng.randint(*prompt_len))],
+             rng.randint(*output_len)) for _ in range(n)]
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
@@ -53,7 +62,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    res, last = Result(ok=False), None
+    res, last, chunks = Result(ok=False), None, 0
     try:
         async with client.stream("POST", url, json=body, timeout=600) as resp:
             if resp.status_code != 200:
@@ -66,13 +75,15 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk["choices"] and chunk["choices"][0]["text"]:
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    chunks += 1
                     if last is None:
                         res.ttft = now - start
                     else:
                         res.itl.append(now - last)
                     last = now
         res.e2e = time.perf_counter() - start
+        res.output_tokens = res.output_tokens or chunks  # a peer that reports no usage
         res.ok = res.output_tokens == max_tokens
         res.error = "" if res.ok else f"got {res.output_tokens}/{max_tokens} tokens"
     except httpx.HTTPError as err:
@@ -120,6 +131,8 @@ def summarize(label: str, results: list[Result], duration: float) -> dict:
     errors = {r.error for r in results if not r.ok}
     if errors:
         print(f"  {label}: errors {sorted(errors)[:3]}")
+    print(f"  {label}: {row['out_tok_s']:.1f} output tok/s, p99 TTFT {row['ttft'][2]:.0f} ms, "
+          f"median TPOT {row['tpot'][1]:.1f} ms", flush=True)
     return row
 
 
@@ -159,6 +172,18 @@ def launch_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("kvray serve did not start")
 
 
+def stop_server(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGINT (a clean shutdown), then SIGKILL if it takes longer than ``grace_s``."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        print(f"  kvray serve did not stop within {grace_s:.0f} s of SIGINT; killed",
+              flush=True)
+        proc.kill()
+        proc.wait()
+
+
 def offline(reqs, dtype: str) -> float:
     from kvray import LLM, SamplingParams
 
@@ -185,47 +210,96 @@ def resolve_dtype(requested: str) -> str:
     return dtype
 
 
+def _pair(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    return lo, hi
+
+
+def run_loads(base: str, reqs, rates: list[str], concurrencies: list[int], seed: int,
+              label: str = "") -> list[dict]:
+    """Warm the server up, then one run per Poisson rate and per fixed concurrency."""
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    asyncio.run(run_load(base, model, reqs[:4], float("inf"), None, 0))  # warm-up
+    rows = []
+    for rate_text in rates:
+        results, dur = asyncio.run(run_load(base, model, reqs, float(rate_text), None, seed))
+        rows.append(summarize(f"{label}rate {rate_text} req/s", results, dur))
+    for conc in concurrencies:
+        results, dur = asyncio.run(run_load(base, model, reqs, float("inf"), conc, seed))
+        rows.append(summarize(f"{label}concurrency {conc}", results, dur))
+    return rows
+
+
+def print_peer_ratios(ours: list[dict], theirs: list[dict], concurrencies: list[int],
+                      peer: str) -> None:
+    print(f"\n| concurrency | output tok/s kvray / {peer} | ratio | p99 TTFT ms kvray / peer |"
+          " median TPOT ms kvray / peer |")
+    print("|---|---|---|---|---|")
+    for conc, a, b in zip(concurrencies, ours, theirs, strict=True):
+        ratio = a["out_tok_s"] / b["out_tok_s"] if b["out_tok_s"] else float("nan")
+        print(f"| {conc} | {a['out_tok_s']:.1f} / {b['out_tok_s']:.1f} | {ratio:.2f}x | "
+              f"{a['ttft'][2]:.0f} / {b['ttft'][2]:.0f} | {a['tpot'][1]:.1f} / "
+              f"{b['tpot'][1]:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rates", default="1,2,4,inf", help="Poisson request rates (req/s)")
-    ap.add_argument("--concurrency", type=int, default=None, help="also a fixed-concurrency run")
+    ap.add_argument("--rates", default=None,
+                    help="Poisson request rates (req/s); default 1,2,4,inf (none with --peer)")
+    ap.add_argument("--concurrency", default=None,
+                    help="fixed-concurrency runs, comma-separated (default none; 1,8,16 "
+                    "with --peer)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--base-url", default=None, help="use a running server instead")
+    ap.add_argument("--prompt-len", type=_pair, default=None,
+                    help="min,max prompt tokens (default 32,256; 64,256 with --peer)")
+    ap.add_argument("--output-len", type=_pair, default=None,
+                    help="min,max output tokens (default 32,128; 64,128 with --peer)")
+    ap.add_argument("--base-url", default=None, help="use a running kvray server instead")
+    ap.add_argument("--peer", default=None,
+                    help="base URL of another OpenAI-compatible server to run the same "
+                    "requests against, after kvray at each concurrency")
+    ap.add_argument("--peer-name", default="peer")
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
                     default="auto", help="dtype of the launched server and the offline run "
                     "(default auto: kvray's choice for this CPU)")
     args = ap.parse_args()
+    peer = args.peer
+    rates_text = args.rates if args.rates is not None else ("" if peer else "1,2,4,inf")
+    rates = [r for r in rates_text.split(",") if r]
+    conc_text = args.concurrency if args.concurrency is not None else ("1,8,16" if peer else "")
+    concurrencies = [int(c) for c in conc_text.split(",") if c]
+    prompt_len = args.prompt_len or ((64, 256) if peer else (32, 256))
+    output_len = args.output_len or ((64, 128) if peer else (32, 128))
     dtype = resolve_dtype(args.dtype)
-    reqs = workload(args.num_requests, args.seed)
+    reqs = workload(args.num_requests, args.seed, prompt_len, output_len)
     proc = None
     base = args.base_url
     if base is None:
         proc, base = launch_server(["--dtype", dtype])
     try:
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-        asyncio.run(run_load(base, model, reqs[:4], float("inf"), None, 0))  # warm-up
-        rows = []
-        for rate_text in args.rates.split(","):
-            rate = float(rate_text)
-            results, dur = asyncio.run(run_load(base, model, reqs, rate, None, args.seed))
-            rows.append(summarize(f"rate {rate_text} req/s", results, dur))
-        if args.concurrency:
-            results, dur = asyncio.run(run_load(base, model, reqs, float("inf"),
-                                                args.concurrency, args.seed))
-            rows.append(summarize(f"concurrency {args.concurrency}", results, dur))
+        if peer is None:
+            rows = run_loads(base, reqs, rates, concurrencies, args.seed)
+        else:  # one load at a time on each server, back to back, so both see the same noise
+            rows, ours, theirs = [], [], []
+            for conc in concurrencies:
+                ours += run_loads(base, reqs, [], [conc], args.seed, "kvray ")
+                theirs += run_loads(peer, reqs, [], [conc], args.seed, f"{args.peer_name} ")
+                rows += [ours[-1], theirs[-1]]
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
-    print(f"\n{args.num_requests} requests, prompts 32..256, outputs 32..128 tokens, "
-          f"model {model}")
+            stop_server(proc)
+    print(f"\n{args.num_requests} requests, prompts {prompt_len[0]}..{prompt_len[1]}, outputs "
+          f"{output_len[0]}..{output_len[1]} tokens (ignore_eos), model {model}")
     server_dtype = dtype if args.base_url is None else "the running server's own"
-    offline_dtype = "" if args.skip_offline else f", {dtype} (offline)"
+    offline_dtype = "" if args.skip_offline or peer else f", {dtype} (offline)"
     print(f"dtype: {server_dtype} (server){offline_dtype}\n")
     print_table(rows)
-    if not args.skip_offline:
+    if peer is not None:
+        print_peer_ratios(ours, theirs, concurrencies, args.peer_name)
+    elif not args.skip_offline:
         best = max(r["out_tok_s"] for r in rows)
         off = offline(reqs, dtype)
         print(f"\noffline LLM on the same workload: {off:.1f} output tok/s; best server load "
