@@ -24,14 +24,14 @@ Invariants relied on:
 Pipelined steps (``num_micro_batches`` > 1, for PP): up to that many scheduled steps may be
 in flight before the first one's output returns. A request scheduled in a step is *in
 flight* until :meth:`Scheduler.update_from_output` sees that step: later steps skip it and
-never preempt it (its step still writes its blocks), so each step is a disjoint micro-batch
-of at most ``ceil(active / num_micro_batches)`` requests. A running request short of blocks
-whose victim (in the usual order) is in flight sits the step out instead of preempting
-another, so victims go in the same total order as without pipelining. Workers run steps in
-submission
-order, so a block a step keys before its K/V exists (a prefill in flight) is written
-before any later step reads it, and blocks freed by an abort in flight are rewritten only
-by later steps.
+never preempt it (its step still writes its blocks), so each step is a disjoint
+micro-batch of at most ``ceil(min(active, max_num_seqs) / num_micro_batches)`` requests. A
+running request short of blocks whose victim (in the usual order) is in flight sits the
+step out instead of preempting another, so victims go in the same total order as without
+pipelining. Workers run steps in
+submission order, so a block a step keys before its K/V exists (a prefill in flight) is
+written before any later step reads it, and blocks freed by an abort in flight are
+rewritten only by later steps.
 """
 
 from __future__ import annotations
