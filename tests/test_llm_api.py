@@ -240,6 +240,24 @@ def test_abort_frees_blocks_and_reports_abort(llm):
     assert not engine.has_unfinished_requests()
 
 
+def test_published_stats_are_a_consistent_copy_for_other_threads(llm):
+    """Readers on other threads (the server's stats reporter) get the engine thread's copy
+    after each update, never the live object it is changing: a regression test for
+    /metrics showing a running request with an empty KV cache."""
+    engine = llm.llm_engine
+    assert engine.published_stats.num_blocks == engine.stats.num_blocks > 0
+    engine.add_request("pub", {"prompt_token_ids": _ids(12, 9)},
+                       SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    published = engine.published_stats
+    assert published is not engine.stats and published == engine.stats
+    assert published.num_running == 1 and published.kv_cache_usage > 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert published.num_running == 1  # the copy a reader holds never changes under it
+    assert engine.published_stats.num_running == 0
+
+
 def test_request_metrics_are_filled(llm):
     out = llm.generate("Hi", SamplingParams(max_tokens=3), use_tqdm=False)[0]
     m = out.metrics

@@ -140,12 +140,13 @@ class AsyncLLM:
                     self._call(lambda: self.engine.abort_request(request_id))
 
     def stats(self):
-        """A snapshot of the engine counters (read without locking: plain numbers)."""
-        return self.engine.stats
+        """The engine counters as of its last update, copied by the engine thread (never
+        read while that thread is changing them)."""
+        return self.engine.published_stats
 
     def engine_stats(self) -> list[tuple[str, dict]]:
         """(replica, stats) pairs, the shape the HTTP front end reads."""
-        return [("0", vars(self.engine.stats).copy())]
+        return [("0", vars(self.engine.published_stats).copy())]
 
     def shutdown(self) -> None:
         self._stopped = True

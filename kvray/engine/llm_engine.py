@@ -79,6 +79,9 @@ class LLMEngine:
         self.model_path = str(resolve_model_path(config.model.model))
         self.tokenizer = load_tokenizer(self.model_path, config.model.tokenizer)
         self.stats = EngineStats()
+        # A copy taken by the engine's own thread after each update, for readers on other
+        # threads: they never see a half-updated set of gauges (running but no blocks).
+        self.published_stats = EngineStats()
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[str, int]] = {}
         self.executor: Executor | None = None
@@ -114,6 +117,7 @@ class LLMEngine:
         if costs is not None:
             self.stats.prefill_s_per_token = costs.prefill_s_per_token
             self.stats.swap_s_per_byte = costs.swap_s_per_byte
+        self.published_stats = dataclasses.replace(self.stats)
 
     def _measure_preemption_costs(self, num_blocks: int, swap_blocks: int) -> PreemptionCosts:
         """Time :func:`probe_steps` on the fresh cache, through the executor as real steps
@@ -353,6 +357,7 @@ class LLMEngine:
         s.num_swapped = len(sched.swap)
         s.num_swaps_out = sched.swap.num_swaps_out
         s.num_swaps_in = sched.swap.num_swaps_in
+        self.published_stats = dataclasses.replace(s)  # one reference swap: atomic
 
     # ---- outputs ------------------------------------------------------------------------
     def _make_output(self, parent: _Parent) -> RequestOutput | None:
