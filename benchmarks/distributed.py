@@ -27,10 +27,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import ray  # noqa: E402
 
+from benchmarks.common import benchmark_dtype  # noqa: E402
 from kvray import LLM, SamplingParams  # noqa: E402
-from kvray.default_model import default_model_dir  # noqa: E402
-from kvray.hardware import describe, machine_dtype  # noqa: E402
-from kvray.models.loader import checkpoint_dtype  # noqa: E402
 
 
 def workload(n: int, seed: int) -> tuple[list[dict], list[SamplingParams]]:
@@ -85,9 +83,7 @@ def main() -> None:
                     default="auto", help="dtype of every run (default auto: kvray's choice "
                     "for this CPU)")
     args = ap.parse_args()
-    dtype, why = machine_dtype(args.dtype, "cpu", checkpoint_dtype(default_model_dir()))
-    print(describe())
-    print(f"dtype: {dtype} ({why})", flush=True)
+    dtype = benchmark_dtype(args.dtype)
     ray.init(num_cpus=8, _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=False)
     prompts, params = workload(args.num_requests, args.seed)

@@ -34,10 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import benchmark_dtype  # noqa: E402
 from kvray import LLM, SamplingParams  # noqa: E402
 from kvray.default_model import resolve_model_path  # noqa: E402
-from kvray.hardware import describe, machine_dtype  # noqa: E402
-from kvray.models.loader import checkpoint_dtype  # noqa: E402
 
 MODES = ("recompute", "swap", "auto")
 BLOCK_SIZE = 16
@@ -157,10 +156,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="runs per mode; the fastest counts")
     args = ap.parse_args()
     model = str(resolve_model_path(args.model))
-    dtype, why = machine_dtype(args.dtype, "cpu", checkpoint_dtype(model))
-    print(describe())
-    print(f"model: {Path(model).name}; dtype: {dtype} ({why}); block_size {BLOCK_SIZE}",
-          flush=True)
+    dtype = benchmark_dtype(args.dtype, model)
+    print(f"model: {Path(model).name}; block_size {BLOCK_SIZE}", flush=True)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     rounds = [make_parts(args.seed + r, vocab) for r in range(args.rounds)]
     start = time.perf_counter()

@@ -197,19 +197,6 @@ def offline(reqs, dtype: str) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / wall
 
 
-def resolve_dtype(requested: str) -> str:
-    """The dtype both sides run for the built-in model on this CPU; prints it, why, and the
-    hardware."""
-    from kvray.default_model import default_model_dir
-    from kvray.hardware import describe, machine_dtype
-    from kvray.models.loader import checkpoint_dtype
-
-    dtype, why = machine_dtype(requested, "cpu", checkpoint_dtype(default_model_dir()))
-    print(describe())
-    print(f"dtype: {dtype} ({why})", flush=True)
-    return dtype
-
-
 def _pair(text: str) -> tuple[int, int]:
     lo, hi = (int(x) for x in text.split(","))
     return lo, hi
@@ -272,7 +259,9 @@ def main() -> None:
     concurrencies = [int(c) for c in conc_text.split(",") if c]
     prompt_len = args.prompt_len or ((64, 256) if peer else (32, 256))
     output_len = args.output_len or ((64, 128) if peer else (32, 128))
-    dtype = resolve_dtype(args.dtype)
+    from benchmarks.common import benchmark_dtype
+
+    dtype = benchmark_dtype(args.dtype)  # what both sides run on this CPU
     reqs = workload(args.num_requests, args.seed, prompt_len, output_len)
     proc = None
     base = args.base_url

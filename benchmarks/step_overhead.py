@@ -20,10 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import benchmark_dtype  # noqa: E402
 from kvray import LLM, SamplingParams  # noqa: E402
-from kvray.default_model import default_model_dir  # noqa: E402
-from kvray.hardware import describe, machine_dtype  # noqa: E402
-from kvray.models.loader import checkpoint_dtype  # noqa: E402
 
 PARTS = ("schedule", "update states", "prepare inputs", "forward", "logits", "sampling",
          "apply outputs")
@@ -97,9 +95,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
                     default="auto")
     args = ap.parse_args()
-    dtype, why = machine_dtype(args.dtype, "cpu", checkpoint_dtype(default_model_dir()))
-    print(describe())
-    print(f"dtype: {dtype} ({why}); SmolLM2-135M, 32-token prompts, decode steps only\n")
+    dtype = benchmark_dtype(args.dtype)
+    print("SmolLM2-135M, 32-token prompts, decode steps only\n")
     results = {n: measure(n, args.steps, dtype, args.seed)
                for n in (int(x) for x in args.running.split(","))}
     sizes = list(results)
