@@ -105,44 +105,174 @@ def served_model_name(config: EngineConfig, model_path) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The API key from ``--api-key-file`` (first line), ``--api-key`` or ``KVRAY_API_KEY``
+    (argv is visible to every local user in ``ps``: prefer the file or the variable)."""
+    import os
+    from pathlib import Path
+
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip().splitlines()
+        except OSError as err:
+            raise ConfigError(f"--api-key-file: cannot read {args.api_key_file}: "
+                              f"{err.strerror}") from None
+        if not key or not key[0].strip():
+            raise ConfigError(f"--api-key-file: {args.api_key_file} is empty")
+        return key[0].strip()
+    key = args.api_key or os.environ.get("KVRAY_API_KEY") or None
+    if key is not None and not key.strip():
+        raise ConfigError("--api-key / KVRAY_API_KEY is empty")
+    return key.strip() if key else None
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Stop(Exception):
+    """SIGTERM arrived: drain and stop."""
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import logging
     import os
+    import signal
     import time
 
     # Ray reads this at import; with 127.0.0.1 as node address every listener is loopback.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from ray import serve
 
-    from kvray.actors.ray_executor import ensure_ray
+    from kvray.actors.ray_executor import ensure_ray, stop_ray
     from kvray.default_model import resolve_model_path
     from kvray.serve.deployment import build_app
 
     if args.model_positional is not None:
         args.model = args.model_positional
     config = config_from_args(args)
+    api_key = resolve_api_key(args)
     model_path = resolve_model_path(config.model.model)
     if not model_path.exists():
         raise FileNotFoundError(f"model path {model_path} does not exist")
     name = served_model_name(config, model_path)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if api_key is None and not _is_loopback(args.host):
+        print(f"kvray: WARNING: serving on {args.host} without an API key: anyone who can "
+              "reach this address can use the model. Set KVRAY_API_KEY or --api-key-file "
+              "(see docs/security.md).", file=sys.stderr, flush=True)
     world = config.parallel.world_size
-    ensure_ray(args.address, num_cpus=max(8, args.num_replicas * (world + 1) + 2),
-               log_to_driver=True)
+    started = ensure_ray(args.address, num_cpus=max(8, args.num_replicas * (world + 1) + 2),
+                         log_to_driver=True)
     flat = {k: v for k, v in config.to_flat().items() if v is not None}
     flat["model"] = str(model_path)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(flat, str(model_path), name, args.api_key, args.num_replicas,
-                        args.max_waiting), name="kvray", route_prefix="/")
-    print(f"kvray: serving {name} on http://{args.host}:{args.port}/v1 "
-          f"({args.num_replicas} replica(s)); Ctrl-C stops", flush=True)
+
+    def on_sigterm(signum, frame):
+        signal.alarm(0)
+        raise _Stop
+
+    # After ray.init, which installs its own SIGTERM handler (sys.exit, no drain).
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        _log_throughput(name, time)
-    except KeyboardInterrupt:
-        print("kvray: shutting down", flush=True)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(flat, str(model_path), name, api_key, args.num_replicas),
+                  name="kvray", route_prefix="/")
+        print(f"kvray: serving {name} on http://{args.host}:{args.port}/v1 "
+              f"({args.num_replicas} replica(s)); Ctrl-C or SIGTERM drains and stops",
+              flush=True)
+        try:
+            _log_throughput(name, time)
+        except (KeyboardInterrupt, _Stop):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one drain at a time
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            drain_s = config.server.drain_timeout_s
+            # Bounded whatever state the cluster is in (a SIGTERM sent to the whole process
+            # group also stops the raylet, and Ray calls then wait forever).
+            _bounded(lambda: _drain(drain_s), drain_s + 30, "drain")
+    except (KeyboardInterrupt, _Stop):
+        print("kvray: stopped during start-up", flush=True)
     finally:
-        serve.shutdown()
+        # Ray's crash handler answers a SIGTERM with alarm(3) and then aborts the process,
+        # mid-shutdown: cancel it, and take no second signal while stopping.
+        signal.alarm(0)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("kvray: shutting down", flush=True)
+        _bounded(serve.shutdown, 30, "serve shutdown")
+        if started:
+            stop_ray()
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     return 0
+
+
+def _bounded(fn, timeout_s: float, what: str) -> None:
+    """Run ``fn`` on a daemon thread for at most ``timeout_s``; report errors and overruns
+    and go on (shutdown must finish even when Ray is half gone)."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=run, name=f"kvray-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        print(f"kvray: {what} did not finish in {timeout_s:g} s; going on", flush=True)
+    elif errors:
+        print(f"kvray: {what} failed ({errors[0].__class__.__name__}); going on", flush=True)
+
+
+def _drain(timeout_s: float) -> None:
+    """Stop admission (new requests get 503 + Retry-After), let requests in flight finish
+    for up to ``timeout_s``, then end the rest with an error."""
+    import time
+
+    import ray
+    from ray import serve
+
+    from kvray.serve.deployment import STATS_NAMESPACE
+
+    print(f"kvray: draining (up to {timeout_s:g} s; new requests get 503)", flush=True)
+    try:
+        ingress = serve.get_app_handle("kvray")
+        ingress.begin_drain.remote().result(timeout_s=10)
+        llm = serve.get_deployment_handle("LLMServer", app_name="kvray")
+    except Exception as err:
+        print(f"kvray: could not drain ({err.__class__.__name__}); stopping", flush=True)
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            board = ray.get_actor("kvray-stats-kvray", namespace=STATS_NAMESPACE)
+            snap = ray.get(board.snapshot.remote(max_age_s=3.0), timeout=5)
+            busy = sum(s.get("num_running", 0) + s.get("num_waiting", 0) for _, s in snap)
+        except Exception:
+            busy = 1
+        if busy == 0:
+            time.sleep(0.6)  # the last outputs on their way to clients
+            print("kvray: drained", flush=True)
+            return
+        time.sleep(0.5)
+    print("kvray: drain deadline passed; aborting the requests still running", flush=True)
+    try:
+        ingress.abort_all.remote().result(timeout_s=10)
+        llm.abort_all.remote().result(timeout_s=10)
+        time.sleep(0.5)
+    except Exception as err:
+        print(f"kvray: abort failed ({err.__class__.__name__})", flush=True)
 
 
 def _log_throughput(name: str, time_mod, period: float = 10.0) -> None:
@@ -194,15 +324,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="model directory or .gguf file (default: the built-in SmolLM2)")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     srv.add_argument("--port", type=_positive_int, default=8000, help="port (default 8000)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' (visible in ps: prefer "
+                          "KVRAY_API_KEY or --api-key-file)")
+    srv.add_argument("--api-key-file", default=None, metavar="FILE",
+                     help="read the API key from the first line of FILE")
     srv.add_argument("--num-replicas", type=_positive_int, default=1,
                      help="model replicas (data parallelism)")
     srv.add_argument("--address", default=None,
                      help="Ray cluster address, e.g. 'auto' for the cluster `ray start` runs "
                           "here (default: RAY_ADDRESS, else a new private cluster on "
                           "127.0.0.1)")
-    srv.add_argument("--max-waiting", type=_positive_int, default=512,
-                     help="waiting requests beyond which new ones get 503 (default 512)")
     add_config_flags(srv)
     srv.set_defaults(func=_cmd_serve)
     return parser

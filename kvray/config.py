@@ -108,6 +108,12 @@ class ParallelConfig(_Section):
         "running requests, so that every stage has work (vLLM's virtual engines). "
         "None = pipeline_parallel_size; 1 = one step at a time (stages take turns).")
 
+    worker_timeout_s: float = Field(
+        120.0, gt=0.0, le=86400.0,
+        description="Longest wait for a worker actor (one step, start-up); a worker that "
+        "does not answer in time is treated as dead, its requests fail and the workers are "
+        "rebuilt.")
+
     @property
     def num_micro_batches(self) -> int:
         """Steps the engine keeps in flight: 1 without pipeline parallelism."""
@@ -120,11 +126,59 @@ class ParallelConfig(_Section):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+class ServerConfig(_Section):
+    """Online serving (``kvray serve`` and :class:`~kvray.engine.async_engine.AsyncLLM`):
+    admission, deadlines and the limits every request is checked against. Each limit is
+    rejected with a 400 naming the field; the defaults are what a shared production server
+    would pick (OpenAI's own caps where it has them)."""
+
+    max_waiting: int = Field(
+        1024, ge=0, le=1 << 20,
+        description="Sequences (n x prompts) that may wait for a slot per replica; beyond, "
+        "new requests get 503 + Retry-After.")
+    request_timeout_s: float | None = Field(
+        None, gt=0.0, le=86400.0,
+        description="Deadline of one request from arrival; past it the request is aborted "
+        "with an error. None = no deadline (worker_timeout_s still bounds every step).")
+    drain_timeout_s: float = Field(
+        30.0, ge=0.0, le=3600.0,
+        description="On SIGTERM or shutdown: how long in-flight requests may run to the end "
+        "before they are aborted (new ones get 503 meanwhile).")
+    max_request_bytes: int = Field(
+        8 << 20, ge=1024, le=1 << 30, description="Largest HTTP request body in bytes.")
+    max_prompts_per_request: int = Field(
+        256, ge=1, le=65536, description="Most prompts in one /v1/completions request.")
+    max_seqs_per_request: int = Field(
+        256, ge=1, le=65536, description="Most sequences (n x prompts) in one request.")
+    max_prompt_chars: int = Field(
+        1 << 20, ge=1, le=1 << 30,
+        description="Longest prompt text, and longest chat content in all, in characters "
+        "(bounds tokenization work before the context-length check).")
+    max_messages: int = Field(
+        1024, ge=1, le=1 << 20, description="Most chat messages in one request.")
+    max_stop: int = Field(16, ge=0, le=4096, description="Most stop strings per request.")
+    max_stop_chars: int = Field(
+        256, ge=1, le=1 << 16, description="Longest stop string in characters.")
+    max_stop_token_ids: int = Field(
+        256, ge=0, le=1 << 20, description="Most stop_token_ids per request.")
+    max_logit_bias: int = Field(
+        1024, ge=0, le=1 << 20, description="Most logit_bias entries per request.")
+    max_logprobs: int = Field(
+        20, ge=0, le=20,
+        description="Largest top_logprobs (chat); completions' logprobs stay within "
+        "min(5, this), OpenAI's cap.")
+    enable_docs: bool = Field(
+        False, description="Serve /docs, /redoc and /openapi.json (behind the API key if set).")
+    metrics_require_key: bool = Field(
+        False, description="Require the API key on /metrics too (/health never needs it).")
+
+
 SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "server": ServerConfig,
 }
 # Flat key -> section name; ModelConfig's "model" field shares its name with the section.
 FIELD_SECTION: dict[str, str] = {
@@ -141,6 +195,7 @@ class EngineConfig(BaseModel):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> EngineConfig:

@@ -294,9 +294,9 @@ def test_full_waiting_queue_gets_503_with_retry_after(model_dir):
     from kvray.serve.openai_app import OpenAIServer
 
     engine = AsyncLLM(config_from_flat(dict(model=str(model_dir), dtype="float32",
-                                            block_size=4, max_model_len=256)))
+                                            block_size=4, max_model_len=256, max_waiting=0)))
     try:
-        app = OpenAIServer(engine, "m", 256, max_waiting=0).app
+        app = OpenAIServer(engine, "m", 256).app
         resp = TestClient(app).post("/v1/completions", json={"prompt": "x"})
         assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
         assert resp.json()["error"]["type"] == "ServiceUnavailableError"

@@ -23,6 +23,7 @@ from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 30.0
+STARTUP_TIMEOUT_S = 600.0  # actor start and model load (at least worker_timeout_s)
 
 
 class WorkerDiedError(RuntimeError):
@@ -34,23 +35,67 @@ class PlacementError(RuntimeError):
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None,
-               log_to_driver: bool = False) -> None:
+               log_to_driver: bool = False) -> bool:
     """Join the cluster at ``address`` or ``RAY_ADDRESS`` (``"auto"`` = the one started on this
     machine with ``ray start``), else start a private one bound to 127.0.0.1 with enough
     logical CPUs for the workers. Never probes for a cluster unasked: a stale address file
-    makes that probe hang for minutes."""
+    makes that probe hang for minutes. True when this call started a new local cluster
+    (its caller then stops it with :func:`stop_ray`)."""
     # Read by Ray at import: with it (and the node address) every listener stays on 127.0.0.1.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=log_to_driver)
-        return
+        return False
     ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1",
              include_dashboard=False, log_to_driver=log_to_driver)
+    return True
+
+
+def stop_ray() -> None:
+    """Stop the local cluster :func:`ensure_ray` started, leaving no Ray process behind.
+
+    ``ray.shutdown`` stops the head's processes, but the raylet's children (dashboard and
+    runtime-env agents, workers) can outlive it by a minute when their last report to the
+    GCS blocks; their pids are taken first and whatever is left is killed."""
+    import signal
+
+    import psutil
+    import ray
+
+    pids: set[int] = set()
+    node = getattr(ray._private.worker, "_global_node", None)
+    for infos in (getattr(node, "all_processes", None) or {}).values():
+        for info in infos:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(info.process.pid)
+                pids.add(proc.pid)
+                pids.update(c.pid for c in proc.children(recursive=True))
+    import threading
+
+    stopper = threading.Thread(target=ray.shutdown, name="kvray-ray-shutdown", daemon=True)
+    stopper.start()
+    stopper.join(15.0)  # a cluster whose raylet is gone can block it: bounded
+    deadline = time.monotonic() + 2.0
+    while pids and time.monotonic() < deadline:
+        pids = {p for p in pids if _alive(p)}
+        time.sleep(0.1)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 class _RankedWorker:
@@ -111,6 +156,7 @@ class RayExecutor:
         from ray.util.placement_group import placement_group
 
         par = config.parallel
+        self.timeout_s = par.worker_timeout_s
         self.tp, self.pp = par.tensor_parallel_size, par.pipeline_parallel_size
         world = self.tp * self.pp
         ensure_ray(num_cpus=max(world + 2, 4))
@@ -139,13 +185,14 @@ class RayExecutor:
             ).remote(config, model_path, rank)
             for rank in range(world)
         ]
+        startup = max(STARTUP_TIMEOUT_S, self.timeout_s)
         try:
-            nodes = self._get([w.node_address.remote() for w in self.workers])
+            nodes = self._get([w.node_address.remote() for w in self.workers], startup)
             init_method = self._get(
                 [self.workers[0].pick_rendezvous.remote(len(set(nodes)) == 1)])[0]
             if world == 1:
                 init_method = "single"  # no process group, but size threads as an actor
-            self._get([w.init_worker.remote(init_method) for w in self.workers])
+            self._get([w.init_worker.remote(init_method) for w in self.workers], startup)
             self.spec, self.max_model_len = self._get(
                 [self.workers[-self.tp].model_info.remote()])[0]
         except BaseException:
@@ -171,15 +218,24 @@ class RayExecutor:
             "or resources, or lower the parallel sizes")
 
     # ---- calls -------------------------------------------------------------------------
-    def _get(self, refs: list) -> list:
+    def _get(self, refs: list, timeout_s: float | None = None) -> list:
         """ray.get that fails as soon as any actor dies, instead of waiting on peers that are
-        blocked in a collective with it."""
+        blocked in a collective with it, and treats a worker that does not answer within
+        ``worker_timeout_s`` (frozen, hung in a collective) as dead."""
         import ray
         from ray.exceptions import RayActorError
 
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         pending, done = list(refs), {}
+        deadline = time.monotonic() + timeout_s
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            ready, pending = ray.wait(pending, num_returns=1,
+                                      timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.shutdown()
+                raise WorkerDiedError(f"a kvray worker actor did not answer within "
+                                      f"{timeout_s:g} s (worker_timeout_s); the workers "
+                                      "were stopped")
             try:
                 done[ready[0]] = ray.get(ready[0])
             except RayActorError as err:
@@ -188,14 +244,16 @@ class RayExecutor:
                     f"a kvray worker actor died ({err.__class__.__name__}): {err}") from err
         return [done[r] for r in refs]
 
-    def determine_num_blocks(self) -> int:
-        return min(self._get([w.determine_num_blocks.remote() for w in self.workers]))
+    def determine_num_blocks(self) -> int:  # profiles a forward pass: start-up bound
+        return min(self._get([w.determine_num_blocks.remote() for w in self.workers],
+                             max(STARTUP_TIMEOUT_S, self.timeout_s)))
 
     def kv_bytes_per_block(self) -> int:
         return max(self._get([w.kv_bytes_per_block.remote() for w in self.workers]))
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self._get([w.initialize_cache.remote(num_blocks) for w in self.workers])
+        self._get([w.initialize_cache.remote(num_blocks) for w in self.workers],
+                  max(STARTUP_TIMEOUT_S, self.timeout_s))
 
     def swap_objects(self) -> list[int]:
         return self._get([w.swap_objects.remote() for w in self.workers])
@@ -225,7 +283,7 @@ class RayExecutor:
         # Best effort throughout: actors may already be dead.
         if workers:
             with contextlib.suppress(Exception):  # the single-node rendezvous file
-                ray.get(workers[0].cleanup.remote(), timeout=5)
+                ray.get(workers[0].cleanup.remote(), timeout=1)  # 1 s: it may be frozen
         for w in workers:
             with contextlib.suppress(Exception):
                 ray.kill(w)

@@ -13,30 +13,48 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
 
 from kvray.config import EngineConfig
 from kvray.engine.llm_engine import LLMEngine, PromptType
+from kvray.errors import (
+    EngineUnavailableError,
+    KVRayError,
+    RequestTimeoutError,
+    ServerBusyError,
+)
 from kvray.outputs import RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.5
 
 
-class EngineLoopDead(RuntimeError):
-    """The engine loop stopped; the message says why."""
+class EngineLoopDead(EngineUnavailableError):
+    """The engine loop stopped, or a step failed under the request (a worker died or
+    stopped answering): the request was aborted."""
 
 
 class AsyncLLM:
+    """Admission (``max_waiting`` sequences; none while draining or rebuilding), per-request
+    deadlines and health on top of the engine thread."""
+
     def __init__(self, config: EngineConfig) -> None:
+        self.config = config
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
+        self.draining = False
+        self._rebuilding = False
+        self.rebuild_error: BaseException | None = None
+        self.num_engine_failures = 0
+        self._heartbeat = time.monotonic()  # the loop's last sign of life
         self.dead_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvray-engine", daemon=True)
         self._thread.start()
@@ -45,23 +63,49 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             while not self._stopped:
+                self._heartbeat = time.monotonic()
                 self._drain_commands()
-                if not self.engine.has_unfinished_requests():
-                    self._wake.wait(timeout=0.5)
+                if self._rebuilding or not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
                 try:
                     outputs = self.engine.step()
-                except Exception as err:  # a dead worker: fail what is in flight, go on
+                except Exception as err:  # a dead or silent worker: fail what is in flight
                     logger.error("engine step failed: %s", err)
+                    self.num_engine_failures += 1
                     self._fail_streams(err)
+                    self._start_rebuild()
                     continue
                 for out in outputs:
                     self._deliver(out.request_id, out)
+                for request_id, message in self.engine.pop_failed_requests():
+                    self._deliver(request_id, KVRayError(message))
         except BaseException as err:  # never die silently: callers must see it
             logger.exception("engine loop died")
             self.dead_error = err
             self._fail_streams(err)
+
+    def _start_rebuild(self) -> None:
+        """Rebuild the executor on its own thread, so that the engine thread keeps
+        answering aborts and health checks meanwhile; admission is closed until done."""
+        if self._rebuilding or self._stopped:
+            return
+        self._rebuilding = True
+
+        def rebuild() -> None:
+            try:
+                self.engine.rebuild_executor()
+                self.rebuild_error = None
+                logger.info("engine executor rebuilt")
+            except BaseException as err:
+                logger.error("rebuilding the engine executor failed: %s", err)
+                self.rebuild_error = err
+            finally:
+                self._rebuilding = False
+                self._wake.set()
+
+        threading.Thread(target=rebuild, name="kvray-engine-rebuild", daemon=True).start()
 
     def _drain_commands(self) -> None:
         while True:
@@ -86,30 +130,56 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
 
     def _fail_streams(self, err: BaseException) -> None:
+        logger.debug("failing all streams: %r", err)
         for request_id in list(self._streams):
-            self._deliver(request_id, EngineLoopDead(f"request failed: {err}"))
+            self._deliver(request_id, EngineLoopDead(
+                "the engine failed while running this request (a worker died or stopped "
+                "answering); it was aborted, retry it"))
 
     def _call(self, fn) -> Future:
         if self.dead_error is not None:
-            raise EngineLoopDead(f"the engine loop stopped: {self.dead_error}")
+            raise EngineLoopDead("the engine loop stopped; this replica must be restarted")
         fut: Future = Future()
         self._commands.put((fn, fut))
         self._wake.set()
         return fut
 
+    def _admit_and_add(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       priority: int) -> None:
+        """On the engine thread, where the queue length is exact: refuse while draining,
+        rebuilding or with ``max_waiting`` sequences already waiting; else queue."""
+        if self.draining:
+            raise ServerBusyError("the server is shutting down; retry on another replica")
+        if self._rebuilding or self.engine.executor is None:
+            if not self._rebuilding:
+                self._start_rebuild()
+            raise ServerBusyError("the engine is restarting after a worker failure; retry "
+                                  "shortly")
+        sched = self.engine.scheduler
+        waiting = len(sched.waiting) + len(sched.swap)
+        limit = self.config.server.max_waiting
+        if waiting + params.n > limit:
+            raise ServerBusyError(f"server overloaded: {waiting} sequences waiting "
+                                  f"(max_waiting {limit}); retry shortly")
+        self.engine.add_request(request_id, prompt, params, priority=priority)
+
     # ---- asyncio side -------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's output each time it changes, in the kind ``params`` asks for
-        (cumulative, delta or final only), the last one finished. Raises ValueError for an
-        invalid request before yielding anything."""
+        (cumulative, delta or final only), the last one finished. Raises before yielding
+        anything: InvalidRequestError (a ValueError) for an invalid request,
+        ServerBusyError when it is not admitted; later, RequestTimeoutError past the
+        deadline and EngineUnavailableError when the engine failed under it."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        timeout = self.config.server.request_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         try:
             await asyncio.wrap_future(self._call(
-                lambda: self.engine.add_request(request_id, prompt, params, priority=priority)))
+                lambda: self._admit_and_add(request_id, prompt, params, priority)))
         except BaseException:
             self._streams.pop(request_id, None)
             if not isinstance(self.dead_error, BaseException):  # cancelled mid-add: undo it
@@ -120,7 +190,15 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                item = await q.get()
+                if deadline is None:
+                    item = await q.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(q.get(), deadline - time.monotonic())
+                    except TimeoutError:
+                        raise RequestTimeoutError(
+                            f"the request ran past its deadline ({timeout:g} s, "
+                            "request_timeout_s) and was aborted") from None
                 # When the consumer lags, fold what queued up into one output, so a busy
                 # server sends fewer, larger chunks instead of falling further behind.
                 while not q.empty() and not isinstance(item, BaseException):
@@ -130,14 +208,51 @@ class AsyncLLM:
                     else:  # a cumulative output supersedes the previous; an error wins
                         item = later
                 if isinstance(item, BaseException):
+                    finished = True  # the engine has forgotten it already
                     raise item
                 finished = item.finished
                 yield item
         finally:
-            if not finished:  # cancelled or the consumer stopped early: free the blocks
+            if not finished:  # cancelled, timed out or the consumer stopped: free the blocks
                 self._streams.pop(request_id, None)
                 with contextlib.suppress(EngineLoopDead):
                     self._call(lambda: self.engine.abort_request(request_id))
+
+    async def check_health(self) -> None:
+        """Raise EngineUnavailableError unless the engine loop is alive and, when it has
+        work, has come round within ``worker_timeout_s`` (every remote wait of a step is
+        bounded by it, so a longer silence means the loop is wedged)."""
+        if self.dead_error is not None or not self._thread.is_alive():
+            raise EngineLoopDead("the engine loop stopped")
+        if self._stopped:
+            raise EngineUnavailableError("the engine was shut down")
+        bound = 2 * self.config.parallel.worker_timeout_s + 10.0
+        silent = time.monotonic() - self._heartbeat
+        if silent > bound:
+            raise EngineUnavailableError(f"the engine loop has not come round for "
+                                         f"{silent:.0f} s")
+        if self.rebuild_error is not None and self.engine.executor is None \
+                and not self._rebuilding:
+            raise EngineUnavailableError("the engine's workers could not be rebuilt")
+
+    def begin_drain(self) -> None:
+        """Admit nothing more; requests in flight go on."""
+        self.draining = True
+
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def abort_all(self, message: str = "the server shut down before the request "
+                        "finished") -> int:
+        """End every request in flight with ServerBusyError(``message``); their number."""
+        def abort() -> int:
+            ids = list(self._streams)
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+                self._deliver(request_id, ServerBusyError(message))
+            return len(ids)
+
+        return await asyncio.wrap_future(self._call(abort))
 
     def stats(self):
         """The engine counters as of its last update, copied by the engine thread (never
@@ -153,4 +268,3 @@ class AsyncLLM:
         self._wake.set()
         self._thread.join(timeout=10)
         self.engine.shutdown()
-

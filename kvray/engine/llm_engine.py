@@ -7,6 +7,7 @@ sampled tokens, detokenizes, checks stop strings and returns the outputs that ch
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections import deque
@@ -19,6 +20,7 @@ from kvray.config import EngineConfig
 from kvray.default_model import resolve_model_path
 from kvray.engine.detokenizer import IncrementalDetokenizer
 from kvray.engine.stats import EngineStats
+from kvray.errors import EngineUnavailableError, InvalidRequestError
 from kvray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -27,6 +29,7 @@ from kvray.scheduler.request import Request, RequestStatus
 from kvray.scheduler.scheduler import Scheduler
 from kvray.tokenizer import load_tokenizer
 
+logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
 _PROBE_TOKENS = 64  # longest prefill timed at start-up under preemption_mode="auto"
 _PROBE_REPEATS = 2  # empty steps and swap round trips timed under "auto"; the best counts
@@ -66,7 +69,7 @@ class _Parent:
         return all(s.request.is_finished for s in self.seqs)
 
 
-class EngineDeadError(RuntimeError):
+class EngineDeadError(EngineUnavailableError, RuntimeError):
     """The executor failed (e.g. a worker died); in-flight requests were aborted. The next
     request rebuilds the executor."""
 
@@ -83,6 +86,7 @@ class LLMEngine:
         # threads: they never see a half-updated set of gauges (running but no blocks).
         self.published_stats = EngineStats()
         self._parents: dict[str, _Parent] = {}
+        self._failed: list[tuple[str, str]] = []  # see pop_failed_requests
         self._child_to_parent: dict[str, tuple[str, int]] = {}
         self.executor: Executor | None = None
         # Steps submitted and not yet collected, oldest first: (output, handle, start time).
@@ -93,6 +97,11 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+
+    def rebuild_executor(self) -> None:
+        """Build the executor again after a failure (no-op if it is up)."""
+        if self.executor is None:
+            self._build_executor()
 
     def _build_executor(self) -> None:
         """(Re)build the executor, the KV cache and an empty scheduler."""
@@ -170,12 +179,12 @@ class LLMEngine:
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}: give a string, a "
                          "list of token ids or {'prompt_token_ids': [...]}")
 
-    def _check_token_ids(self, ids: list[int], what: str) -> None:
+    def _check_token_ids(self, ids: list[int], what: str, param: str) -> None:
         vocab = self.spec.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
-            raise ValueError(f"{what} holds token ids outside the vocabulary [0, {vocab}): "
-                             f"{bad[:5]}")
+            raise InvalidRequestError(f"{what} holds token ids outside the vocabulary "
+                                      f"[0, {vocab}): {bad[:5]}", param)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> None:
@@ -186,9 +195,9 @@ class LLMEngine:
         if self.executor is None:
             self._build_executor()
         text, ids = self._tokenize(prompt)
-        self._check_token_ids(ids, "the prompt")
-        self._check_token_ids(list(params.logit_bias or {}), "logit_bias")
-        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self._check_token_ids(ids, "the prompt", "prompt")
+        self._check_token_ids(list(params.logit_bias or {}), "logit_bias", "logit_bias")
+        self._check_token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -267,8 +276,14 @@ class LLMEngine:
         self._update_gauges()
         outputs = []
         for parent_id in touched:
-            parent = self._parents[parent_id]
-            out = self._make_output(parent)
+            parent = self._parents.get(parent_id)
+            if parent is None:  # failed on its own (see _fail_request)
+                continue
+            try:
+                out = self._make_output(parent)
+            except Exception as err:
+                self._fail_request(parent_id, err)
+                continue
             if out is not None:
                 outputs.append(out)
             if parent.finished:
@@ -323,16 +338,36 @@ class LLMEngine:
         index_of = {r: i for i, r in enumerate(result.req_ids)}
         touched = set()
         for req in updated:
-            parent_id, index = self._child_to_parent[req.request_id]
+            entry = self._child_to_parent.get(req.request_id)
+            if entry is None:  # a sibling sequence failed this step: the request is gone
+                continue
+            parent_id, index = entry
             seq = self._parents[parent_id].seqs[index]
             num_new = len(result.sampled_token_ids[index_of[req.request_id]])
             seq.cumulative_logprob += sum(slp_by_req[req.request_id])
             if seq.logprobs is not None and lp_by_req[req.request_id]:
                 seq.logprobs.extend(lp_by_req[req.request_id])
             self.stats.generation_tokens_total += num_new
-            self._detokenize(seq, req, num_new)
+            try:
+                self._detokenize(seq, req, num_new)
+            except Exception as err:  # this request's own failure: end it, not the step
+                self._fail_request(parent_id, err)
+                continue
             touched.add(parent_id)
         return touched
+
+    def _fail_request(self, parent_id: str, err: Exception) -> None:
+        """End one request after an error that belongs to it alone; the caller learns of
+        it from :meth:`pop_failed_requests`."""
+        logger.error("request %s failed: %r", parent_id, err)
+        if self.abort_request(parent_id):
+            self._failed.append((parent_id, "this request failed while its output was being "
+                                            "prepared; it was aborted"))
+
+    def pop_failed_requests(self) -> list[tuple[str, str]]:
+        """(request id, message) of requests ended by their own errors since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _detokenize(self, seq: _Sequence, req: Request, num_new: int) -> None:
         new_tokens = req.output_token_ids[-num_new:]

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvray.config import CacheConfig, SchedulerConfig
+from kvray.errors import InvalidRequestError
 from kvray.scheduler.kv_cache_manager import KVCacheManager
 from kvray.scheduler.output import (
     CachedRequestData,
@@ -53,8 +54,11 @@ from kvray.scheduler.request import Request, RequestStatus
 from kvray.scheduler.swap import SwapSpace
 
 
-class RequestTooLongError(ValueError):
-    """The request can never be scheduled; the message says why."""
+class RequestTooLongError(InvalidRequestError):
+    """The request can never be scheduled; the message says why (param: max_tokens)."""
+
+    def __init__(self, message: str, param: str | None = "max_tokens") -> None:
+        super().__init__(message, param)
 
 
 @dataclass
@@ -121,7 +125,7 @@ class Scheduler:
         """Raise RequestTooLongError if ``request`` could never be scheduled."""
         n = request.num_prompt_tokens
         if n == 0:
-            raise RequestTooLongError("the prompt is empty; give at least one token")
+            raise RequestTooLongError("the prompt is empty; give at least one token", "prompt")
         if n + request.max_tokens > self.max_model_len:
             raise RequestTooLongError(
                 f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = "

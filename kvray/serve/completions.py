@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvray.outputs import CompletionOutput, RequestOutput
-from kvray.serve.http import APIError, drain, sse, streaming_response
+from kvray.serve.http import APIError, api_error_from, drain, sse, streaming_response
 from kvray.serve.protocol import ProtocolError, error_body, new_id, now
 
 if TYPE_CHECKING:
@@ -122,19 +122,25 @@ class _Handler:
                 "total_tokens": prompt + completion}
 
     async def run(self):
-        prompts = self.prompt_ids()
+        try:
+            self.req.check_limits(self.server.limits, self.num_prompts())
+        except ProtocolError as err:
+            raise APIError(400, str(err), "BadRequestError", err.param) from None
+        prompts = await self.server.off_loop(self.prompt_ids)
         streams = []
         for i, (text, ids) in enumerate(prompts):
             params = self._params(len(ids))
             engine_prompt = {"prompt_token_ids": ids, "prompt": text}
             streams.append(self._track(i, self.server.stream(
                 f"{self.id}-{i}", engine_prompt, params, self.req.priority)))
-        try:
-            firsts = [await s.__anext__() for s in streams]  # a bad request fails here: 400
-        except BaseException:
+        # All prompts enter the engine at once; a bad or refused one fails here (4xx/503).
+        firsts = await asyncio.gather(*(s.__anext__() for s in streams),
+                                      return_exceptions=True)
+        failed = [f for f in firsts if isinstance(f, BaseException)]
+        if failed:
             for s in streams:  # requests already queued for other prompts
                 await s.aclose()
-            raise
+            raise failed[0]
         if self.req.stream:
             return streaming_response(self._sse(streams, firsts))
         await drain(streams)
@@ -164,7 +170,8 @@ class _Handler:
                     done += 1
                     continue
                 if isinstance(out, Exception):  # headers are sent: end the stream with it
-                    yield sse(error_body(f"request failed: {out}", "InternalServerError", 500))
+                    api = api_error_from(out)
+                    yield sse(error_body(api.message, api.err_type, api.status, api.param))
                     break
                 for chunk in self.delta_chunks(i, out):
                     yield sse(chunk)
@@ -188,14 +195,22 @@ class CompletionHandler(_Handler):
     def sampling_params(self, max_tokens):
         return self.req.sampling_params(max_tokens, self.req.logprobs)
 
-    def prompt_ids(self) -> list[tuple[str | None, list[int]]]:
-        out = []
+    def num_prompts(self) -> int:
         try:
-            prompts = self.req.prompts()
+            n = len(self.req.prompts())
         except ProtocolError as err:
             raise APIError(400, str(err), "BadRequestError", err.param) from None
-        for p in prompts:
+        cap = self.server.limits.max_prompts_per_request
+        if n > cap:
+            raise APIError(400, f"prompt: {n} prompts; at most {cap} allowed per request",
+                           "BadRequestError", "prompt")
+        return n
+
+    def prompt_ids(self) -> list[tuple[str | None, list[int]]]:
+        out = []
+        for p in self.req.prompts():
             if isinstance(p, str):
+                self.server.check_prompt_text(p, "prompt")
                 out.append((p, self.server.tokenizer(p)["input_ids"]))
             else:
                 out.append((None, list(p)))
@@ -256,6 +271,9 @@ class ChatHandler(_Handler):
         if top is not None and not self.req.logprobs:
             raise ProtocolError("top_logprobs needs logprobs=true", "top_logprobs")
         return self.req.sampling_params(max_tokens, (top or 0) if self.req.logprobs else None)
+
+    def num_prompts(self) -> int:
+        return 1
 
     def prompt_ids(self) -> list[tuple[str | None, list[int]]]:
         ids = self.server.chat_prompt_ids(self.req.conversation(),

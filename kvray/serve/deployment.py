@@ -25,6 +25,7 @@ from kvray.sampling_params import SamplingParams
 logger = logging.getLogger("kvray.serve")
 STATS_PERIOD_S = 0.5
 STATS_NAMESPACE = "kvray"
+HEALTH_TIMEOUT_S = 5.0
 
 
 def _stats_board(name: str):
@@ -44,13 +45,17 @@ def _stats_board(name: str):
             cutoff = time.monotonic() - max_age_s  # a dead replica drops out
             return [(r, s) for r, (t, s) in self.stats.items() if t >= cutoff]
 
+    # Restarted by Ray if its process dies (the stats refill within STATS_PERIOD_S);
+    # callers also look it up again when a call fails.
     return StatsBoard.options(name=name, namespace=STATS_NAMESPACE, get_if_exists=True,
-                              lifetime="detached").remote()
+                              lifetime="detached", max_restarts=-1).remote()
 
 
-@serve.deployment(max_ongoing_requests=1024)
+@serve.deployment(max_ongoing_requests=1024, health_check_period_s=5,
+                  health_check_timeout_s=30)
 class LLMServer:
-    """One model replica: the engine core and its step loop."""
+    """One model replica: the engine core and its step loop. Serve calls ``check_health``
+    every few seconds and replaces a replica whose engine loop died or is wedged."""
 
     async def __init__(self, engine_config: dict, board_name: str) -> None:
         import torch
@@ -65,14 +70,32 @@ class LLMServer:
         self.engine = AsyncLLM(config)
         replica_id = getattr(serve.get_replica_context(), "replica_id", None)
         self.replica = getattr(replica_id, "unique_id", None) or str(id(self))
+        self.board_name = board_name
         self.board = _stats_board(board_name)
         self._reporter = asyncio.create_task(self._report_stats())
 
     async def _report_stats(self) -> None:
         while True:
-            with contextlib.suppress(Exception):
-                self.board.report.remote(self.replica, vars(self.engine.stats()).copy())
+            try:
+                await self.board.report.remote(self.replica, vars(self.engine.stats()).copy())
+            except Exception:  # the board died: look it up (or start it) again
+                with contextlib.suppress(Exception):
+                    self.board = _stats_board(self.board_name)
             await asyncio.sleep(STATS_PERIOD_S)
+
+    async def check_health(self) -> None:
+        """Serve's probe: raises when the engine loop is dead or wedged."""
+        await self.engine.check_health()
+
+    async def health(self) -> None:
+        """The ingress' /health probe (same test as check_health)."""
+        await self.engine.check_health()
+
+    def begin_drain(self) -> None:
+        self.engine.begin_drain()
+
+    async def abort_all(self) -> int:
+        return await self.engine.abort_all()
 
     def model_info(self) -> dict:
         engine = self.engine.engine
@@ -91,18 +114,27 @@ class LLMServer:
 class _ServeClient:
     """The engine-client interface of OpenAIServer, over a Serve handle to LLMServer."""
 
-    def __init__(self, handle, tokenizer, board) -> None:
-        self.handle, self.tokenizer, self.board = handle, tokenizer, board
+    def __init__(self, handle, tokenizer, board_name: str) -> None:
+        self.handle, self.tokenizer, self.board_name = handle, tokenizer, board_name
+        self.board = _stats_board(board_name)
         self._stats: list[tuple[str, dict]] = []
 
     async def refresh_stats(self) -> None:
         while True:
-            with contextlib.suppress(Exception):
+            try:
                 self._stats = await self.board.snapshot.remote()
+            except Exception:  # the board died: look it up (or start it) again
+                with contextlib.suppress(Exception):
+                    self.board = _stats_board(self.board_name)
             await asyncio.sleep(STATS_PERIOD_S)
 
     def engine_stats(self) -> list[tuple[str, dict]]:
         return self._stats
+
+    async def check_health(self) -> None:
+        """One engine replica's health, bounded: a replica that does not answer in
+        HEALTH_TIMEOUT_S counts as unhealthy."""
+        await asyncio.wait_for(self.handle.health.remote(), HEALTH_TIMEOUT_S)
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
                        priority: int = 0):
@@ -122,32 +154,42 @@ class _ServeClient:
 @serve.deployment(max_ongoing_requests=2048)
 @serve.ingress()  # the app is built per replica, by __serve_build_asgi_app__
 class OpenAIIngress:
-    async def __init__(self, llm_handle, model_path: str, tokenizer_path: str | None,
-                       model_name: str, api_key: str | None, max_waiting: int,
-                       board_name: str) -> None:
+    async def __init__(self, llm_handle, model_path: str, model_name: str,
+                       api_key: str | None, engine_config: dict, board_name: str) -> None:
         from kvray.serve.openai_app import OpenAIServer
         from kvray.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(model_path, tokenizer_path)
-        board = _stats_board(board_name)
-        client = _ServeClient(llm_handle, tokenizer, board)
+        config = config_from_flat(engine_config)
+        tokenizer = load_tokenizer(model_path, config.model.tokenizer)
+        client = _ServeClient(llm_handle, tokenizer, board_name)
         info = await llm_handle.model_info.remote()
         self.server = OpenAIServer(client, model_name, info["max_model_len"], api_key,
-                                   max_waiting)
+                                   config.server)
         self._refresher = asyncio.create_task(client.refresh_stats())
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.server.app
 
+    def begin_drain(self) -> None:
+        """Stop admission here (503 + Retry-After; /health 503); in flight goes on."""
+        self.server.begin_drain()
+
+    async def abort_all(self) -> None:
+        """End every request this ingress has in flight with an error."""
+        await self.server.abort_all()
+
 
 def build_app(engine_config: dict, model_path: str, model_name: str,
-              api_key: str | None = None, num_replicas: int = 1, max_waiting: int = 512,
-              app_name: str = "kvray"):
-    """The Serve application graph for one model."""
+              api_key: str | None = None, num_replicas: int = 1, app_name: str = "kvray"):
+    """The Serve application graph for one model. Serve's own queues are bounded
+    (``max_queued_requests``: beyond, callers get 503); the engine admits by sequences."""
+    config = config_from_flat(engine_config)
     board = f"kvray-stats-{app_name}"
-    world = engine_config.get("tensor_parallel_size", 1) * engine_config.get(
-        "pipeline_parallel_size", 1)
-    options: dict[str, Any] = {"num_replicas": num_replicas}
+    world = config.parallel.world_size
+    drain = config.server.drain_timeout_s
+    queue = config.server.max_waiting + config.scheduler.max_num_seqs
+    options: dict[str, Any] = {"num_replicas": num_replicas, "max_queued_requests": queue,
+                               "graceful_shutdown_timeout_s": drain + 5}
     if world > 1 or engine_config.get("distributed_executor_backend") == "ray":
         # The replica's bundle, then one per worker: Serve reserves the whole replica.
         import ray
@@ -156,5 +198,6 @@ def build_app(engine_config: dict, model_path: str, model_name: str,
         options["placement_group_bundles"] = [{"CPU": 1}] + [dict(worker) for _ in range(world)]
         options["placement_group_strategy"] = "PACK"
     llm = LLMServer.options(**options).bind(engine_config, board)
-    return OpenAIIngress.bind(llm, model_path, engine_config.get("tokenizer"), model_name,
-                              api_key, max_waiting, board)
+    return OpenAIIngress.options(
+        max_queued_requests=2 * queue, graceful_shutdown_timeout_s=drain + 10).bind(
+        llm, model_path, model_name, api_key, engine_config, board)

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvray.errors import InvalidRequestError, KVRayError
 from kvray.serve.protocol import error_body
+
+logger = logging.getLogger("kvray.serve")
 
 
 class APIError(Exception):
@@ -20,6 +24,57 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.err_type = status, message, err_type
         self.param, self.headers = param, headers
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The exception raised where the error happened: Ray wraps an exception raised in
+    another process (``RayTaskError``, whose text holds the remote traceback, pid and
+    address) and keeps the original as ``cause``."""
+    seen = set()
+    while id(err) not in seen:
+        seen.add(id(err))
+        cause = getattr(err, "cause", None)
+        if not isinstance(cause, BaseException):
+            break
+        err = cause
+    return err
+
+
+_BUSY = ("BackPressureError", "DeploymentUnavailableError")  # Ray Serve: queue full / no replica
+_REPLICA_GONE = ("RayActorError", "ActorDiedError", "ActorUnavailableError",
+                 "WorkerCrashedError", "NodeDiedError", "RaySystemError",
+                 "ObjectLostError", "OwnerDiedError", "GetTimeoutError", "TaskCancelledError")
+
+
+def api_error_from(err: BaseException) -> APIError:
+    """The client's view of ``err``: kvray's own errors keep their status and message;
+    Ray's are named by what they mean (busy, replica failed); anything else is an internal
+    error whose details stay in the server log, never in the response."""
+    if isinstance(err, APIError):
+        return err
+    cause = root_cause(err)
+    if isinstance(cause, KVRayError):
+        retry = getattr(cause, "retry_after_s", None)
+        return APIError(cause.status, cause.message, cause.err_type, cause.param,
+                        {"Retry-After": str(retry)} if retry else None)
+    names = {c.__name__ for c in type(err).__mro__} | {c.__name__ for c in type(cause).__mro__}
+    if names & set(_BUSY):
+        return APIError(503, "the server is busy; retry shortly", "ServiceUnavailableError",
+                        headers={"Retry-After": "1"})
+    if names & set(_REPLICA_GONE):
+        logger.warning("a model replica failed: %s", err.__class__.__name__)
+        return APIError(503, "the model replica serving this request failed; the request "
+                        "was aborted, retry it", "ServiceUnavailableError",
+                        headers={"Retry-After": "1"})
+    if isinstance(cause, ValueError) and not isinstance(cause, InvalidRequestError):
+        logger.info("invalid request: %s", cause)
+        return APIError(400, _first_line(str(cause)), "BadRequestError")
+    logger.error("internal error", exc_info=(type(err), err, err.__traceback__))
+    return APIError(500, "internal server error", "InternalServerError")
+
+
+def _first_line(text: str, limit: int = 500) -> str:
+    return text.strip().splitlines()[0][:limit] if text.strip() else "invalid request"
 
 
 def error_response(status: int, message: str, err_type: str, param: str | None = None,

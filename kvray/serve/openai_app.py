@@ -8,11 +8,14 @@ the in-process :class:`AsyncLLM`, or the Ray Serve handle wrapper.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,35 +23,124 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvray
+from kvray.config import ServerConfig
+from kvray.errors import InvalidRequestError, KVRayError
 from kvray.outputs import RequestOutput
 from kvray.serve.completions import ChatHandler, CompletionHandler
-from kvray.serve.http import APIError, error_response
+from kvray.serve.http import APIError, api_error_from, error_response
 from kvray.serve.metrics import ServerMetrics
 from kvray.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ProtocolError,
     TokenizeRequest,
+    check_messages,
+    conversation_of,
     now,
 )
 
 logger = logging.getLogger("kvray.serve")
+T = TypeVar("T")
+OPEN_PATHS = ("/health", "/version")  # never need the API key (/metrics: configurable)
+
+
+class _Gate:
+    """ASGI middleware in front of every route: the API key, the request body limit
+    (read here, bounded, then handed on) and the drain state."""
+
+    def __init__(self, app, server: OpenAIServer) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        server, path = self.server, scope["path"]
+        open_paths = OPEN_PATHS if server.limits.metrics_require_key else (
+            *OPEN_PATHS, "/metrics")
+        if server.api_key and path not in open_paths:
+            given = b""
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    given = value
+            expected = f"Bearer {server.api_key}".encode()
+            if not hmac.compare_digest(given, expected):
+                resp = error_response(401, "invalid or missing API key", "AuthenticationError")
+                return await resp(scope, receive, send)
+        if server.draining and scope["method"] == "POST":
+            resp = error_response(503, "the server is shutting down; retry on another "
+                                  "replica", "ServiceUnavailableError",
+                                  headers={"Retry-After": "5"})
+            return await resp(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        limit = server.limits.max_request_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                return await self._too_large(scope, receive, send, limit)
+        chunks, size = [], 0
+        while True:  # the body, bounded, whatever the framing (chunked has no length)
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return await self._too_large(scope, receive, send, limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, sent = b"".join(chunks), False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later: the client's disconnect
+
+        return await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _too_large(scope, receive, send, limit: int) -> None:
+        resp = error_response(413, f"request body exceeds the limit of {limit} bytes "
+                              "(max_request_bytes)", "BadRequestError", "body")
+        await resp(scope, receive, send)
 
 
 class OpenAIServer:
-    """Routes and request handling; ``app`` is the FastAPI application."""
+    """Routes and request handling; ``app`` is the FastAPI application.
+
+    ``limits`` (a :class:`ServerConfig`) bounds every request; ``enable_docs`` overrides
+    its ``enable_docs``. Admission (how many sequences may wait) is the engine's: it knows
+    its queue exactly, and every ingress replica shares it."""
 
     def __init__(self, client: Any, model_name: str, max_model_len: int,
-                 api_key: str | None = None, max_waiting: int = 512,
-                 app: FastAPI | None = None) -> None:
+                 api_key: str | None = None, limits: ServerConfig | None = None,
+                 app: FastAPI | None = None, enable_docs: bool | None = None) -> None:
         self.client, self.model_name = client, model_name
-        self.max_model_len, self.api_key, self.max_waiting = max_model_len, api_key, max_waiting
+        self.max_model_len, self.api_key = max_model_len, api_key or None
+        self.limits = limits if limits is not None else ServerConfig()
+        if enable_docs is not None:
+            self.limits = self.limits.model_copy(update={"enable_docs": enable_docs})
         self.tokenizer = client.tokenizer
         self.metrics = ServerMetrics(model_name)
-        self.app = app if app is not None else FastAPI(title="kvray", version=kvray.__version__)
+        self.draining = False
+        self._abort: asyncio.Future | None = None  # set by abort_all: ends every stream
+        # One thread: tokenizing a huge prompt never blocks the event loop, and HF fast
+        # tokenizers are not safe to call from several threads at once.
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="kvray-tokenize")
+        docs = self.limits.enable_docs
+        self.app = app if app is not None else FastAPI(
+            title="kvray", version=kvray.__version__, docs_url="/docs" if docs else None,
+            redoc_url="/redoc" if docs else None,
+            openapi_url="/openapi.json" if docs else None)
         self._install_handlers()
         self._install_routes()
+        self.app.add_middleware(_Gate, server=self)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer work on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     # ---- plumbing -----------------------------------------------------------------------
     def _install_handlers(self) -> None:
@@ -58,17 +150,27 @@ class OpenAIServer:
         async def _api_error(_: Request, err: APIError):
             return error_response(err.status, err.message, err.err_type, err.param, err.headers)
 
+        @app.exception_handler(KVRayError)
+        async def _kvray_error(_: Request, err: KVRayError):
+            api = api_error_from(err)
+            return error_response(api.status, api.message, api.err_type, api.param, api.headers)
+
         @app.exception_handler(RequestValidationError)
         async def _invalid(_: Request, err: RequestValidationError):
-            first = err.errors()[0] if err.errors() else {}
+            errors = err.errors()
+            first = errors[0] if errors else {}
+            cause = (first.get("ctx") or {}).get("error")
+            if isinstance(cause, InvalidRequestError):  # raised by one of our validators
+                return error_response(400, cause.message, "BadRequestError", cause.param)
             loc0 = tuple(first.get("loc", ()))
             if first.get("type") == "json_invalid" or (
                     loc0 == ("body",) and first.get("type") == "model_attributes_type"):
-                return error_response(400, "request body is not valid JSON", "BadRequestError")
+                return error_response(400, "request body is not valid JSON (an object)",
+                                      "BadRequestError")
             loc = [str(x) for x in first.get("loc", ()) if x != "body"]
             param = ".".join(loc) or None
             return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid')}",
-                          "BadRequestError", param)
+                                  "BadRequestError", param)
 
         @app.exception_handler(StarletteHTTPException)
         async def _http(_: Request, err: StarletteHTTPException):
@@ -77,30 +179,13 @@ class OpenAIServer:
 
         @app.exception_handler(Exception)
         async def _internal(_: Request, err: Exception):
-            logger.exception("internal error")
-            return error_response(500, f"internal server error: {err.__class__.__name__}",
-                          "InternalServerError")
-
-        @app.middleware("http")
-        async def _auth(request: Request, call_next):
-            protected = request.url.path.startswith(("/v1", "/tokenize", "/detokenize"))
-            if self.api_key and protected:
-                given = request.headers.get("authorization", "")
-                expected = f"Bearer {self.api_key}"
-                if not hmac.compare_digest(given.encode(), expected.encode()):
-                    return error_response(401, "invalid or missing API key", "AuthenticationError")
-            return await call_next(request)
+            api = api_error_from(err)
+            return error_response(api.status, api.message, api.err_type, api.param, api.headers)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"model '{model}' does not exist; this server serves "
                            f"'{self.model_name}'", "NotFoundError", "model")
-
-    def _check_capacity(self) -> None:
-        waiting = sum(s.get("num_waiting", 0) for _, s in self.client.engine_stats())
-        if waiting >= self.max_waiting:
-            raise APIError(503, f"server overloaded: {waiting} requests waiting",
-                           "ServiceUnavailableError", headers={"Retry-After": "1"})
 
     def resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
         """``max_tokens`` for a prompt: as requested, or all the room left in the context;
@@ -127,6 +212,15 @@ class OpenAIServer:
         app.post("/v1/chat/completions")(self.chat_completions)
 
     async def health(self) -> Response:
+        """200 while the engine loop is alive and stepping when it has work; 503 (with the
+        reason) when it is dead, wedged, restarting, or the server is draining."""
+        if self.draining:
+            return error_response(503, "shutting down", "ServiceUnavailableError")
+        try:
+            await self.client.check_health()
+        except Exception as err:
+            api = api_error_from(err)
+            return error_response(503, api.message, "ServiceUnavailableError")
         return Response(status_code=200)
 
     async def version(self) -> dict:
@@ -145,11 +239,13 @@ class OpenAIServer:
     async def tokenize(self, req: TokenizeRequest) -> dict:
         self._check_model(req.model)
         if req.messages is not None:
-            conv = [{"role": m.role, "content": m.content or ""} for m in req.messages]
-            ids = self.chat_prompt_ids(conv, req.add_generation_prompt)
+            check_messages(req.messages, self.limits)
+            conv = conversation_of(req.messages)
+            ids = await self.off_loop(self.chat_prompt_ids, conv, req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens
-                                 )["input_ids"]
+            self.check_prompt_text(req.prompt, "prompt")
+            ids = (await self.off_loop(lambda: self.tokenizer(
+                req.prompt, add_special_tokens=req.add_special_tokens)))["input_ids"]
         else:
             raise APIError(400, "give 'prompt' or 'messages'", "BadRequestError", "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
@@ -160,7 +256,12 @@ class OpenAIServer:
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"tokens must be ids in [0, {vocab})", "BadRequestError",
                            "tokens")
-        return {"prompt": self.tokenizer.decode(req.tokens)}
+        return {"prompt": await self.off_loop(self.tokenizer.decode, req.tokens)}
+
+    def check_prompt_text(self, text: str, param: str) -> None:
+        if len(text) > self.limits.max_prompt_chars:
+            raise APIError(400, f"{param}: {len(text)} characters; at most "
+                           f"{self.limits.max_prompt_chars} allowed", "BadRequestError", param)
 
     def chat_prompt_ids(self, conv: list[dict], add_generation_prompt: bool) -> list[int]:
         """Token ids of a conversation through the chat template (400 if it has none or
@@ -168,40 +269,74 @@ class OpenAIServer:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            "BadRequestError", "messages")
+        import jinja2
+
         try:
             return list(self.tokenizer.apply_chat_template(
                 conv, add_generation_prompt=add_generation_prompt, tokenize=True,
                 return_dict=True)["input_ids"])
-        except Exception as err:  # the template rejects these messages (jinja2 raises)
-            raise APIError(400, f"the chat template rejected the messages: {err}",
+        except jinja2.TemplateError as err:  # the template rejects these messages
+            raise APIError(400, f"the chat template rejected the messages: {err.message}",
+                           "BadRequestError", "messages") from None
+        except Exception as err:
+            logger.warning("chat template failed: %r", err)
+            raise APIError(400, "the chat template could not render these messages",
                            "BadRequestError", "messages") from None
 
     async def completions(self, req: CompletionRequest):
         self._check_model(req.model)
-        self._check_capacity()
         return await CompletionHandler(self, req).run()
 
     async def chat_completions(self, req: ChatCompletionRequest):
         self._check_model(req.model)
-        self._check_capacity()
         return await ChatHandler(self, req).run()
 
     # ---- shared by handlers -------------------------------------------------------------
     async def stream(self, request_id: str, prompt: Any, params, priority: int
                      ) -> AsyncIterator:
-        """The engine's output stream, with invalid-request errors turned into 400s."""
+        """The engine's output stream; an error before the first output (invalid request,
+        full queue, dead engine) becomes the client's error response. :meth:`abort_all`
+        ends every stream with an error."""
         gen = self.client.generate(request_id, prompt, params, priority)
+        aborted = self._aborted()
+        step: asyncio.Future | None = None
         try:
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            return
-        except ProtocolError as err:
-            raise APIError(400, str(err), "BadRequestError", err.param) from None
-        except ValueError as err:
-            raise APIError(400, str(err), "BadRequestError") from None
-        yield first
-        async for out in gen:
-            yield out
+            while True:
+                step = asyncio.ensure_future(gen.__anext__())
+                await asyncio.wait((step, aborted), return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    raise APIError(503, "the server shut down before the request finished",
+                                   "ServiceUnavailableError", headers={"Retry-After": "5"})
+                try:
+                    out = step.result()
+                except StopAsyncIteration:
+                    return
+                except Exception as err:
+                    raise api_error_from(err) from None
+                yield out
+        finally:  # finished, failed, aborted, or our consumer went away: stop the engine side
+            if step is not None and not step.done():
+                step.cancel()
+                with contextlib.suppress(BaseException):
+                    await step
+            await gen.aclose()
+
+    def _aborted(self) -> asyncio.Future:
+        if self._abort is None:
+            self._abort = asyncio.get_running_loop().create_future()
+        return self._abort
+
+    def begin_drain(self) -> None:
+        """Admit no more requests (503 + Retry-After) and report unhealthy; requests in
+        flight go on."""
+        self.draining = True
+
+    async def abort_all(self) -> None:
+        """End every request in flight with an error (503) and abort it in the engine."""
+        self.begin_drain()
+        fut = self._aborted()
+        if not fut.done():
+            fut.set_result(None)
 
     def record(self, out: RequestOutput, start: float, token_times: list[float]) -> None:
         """Request-level metrics and the one log line per request, from the request's

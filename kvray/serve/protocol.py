@@ -7,21 +7,57 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvray.config import ServerConfig
+from kvray.errors import InvalidRequestError
 from kvray.sampling_params import RequestOutputKind, SamplingParams
 
+ProtocolError = InvalidRequestError  # a request parameter is invalid (400 naming it)
 
-class ProtocolError(ValueError):
-    """A request parameter is invalid; ``param`` names it (400 to the client)."""
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # the documented range of `priority`
+OPENAI_MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` cap at OpenAI
 
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+
+def find_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (or dict key) in a decoded JSON value holding
+    a lone UTF-16 surrogate (``"\\ud800"``: valid JSON, not valid Unicode), else None."""
+    stack = [(path, value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where or "body"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                sub = f"{where}.{k}" if where else str(k)
+                if isinstance(k, str) and not k.isascii():
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return where or "body"
+                stack.append((sub, item))
+        elif isinstance(v, list):
+            stack.extend((f"{where}.{i}" if where else str(i), item)
+                         for i, item in enumerate(v) if not isinstance(item, int | float))
+    return None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are ignored, as vLLM does
+    # Unknown OpenAI fields are ignored, as vLLM does; inf and NaN are never numbers.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = find_lone_surrogate(data)
+        if where is not None:
+            raise InvalidRequestError(
+                f"{where}: invalid Unicode (a lone surrogate) in a string", where)
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -49,7 +85,7 @@ class _Sampling(_Request):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -61,7 +97,8 @@ class _Sampling(_Request):
             try:
                 bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except ValueError:
-                raise ProtocolError("logit_bias keys must be token ids", "logit_bias") from None
+                raise ProtocolError("logit_bias keys must be token ids (integers as strings)",
+                                    "logit_bias") from None
         try:
             return SamplingParams(
                 n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -78,6 +115,32 @@ class _Sampling(_Request):
                 output_kind=RequestOutputKind.DELTA)
         except ValueError as err:
             raise ProtocolError(str(err), str(err).split(" ", 1)[0]) from None
+
+    def check_limits(self, limits: ServerConfig, num_prompts: int) -> None:
+        """The server's per-request limits on everything but the prompt itself; raises
+        :class:`InvalidRequestError` naming the field."""
+        if self.n * num_prompts > limits.max_seqs_per_request:
+            param = "n" if num_prompts == 1 else "prompt"
+            raise ProtocolError(
+                f"{param}: n ({self.n}) x prompts ({num_prompts}) = {self.n * num_prompts} "
+                f"sequences; this server allows at most {limits.max_seqs_per_request} per "
+                "request", param)
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > limits.max_stop:
+            raise ProtocolError(f"stop: {len(stops)} stop strings; at most {limits.max_stop} "
+                                "allowed", "stop")
+        for s in stops:
+            if len(s) > limits.max_stop_chars:
+                raise ProtocolError(f"stop: a stop string of {len(s)} characters; at most "
+                                    f"{limits.max_stop_chars} allowed", "stop")
+        ids = self.stop_token_ids or []
+        if len(ids) > limits.max_stop_token_ids:
+            raise ProtocolError(f"stop_token_ids: {len(ids)} ids; at most "
+                                f"{limits.max_stop_token_ids} allowed", "stop_token_ids")
+        bias = self.logit_bias or {}
+        if len(bias) > limits.max_logit_bias:
+            raise ProtocolError(f"logit_bias: {len(bias)} entries; at most "
+                                f"{limits.max_logit_bias} allowed", "logit_bias")
 
 
 class CompletionRequest(_Sampling):
@@ -97,6 +160,13 @@ class CompletionRequest(_Sampling):
             return [list(p)]
         return list(p)
 
+    def check_limits(self, limits: ServerConfig, num_prompts: int) -> None:
+        super().check_limits(limits, num_prompts)
+        cap = min(OPENAI_MAX_COMPLETION_LOGPROBS, limits.max_logprobs)
+        if self.logprobs is not None and not 0 <= self.logprobs <= cap:
+            raise ProtocolError(f"logprobs = {self.logprobs}: must be in [0, {cap}]",
+                                "logprobs")
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -112,13 +182,56 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
 
     def conversation(self) -> list[dict[str, str]]:
-        out = []
-        for m in self.messages:
-            content = m.content
-            if isinstance(content, list):  # OpenAI content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-            out.append({"role": m.role, "content": content or ""})
-        return out
+        """The messages as the chat template takes them: text content parts joined; any
+        other part (image, audio, file) is a 400, as this server runs text models."""
+        return conversation_of(self.messages)
+
+    def check_limits(self, limits: ServerConfig, num_prompts: int) -> None:
+        super().check_limits(limits, num_prompts)
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= limits.max_logprobs:
+            raise ProtocolError(f"top_logprobs = {top}: must be in [0, {limits.max_logprobs}]",
+                                "top_logprobs")
+        check_messages(self.messages, limits)
+
+
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                where = f"messages.{i}.content.{j}"
+                kind = part.get("type")
+                if kind != "text":
+                    raise ProtocolError(f"{where}.type: content part type {kind!r} is not "
+                                        "supported; this model takes text parts only",
+                                        f"{where}.type")
+                if not isinstance(part.get("text"), str):
+                    raise ProtocolError(f"{where}.text: a text part needs a string 'text'",
+                                        f"{where}.text")
+                texts.append(part["text"])
+            content = "".join(texts)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+def check_messages(messages: list[ChatMessage], limits: ServerConfig) -> None:
+    """Message count and total content size within the server's limits."""
+    if len(messages) > limits.max_messages:
+        raise ProtocolError(f"messages: {len(messages)} messages; at most "
+                            f"{limits.max_messages} allowed", "messages")
+    total = 0
+    for m in messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif isinstance(m.content, list):
+            total += sum(len(p.get("text", "")) for p in m.content
+                         if isinstance(p.get("text"), str))
+    if total > limits.max_prompt_chars:
+        raise ProtocolError(f"messages: {total} characters of content; at most "
+                            f"{limits.max_prompt_chars} allowed", "messages")
 
 
 class TokenizeRequest(_Request):
