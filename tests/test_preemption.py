@@ -338,3 +338,43 @@ def test_auto_mode_swaps_some_victims_and_recomputes_others_end_to_end(
     assert stats.num_swaps_in == stats.num_swaps_out
     assert llm.llm_engine.executor.swap_objects() == [0]
     llm.shutdown()
+
+
+class _FlakyStore:
+    """Stands in for Ray's object store in the swap pool: every other save fails (a full
+    store and spill disk) and one restore in three fails (a lost object)."""
+
+    def __init__(self) -> None:
+        self.puts = self.gets = 0
+
+    def put(self, arr):
+        self.puts += 1
+        if self.puts % 2 == 0:
+            raise OSError("object store and spill disk are full")
+        return ("ref", arr.copy())
+
+    def get(self, ref):
+        self.gets += 1
+        if self.gets % 3 == 0:
+            raise OSError("object lost")
+        return ref[1]
+
+
+def test_swaps_that_cannot_be_stored_or_restored_fall_back_to_recompute(
+        model_and_unconstrained, monkeypatch):
+    from kvray import LLM
+    from kvray.actors.swap_pool import SwapPool
+
+    path, expected = model_and_unconstrained
+    store = _FlakyStore()
+    monkeypatch.setattr(SwapPool, "_ray", staticmethod(lambda: store))
+    llm = LLM(path, num_gpu_blocks_override=20, preemption_mode="swap", swap_space=0.01,
+              **ENGINE)
+    assert _generate(llm) == expected  # the same tokens: nothing computed on lost K/V
+    scheduler = llm.llm_engine.scheduler
+    assert store.puts >= 2 and store.gets >= 3, "the workload must hit both failures"
+    assert scheduler.num_swap_failures >= 2
+    assert llm.llm_engine.executor.swap_objects() == [0]
+    assert not scheduler.swap and scheduler.swap.used_blocks == 0
+    assert scheduler.kv.pool.num_free == scheduler.kv.num_blocks
+    llm.shutdown()

@@ -168,8 +168,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step. Returns the sampled tokens on the last pipeline stage's TP rank 0
-        (None elsewhere)."""
+        (None elsewhere, unless a swap failed here: then an empty output that names the
+        requests, for the executor to merge)."""
         self._swap(out)
+        result = self._execute(out)
+        failed = self.swap_pool.take_failed()
+        if failed:
+            if result is None:
+                result = ModelRunnerOutput([], [], [], [])
+            result.failed_swaps = failed
+        return result
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         self._update_states(out)
         if out.is_empty:
             return ModelRunnerOutput([], [], [], []) if self.ctx.is_output_rank else None

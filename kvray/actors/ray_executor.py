@@ -273,7 +273,12 @@ class RayExecutor:
         return [w.execute_model.remote(ref) for w in self.workers]
 
     def collect_step(self, handle: list) -> ModelRunnerOutput:
-        return self._get(handle)[self.output_rank]
+        results = self._get(handle)
+        out = results[self.output_rank]
+        for rank, result in enumerate(results):  # swaps that failed on other ranks
+            if rank != self.output_rank and result is not None and result.failed_swaps:
+                out.failed_swaps |= result.failed_swaps
+        return out
 
     def shutdown(self) -> None:
         import ray

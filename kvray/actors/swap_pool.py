@@ -7,15 +7,29 @@ or the request ends, so nothing outlives its request.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 _AS_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
+logger = logging.getLogger(__name__)
+
+
 class SwapPool:
+    """A save that cannot be stored (object store and its spill disk full) or a restore
+    that cannot be read (object lost) is not an error of the step: the request is reported
+    in :meth:`take_failed` and the scheduler has it recompute instead."""
+
     def __init__(self) -> None:
         self._objects: dict[str, object] = {}  # req id -> ObjectRef (or array without Ray)
+        self._failed: set[str] = set()
+
+    def take_failed(self) -> set[str]:
+        failed, self._failed = self._failed, set()
+        return failed
 
     def __len__(self) -> int:
         return len(self._objects)
@@ -36,14 +50,27 @@ class SwapPool:
         # numpy has no bf16: ship raw bits; numpy arrays are zero-copy in the object store.
         arr = data.view(_AS_INT[data.dtype]).numpy()
         ray = self._ray()
-        self._objects[req_id] = ray.put(arr) if ray is not None else arr.copy()
+        try:
+            self._objects[req_id] = ray.put(arr) if ray is not None else arr.copy()
+        except Exception as err:  # e.g. OutOfDiskError / ObjectStoreFullError
+            logger.warning("swap-out of %s failed (%s); it will recompute", req_id,
+                           err.__class__.__name__)
+            self._failed.add(req_id)
 
     def restore(self, req_id: str, kv_caches: list[torch.Tensor | None],
                 block_ids: list[int]) -> None:
         """Copy the saved blocks into ``block_ids`` (same count) and release the object."""
-        obj = self._objects.pop(req_id)
+        obj = self._objects.pop(req_id, None)
         ray = self._ray()
-        arr = ray.get(obj) if ray is not None and not isinstance(obj, np.ndarray) else obj
+        try:
+            if obj is None:
+                raise KeyError("never saved")
+            arr = ray.get(obj) if ray is not None and not isinstance(obj, np.ndarray) else obj
+        except Exception as err:  # the save failed, or the object was lost
+            logger.warning("swap-in of %s failed (%s); it will recompute", req_id,
+                           err.__class__.__name__)
+            self._failed.add(req_id)
+            return
         local = [c for c in kv_caches if c is not None]
         data = torch.from_numpy(np.array(arr)).view(local[0].dtype).to(local[0].device)
         assert data.shape[3] == len(block_ids), "restored block count differs from saved"

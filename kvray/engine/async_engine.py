@@ -55,6 +55,7 @@ class AsyncLLM:
         self.rebuild_error: BaseException | None = None
         self.num_engine_failures = 0
         self._heartbeat = time.monotonic()  # the loop's last sign of life
+        self._busy_since_refresh = False  # stepped since the swap objects were counted
         self.dead_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvray-engine", daemon=True)
         self._thread.start()
@@ -66,6 +67,12 @@ class AsyncLLM:
                 self._heartbeat = time.monotonic()
                 self._drain_commands()
                 if self._rebuilding or not self.engine.has_unfinished_requests():
+                    if not self._rebuilding and self._busy_since_refresh:
+                        self._busy_since_refresh = False
+                        try:  # once per idle period: what the workers still hold
+                            self.engine.refresh_swap_objects()
+                        except Exception as err:  # a dead worker shows at the next step
+                            logger.warning("counting swap objects failed: %s", err)
                     self._wake.wait(timeout=_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
@@ -77,6 +84,7 @@ class AsyncLLM:
                     self._fail_streams(err)
                     self._start_rebuild()
                     continue
+                self._busy_since_refresh = True
                 for out in outputs:
                     self._deliver(out.request_id, out)
                 for request_id, message in self.engine.pop_failed_requests():

@@ -232,6 +232,12 @@ class LLMEngine:
         self._update_gauges()  # no step may follow: keep running/usage truthful now
         return True
 
+    def refresh_swap_objects(self) -> None:
+        """Count the swap objects the workers hold (one call to each) into the stats."""
+        if self.executor is not None:
+            self.stats.num_swap_objects = sum(self.executor.swap_objects())
+            self.published_stats = dataclasses.replace(self.stats)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 

@@ -65,3 +65,6 @@ class ModelRunnerOutput:
     # req -> (first prompt token index covered, entries), chunk by chunk
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float] | None]]] = field(
         default_factory=dict)
+    # Requests whose KV a worker could not save to (or restore from) the swap pool this
+    # step; the scheduler makes them recompute. Merged over all workers by the executor.
+    failed_swaps: set[str] = field(default_factory=set)

@@ -107,6 +107,8 @@ class Scheduler:
         self.swap = SwapSpace(swap_capacity_blocks, sched.scheduling_policy)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swap_failures = 0  # swaps a worker could not store or restore: recomputed
+        self._lost_since_last_step: set[str] = set()
         self.num_priority_preemptions = 0  # of which for a more important waiting request
         self._known_to_workers: set[str] = set()
         self._finished_since_last_step: set[str] = set()
@@ -159,8 +161,10 @@ class Scheduler:
         if no swapped request of equal or higher priority (under fcfs: none at all) is
         waiting to come back."""
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step,
-                              swap_drop=self.swap.take_drops())
+                              swap_drop=self.swap.take_drops(),
+                              preempted_req_ids=self._lost_since_last_step)
         self._finished_since_last_step = set()
+        self._lost_since_last_step = set()
         plan = StepPlan(self.config.max_num_batched_tokens, self._micro_batch_size())
         self._schedule_running(plan, out)
         if not plan.preempted:
@@ -395,11 +399,12 @@ class Scheduler:
         length or stop-token limit. Returns the requests that got new tokens."""
         sampled = dict(zip(result.req_ids, result.sampled_token_ids, strict=True))
         self._in_flight.difference_update(out.num_scheduled_tokens)
+        lost = self._recompute_lost(result.failed_swaps) if result.failed_swaps else set()
         updated = []
         for req_id, num in out.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
-            if req is None or req.is_finished:
-                continue  # aborted while the step ran
+            if req is None or req.is_finished or req_id in lost:
+                continue  # aborted while the step ran, or its KV was lost
             req.num_computed_tokens += num
             tokens = sampled.get(req_id) or []
             if not tokens:
@@ -412,6 +417,34 @@ class Scheduler:
                     break
             updated.append(req)
         return updated
+
+    def _recompute_lost(self, failed: set[str]) -> set[str]:
+        """Requests whose KV a worker could not save to the swap pool (or restore from it)
+        start over by recompute, as if preempted that way. Returns those that ran in this
+        step on the lost KV: their tokens from it are dropped. A request already in a
+        later step in flight is left alone here: its restore there fails as well and is
+        reported with that step."""
+        rerun = set()
+        for req_id in failed:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            if req.status is RequestStatus.SWAPPED:
+                self.swap.discard(req)
+            elif req.status is RequestStatus.RUNNING and req_id not in self._in_flight:
+                self.running.remove(req)
+                req.num_computed_tokens = 0  # before free: none of its blocks stays keyed
+                self.kv.free(req)
+                self._known_to_workers.discard(req_id)
+                self._lost_since_last_step.add(req_id)  # workers forget its state
+                rerun.add(req_id)
+            else:
+                continue
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            self.waiting.add_front(req)
+            self.num_swap_failures += 1
+        return rerun
 
     def _check_stop(self, req: Request, token: int) -> bool:
         params = req.sampling_params

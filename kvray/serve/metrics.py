@@ -31,6 +31,9 @@ class ServerMetrics:
                                     registry=r)
         self.prefix_hits = Gauge("kvray:prefix_cache_hits_total",
                                  "Prompt tokens found in the prefix cache.", mr, registry=r)
+        self.swap_objects = Gauge("kvray:swap_objects",
+                                  "Swapped-out KV objects the workers hold (as of the last "
+                                  "idle moment).", mr, registry=r)
         self.preemptions = Gauge("kvray:num_preemptions_total", "Preemptions.", mr, registry=r)
         self.prompt_tokens = Counter("kvray:prompt_tokens", "Prompt tokens processed.", m,
                                      registry=r)
@@ -76,6 +79,7 @@ class ServerMetrics:
         self.prefix_queries.labels(*labels).set(stats.get("prefix_cache_queries", 0))
         self.prefix_hits.labels(*labels).set(stats.get("prefix_cache_hits", 0))
         self.preemptions.labels(*labels).set(stats.get("num_preemptions", 0))
+        self.swap_objects.labels(*labels).set(stats.get("num_swap_objects", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
