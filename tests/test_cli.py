@@ -73,3 +73,45 @@ def test_builtin_model_completion_through_the_cli():
     out = _run("generate", "--prompt", "The capital of France is", "--max-tokens", "8")
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
+
+
+def _serve_args(*argv: str):
+    from kvray.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_api_key_comes_from_a_file_the_environment_or_the_flag(tmp_path, monkeypatch):
+    from kvray.cli import resolve_api_key
+    from kvray.config import ConfigError
+
+    monkeypatch.delenv("KVRAY_API_KEY", raising=False)
+    assert resolve_api_key(_serve_args()) is None
+    monkeypatch.setenv("KVRAY_API_KEY", "from-env")
+    assert resolve_api_key(_serve_args()) == "from-env"
+    assert resolve_api_key(_serve_args("--api-key", "from-flag")) == "from-flag"
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert resolve_api_key(_serve_args("--api-key-file", str(key_file))) == "from-file"
+    key_file.write_text("\n")
+    with pytest.raises(ConfigError, match="--api-key-file.*empty"):
+        resolve_api_key(_serve_args("--api-key-file", str(key_file)))
+    with pytest.raises(ConfigError, match="cannot read"):
+        resolve_api_key(_serve_args("--api-key-file", str(tmp_path / "missing")))
+
+
+def test_serve_refuses_an_unreadable_key_file_before_starting_anything(tmp_path, capsys):
+    rc = main(["serve", str(tmp_path), "--api-key-file", str(tmp_path / "missing")])
+    assert rc == 2
+    assert "--api-key-file" in capsys.readouterr().err
+
+
+def test_server_limits_are_flags_and_bad_values_name_the_field(capsys):
+    from kvray.cli import config_from_args
+
+    config = config_from_args(_serve_args("--max-waiting", "50", "--request-timeout-s", "9",
+                                          "--enable-docs"))
+    assert config.server.max_waiting == 50 and config.server.request_timeout_s == 9
+    assert config.server.enable_docs
+    rc = main(["serve", "--max-stop", "-1"])
+    assert rc == 2 and "max_stop" in capsys.readouterr().err
