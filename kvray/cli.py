@@ -240,10 +240,7 @@ def _drain(timeout_s: float) -> None:
     for up to ``timeout_s``, then end the rest with an error."""
     import time
 
-    import ray
     from ray import serve
-
-    from kvray.serve.deployment import STATS_NAMESPACE
 
     print(f"kvray: draining (up to {timeout_s:g} s; new requests get 503)", flush=True)
     try:
@@ -255,17 +252,15 @@ def _drain(timeout_s: float) -> None:
         return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            board = ray.get_actor("kvray-stats-kvray", namespace=STATS_NAMESPACE)
-            snap = ray.get(board.snapshot.remote(max_age_s=3.0), timeout=5)
-            busy = sum(s.get("num_running", 0) + s.get("num_waiting", 0) for _, s in snap)
+        try:  # the ingress counts exactly the requests it still serves
+            busy = ingress.num_in_flight.remote().result(timeout_s=5)
         except Exception:
             busy = 1
         if busy == 0:
-            time.sleep(0.6)  # the last outputs on their way to clients
+            time.sleep(0.6)  # the last chunks on their way to clients
             print("kvray: drained", flush=True)
             return
-        time.sleep(0.5)
+        time.sleep(0.25)
     print("kvray: drain deadline passed; aborting the requests still running", flush=True)
     try:
         ingress.abort_all.remote().result(timeout_s=10)

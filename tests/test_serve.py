@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -43,31 +44,35 @@ def launch_server(model_dir, extra: list[str] = ()):
     port = _free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvray.cli", "serve", str(model_dir), "--port", str(port),
-         "--api-key", API_KEY, *ENGINE_FLAGS, *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kvray serve exited: {proc.stdout.read()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("kvray serve did not become healthy in 180 s")
-            time.sleep(1)
-        yield base
-    finally:
-        proc.send_signal(signal.SIGINT)
+    # A file, not a pipe: nobody reads a pipe while the server runs, and once its buffer
+    # is full every print of the server blocks (its drain and shutdown included).
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvray.cli", "serve", str(model_dir), "--port", str(port),
+             "--api-key", API_KEY, *ENGINE_FLAGS, *extra],
+            stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    pytest.fail(f"kvray serve exited: {log.read()[-3000:]}")
+                try:
+                    if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    pytest.fail("kvray serve did not become healthy in 180 s")
+                time.sleep(1)
+            yield base
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 @pytest.fixture(scope="module")

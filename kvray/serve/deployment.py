@@ -178,6 +178,10 @@ class OpenAIIngress:
         """End every request this ingress has in flight with an error."""
         await self.server.abort_all()
 
+    def num_in_flight(self) -> int:
+        """Engine streams this ingress has open (a drain is done at 0)."""
+        return self.server.num_in_flight
+
 
 def build_app(engine_config: dict, model_path: str, model_name: str,
               api_key: str | None = None, num_replicas: int = 1, app_name: str = "kvray"):

@@ -126,6 +126,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(model_name)
         self.draining = False
         self._abort: asyncio.Future | None = None  # set by abort_all: ends every stream
+        self.num_in_flight = 0  # engine streams open (drain waits for 0)
         # One thread: tokenizing a huge prompt never blocks the event loop, and HF fast
         # tokenizers are not safe to call from several threads at once.
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="kvray-tokenize")
@@ -300,6 +301,7 @@ class OpenAIServer:
         gen = self.client.generate(request_id, prompt, params, priority)
         aborted = self._aborted()
         step: asyncio.Future | None = None
+        self.num_in_flight += 1
         try:
             while True:
                 step = asyncio.ensure_future(gen.__anext__())
@@ -315,6 +317,7 @@ class OpenAIServer:
                     raise api_error_from(err) from None
                 yield out
         finally:  # finished, failed, aborted, or our consumer went away: stop the engine side
+            self.num_in_flight -= 1
             if step is not None and not step.done():
                 step.cancel()
                 with contextlib.suppress(BaseException):

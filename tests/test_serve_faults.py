@@ -1,0 +1,242 @@
+"""Faults under a real `kvray serve` (loopback Ray cluster, worker actors): a killed worker,
+a frozen worker (SIGSTOP), a killed engine replica. In every case each request in flight
+ends within its bound, with an error event or finished, the client sees no internal
+details, and the server recovers: the next request succeeds. Also: errors raised inside
+the engine replica reach clients as plain OpenAI errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import psutil
+import pytest
+from test_serve import API_KEY, launch_server
+from tiny_models import VOCAB_SIZE, make_tiny_model
+
+WORKER_TIMEOUT_S = 5
+DRAIN_TIMEOUT_S = 10
+FLAGS = ["--distributed-executor-backend", "ray", "--worker-timeout-s", str(WORKER_TIMEOUT_S),
+         "--drain-timeout-s", str(DRAIN_TIMEOUT_S)]
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+LEAKS = re.compile(r"Traceback|File \"|pid=|actor_id|ActorID|\b\d{1,3}(\.\d{1,3}){3}\b|"
+                   r"/tmp/|/work/|site-packages|\.py\b|ray::")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model = make_tiny_model("llama_gqa", tmp_path_factory.mktemp("faults") / "tiny-llama")
+    with launch_server(model, FLAGS) as base:
+        yield base, model.name
+
+
+def _server_process(base: str) -> psutil.Process:
+    port = base.rsplit(":", 1)[1]
+    servers = [p for p in psutil.process_iter(["cmdline"])
+               if "serve" in (p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])]
+    assert len(servers) == 1, f"expected one kvray serve on port {port}"
+    return servers[0]
+
+
+def _ray_process(base: str, title: str) -> psutil.Process:
+    """The one live process of the server at ``base`` whose title starts with ``title``
+    (e.g. 'ray::_RankedWorker'): a descendant of that `kvray serve` (its Ray cluster)."""
+    found = [p for p in _server_process(base).children(recursive=True)
+             if " ".join(p.cmdline()).startswith(title) and p.status() != psutil.STATUS_ZOMBIE]
+    assert len(found) == 1, f"expected one {title} process, found {len(found)}"
+    return found[0]
+
+
+@dataclass
+class Stream:
+    """One streaming completion consumed on its own thread."""
+
+    base: str
+    model: str
+    max_tokens: int = 900
+    chunks: int = 0
+    errors: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    done: bool = False
+    failure: str | None = None  # transport-level
+    ended_at: float | None = None
+    first_chunk: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> Stream:
+        threading.Thread(target=self._run, daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        body = {"model": self.model, "prompt": "Once upon a time", "max_tokens": self.max_tokens,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        try:
+            with httpx.stream("POST", f"{self.base}/v1/completions", json=body,
+                              headers=HEADERS, timeout=120) as resp:
+                for line in resp.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line.removeprefix("data: ")
+                    if data == "[DONE]":
+                        self.done = True
+                        continue
+                    assert not LEAKS.search(data), data
+                    event = json.loads(data)
+                    if "error" in event:
+                        self.errors.append(event["error"])
+                        continue
+                    self.chunks += 1
+                    self.first_chunk.set()
+                    for c in event["choices"]:
+                        self.finish_reason = c["finish_reason"] or self.finish_reason
+        except Exception as err:  # the connection dropped: counted as a failure
+            self.failure = repr(err)
+        finally:
+            self.ended_at = time.monotonic()
+            self.first_chunk.set()
+
+    def ended_cleanly(self) -> bool:
+        """Finished, or ended with one OpenAI error event; then [DONE] either way."""
+        if self.failure is not None or not self.done:
+            return False
+        if self.errors:
+            err = self.errors[0]
+            return err["code"] == 503 and err["type"] == "ServiceUnavailableError"
+        return self.finish_reason == "length"
+
+
+def _start_streams(base: str, model: str, count: int = 3) -> list[Stream]:
+    streams = [Stream(base, model).start() for _ in range(count)]
+    for s in streams:
+        assert s.first_chunk.wait(60), "no first chunk in 60 s"
+        assert s.failure is None and not s.errors, (s.failure, s.errors)
+    return streams
+
+
+def _wait_ended(streams: list[Stream], since: float, bound_s: float) -> list[float]:
+    deadline = since + bound_s
+    while time.monotonic() < deadline and any(s.ended_at is None for s in streams):
+        time.sleep(0.1)
+    assert all(s.ended_at is not None for s in streams), f"a stream outlived {bound_s} s"
+    for s in streams:
+        assert s.ended_cleanly(), (s.failure, s.errors, s.done, s.finish_reason)
+    return [s.ended_at - since for s in streams]
+
+
+def _recovers(base: str, model: str, bound_s: float) -> float:
+    """Seconds until a plain completion succeeds again (fails the test past ``bound_s``)."""
+    start = time.monotonic()
+    last = None
+    while time.monotonic() - start < bound_s:
+        try:
+            resp = httpx.post(f"{base}/v1/completions", headers=HEADERS, timeout=60, json={
+                "model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+            last = (resp.status_code, resp.text[:300])
+            if resp.status_code == 200:
+                return time.monotonic() - start
+            assert resp.status_code == 503 and "retry-after" in resp.headers, last
+            assert not LEAKS.search(resp.text), resp.text
+        except httpx.HTTPError as err:
+            last = repr(err)
+        time.sleep(1)
+    pytest.fail(f"the server did not recover in {bound_s} s; last answer: {last}")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": [VOCAB_SIZE + 5]}, "prompt"),
+    ({"prompt": "x", "stop_token_ids": [VOCAB_SIZE]}, "stop_token_ids"),
+    ({"prompt": "x", "logit_bias": {str(VOCAB_SIZE + 1): 5}}, "logit_bias"),
+    ({"prompt": [5] * 1020, "max_tokens": 10}, "max_tokens"),
+])
+def test_errors_raised_in_the_engine_replica_reach_clients_without_internals(served, body,
+                                                                              param):
+    base, model = served
+    for stream in (False, True):
+        resp = httpx.post(f"{base}/v1/completions", headers=HEADERS, timeout=60,
+                          json={"model": model, **body, "stream": stream})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == param
+        assert not LEAKS.search(resp.text), resp.text
+
+
+def test_a_killed_worker_fails_its_requests_and_the_server_recovers(served):
+    base, model = served
+    streams = _start_streams(base, model)
+    worker = _ray_process(base, "ray::_RankedWorker")
+    killed = time.monotonic()
+    worker.kill()
+    ended = _wait_ended(streams, killed, bound_s=30)
+    recovered = _recovers(base, model, bound_s=120)
+    print(f"\nkilled worker: streams ended after {max(ended):.1f} s, "
+          f"server answering again after {recovered:.1f} s")
+    assert any(s.errors for s in streams)
+
+
+def test_a_frozen_worker_is_treated_as_dead_and_the_server_recovers(served):
+    base, model = served
+    streams = _start_streams(base, model)
+    worker = _ray_process(base, "ray::_RankedWorker")
+    frozen = time.monotonic()
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        # worker_timeout_s, then Ray's kill of a process that cannot answer (~5 s)
+        ended = _wait_ended(streams, frozen, bound_s=WORKER_TIMEOUT_S + 25)
+        recovered = _recovers(base, model, bound_s=120)
+    finally:
+        if worker.is_running():
+            os.kill(worker.pid, signal.SIGCONT)
+    print(f"\nfrozen worker: streams ended after {max(ended):.1f} s, "
+          f"server answering again after {recovered:.1f} s")
+    assert all(s.errors for s in streams)
+    assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_killed_engine_replica_fails_its_requests_and_serve_replaces_it(served):
+    base, model = served
+    streams = _start_streams(base, model)
+    replica = _ray_process(base, "ray::ServeReplica:kvray:LLMServer")
+    killed = time.monotonic()
+    replica.kill()
+    ended = _wait_ended(streams, killed, bound_s=30)
+    recovered = _recovers(base, model, bound_s=180)
+    print(f"\nkilled engine replica: streams ended after {max(ended):.1f} s, "
+          f"server answering again after {recovered:.1f} s")
+    health = httpx.get(f"{base}/health", timeout=10)
+    assert health.status_code == 200
+
+
+def test_sigterm_drains_then_aborts_and_leaves_no_process(served):
+    """Last in this module: it stops the server. A short request finishes; a long one is
+    ended with an error at the drain deadline; new requests get 503 + Retry-After; the
+    process exits 0 and every process of its Ray cluster is gone."""
+    base, model = served
+    short = Stream(base, model, max_tokens=40).start()
+    long = Stream(base, model, max_tokens=1000).start()
+    assert short.first_chunk.wait(60) and long.first_chunk.wait(60)
+    server = _server_process(base)
+    family = server.children(recursive=True)
+    assert any("raylet" in " ".join(p.cmdline()) for p in family)
+    start = time.monotonic()
+    server.send_signal(signal.SIGTERM)
+    refused = None
+    while time.monotonic() - start < 30:  # the drain starts within moments (more if busy)
+        resp = httpx.post(f"{base}/v1/completions", headers=HEADERS, timeout=10, json={
+            "model": model, "prompt": "Hello", "max_tokens": 2})
+        if resp.status_code == 503:
+            refused = resp
+            break
+        time.sleep(0.2)
+    assert refused is not None and refused.headers.get("retry-after"), "still admitting"
+    _wait_ended([short], start, bound_s=DRAIN_TIMEOUT_S)
+    assert short.finish_reason == "length" and not short.errors
+    _wait_ended([long], start, bound_s=DRAIN_TIMEOUT_S + 20)
+    assert long.errors and long.errors[0]["code"] == 503, "the long request was not aborted"
+    assert server.wait(timeout=60) == 0
+    time.sleep(1)
+    left = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [" ".join(p.cmdline())[:80] for p in left]
