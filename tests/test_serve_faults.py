@@ -210,6 +210,30 @@ def test_a_killed_engine_replica_fails_its_requests_and_serve_replaces_it(served
     assert health.status_code == 200
 
 
+def _prefix_queries(base: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("kvray:prefix_cache_queries_total{")]
+    return sum(values)
+
+
+def test_metrics_survive_the_death_of_the_stats_actor(served):
+    """The engine replicas' stats reach /metrics through a small named actor; killed, it is
+    restarted (or looked up again) and the gauges move again, never frozen."""
+    base, model = served
+    _recovers(base, model, bound_s=60)
+    time.sleep(1.5)  # a report period or two
+    before = _prefix_queries(base)
+    _ray_process(base, "ray::StatsBoard").kill()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        _recovers(base, model, bound_s=60)  # a request: its prompt is looked up
+        if _prefix_queries(base) > before:
+            return
+        time.sleep(1)
+    pytest.fail("engine gauges on /metrics stayed frozen after the stats actor died")
+
+
 def test_sigterm_drains_then_aborts_and_leaves_no_process(served):
     """Last in this module: it stops the server. A short request finishes; a long one is
     ended with an error at the drain deadline; new requests get 503 + Retry-After; the
