@@ -26,6 +26,7 @@ logger = logging.getLogger("kvray.serve")
 STATS_PERIOD_S = 0.5
 STATS_NAMESPACE = "kvray"
 HEALTH_TIMEOUT_S = 5.0
+INGRESS_QUEUE = 8192  # requests Serve's proxy may queue for the ingress (see build_app)
 
 
 def _stats_board(name: str):
@@ -202,6 +203,15 @@ def build_app(engine_config: dict, model_path: str, model_name: str,
         options["placement_group_bundles"] = [{"CPU": 1}] + [dict(worker) for _ in range(world)]
         options["placement_group_strategy"] = "PACK"
     llm = LLMServer.options(**options).bind(engine_config, board)
-    return OpenAIIngress.options(
-        max_queued_requests=2 * queue, graceful_shutdown_timeout_s=drain + 10).bind(
+    # The ingress answers every request at once (admitted, or refused with OpenAI's JSON),
+    # so its queue only holds a burst while Serve's router assigns it: bounded, but far
+    # above what the engine admits, so that refusals come from kvray, not the proxy.
+    ingress = {"max_queued_requests": INGRESS_QUEUE, "graceful_shutdown_timeout_s": drain + 10}
+    try:  # Ray >= 2.5x: the proxy's own refusals say when to retry
+        from ray.serve.config import BackpressureConfig
+
+        ingress["backpressure_config"] = BackpressureConfig(status_code=503, retry_after_s=1)
+    except ImportError:
+        pass
+    return OpenAIIngress.options(**ingress).bind(
         llm, model_path, model_name, api_key, engine_config, board)
