@@ -23,7 +23,7 @@ from tiny_models import VOCAB_SIZE, make_tiny_model
 WORKER_TIMEOUT_S = 5
 DRAIN_TIMEOUT_S = 10
 FLAGS = ["--distributed-executor-backend", "ray", "--worker-timeout-s", str(WORKER_TIMEOUT_S),
-         "--drain-timeout-s", str(DRAIN_TIMEOUT_S)]
+         "--drain-timeout-s", str(DRAIN_TIMEOUT_S), "--enable-docs"]
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 LEAKS = re.compile(r"Traceback|File \"|pid=|actor_id|ActorID|\b\d{1,3}(\.\d{1,3}){3}\b|"
                    r"/tmp/|/work/|site-packages|\.py\b|ray::")
@@ -162,6 +162,67 @@ def test_errors_raised_in_the_engine_replica_reach_clients_without_internals(ser
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"] == param
         assert not LEAKS.search(resp.text), resp.text
+
+
+def test_hostile_requests_through_the_real_server(served):
+    """The in-process fuzz cases (tests/test_http_fuzz.py) replayed through Ray Serve, where
+    errors raised in the engine replica cross a process boundary, plus a short schemathesis
+    pass over the served schema: no 5xx, no leak, OpenAI error JSON; the server still
+    answers."""
+    import schemathesis
+    from test_http_fuzz import (
+        EXPLICIT,
+        POST_PATHS,
+        Findings,
+        _dumps,
+        response_problems,
+    )
+
+    base, model = served
+    findings = Findings()
+    with httpx.Client(base_url=base, headers=HEADERS, timeout=60) as client:
+        for path in POST_PATHS:
+            for body in EXPLICIT:
+                raw = _dumps({"model": model, **body})
+                resp = client.post(path, content=raw,
+                                   headers={"content-type": "application/json"})
+                problems = response_problems(resp.status_code,
+                                             resp.headers.get("content-type", ""),
+                                             resp.content, body, raw)
+                if problems:
+                    findings.add(path, resp.status_code, problems,
+                                 raw.decode("utf-8", "replace")[:300], resp.text)
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=HEADERS)
+    for result in schema.get_all_operations():
+        op = result.ok()
+        if op.body:
+            _fuzz_positive(op, model, findings)
+    assert not findings.by_key, findings.report()
+    _recovers(base, model, bound_s=30)
+
+
+def _fuzz_positive(op, model: str, findings) -> None:
+    """A few schema-valid cases of one operation through the real server (max_tokens and n
+    kept small, the served model name)."""
+    from hypothesis import given
+    from schemathesis import GenerationMode
+    from test_http_fuzz import _keep_cheap, fuzz_settings, response_problems
+
+    @fuzz_settings(8)
+    @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE))
+    def run(case):
+        _keep_cheap(case.body)
+        if isinstance(case.body, dict):
+            case.body["model"] = model
+        resp = case.call(headers=HEADERS, timeout=60)
+        ctype = {k.lower(): v for k, v in resp.headers.items()}.get("content-type", [""])
+        problems = response_problems(resp.status_code, ctype[0], resp.content, case.body,
+                                     b"", cut_short=resp.stream_cut_short)
+        if problems:
+            findings.add(f"{op.method} {op.path}", resp.status_code, problems,
+                         str(case.body)[:300], resp.content.decode("utf-8", "replace"))
+
+    run()
 
 
 def test_a_killed_worker_fails_its_requests_and_the_server_recovers(served):
