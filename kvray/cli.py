@@ -95,16 +95,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def served_model_name(config: EngineConfig, model_path) -> str:
-    """``served_model_name``, else the model directory's (or GGUF file's) name."""
-    from pathlib import Path
-
-    if config.model.served_model_name:
-        return config.model.served_model_name
-    path = Path(model_path)
-    return path.stem if path.suffix == ".gguf" else path.name
-
-
 def resolve_api_key(args: argparse.Namespace) -> str | None:
     """The API key from ``--api-key-file`` (first line), ``--api-key`` or ``KVRAY_API_KEY``
     (argv is visible to every local user in ``ps``: prefer the file or the variable)."""
@@ -153,7 +143,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from kvray.actors.ray_executor import ensure_ray, stop_ray
     from kvray.default_model import resolve_model_path
-    from kvray.serve.deployment import build_app
+    from kvray.serve.builder import build_app, served_model_name
 
     if args.model_positional is not None:
         args.model = args.model_positional
@@ -173,6 +163,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                          log_to_driver=True)
     flat = {k: v for k, v in config.to_flat().items() if v is not None}
     flat["model"] = str(model_path)
+    app_args = {**flat, "num_replicas": args.num_replicas, "api_key": api_key}
 
     def on_sigterm(signum, frame):
         signal.alarm(0)
@@ -182,8 +173,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(flat, str(model_path), name, api_key, args.num_replicas),
-                  name="kvray", route_prefix="/")
+        serve.run(build_app(app_args), name="kvray", route_prefix="/")
         print(f"kvray: serving {name} on http://{args.host}:{args.port}/v1 "
               f"({args.num_replicas} replica(s)); Ctrl-C or SIGTERM drains and stops",
               flush=True)

@@ -1,1 +1,12 @@
-"""Serving: OpenAI-compatible HTTP API on Ray Serve, streaming, metrics."""
+"""Serving: OpenAI-compatible HTTP API on Ray Serve, streaming, metrics.
+
+``kvray.serve:build_app`` is the Serve application builder (``serve run``, Serve config
+files, KubeRay); importing this package stays cheap (Ray and FastAPI load on use).
+"""
+
+
+def build_app(args=None):
+    """The Serve application for one model: see :mod:`kvray.serve.builder`."""
+    from kvray.serve.builder import build_app as build
+
+    return build(args)

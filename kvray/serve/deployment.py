@@ -156,10 +156,18 @@ class _ServeClient:
 @serve.ingress()  # the app is built per replica, by __serve_build_asgi_app__
 class OpenAIIngress:
     async def __init__(self, llm_handle, model_path: str, model_name: str,
-                       api_key: str | None, engine_config: dict, board_name: str) -> None:
+                       api_key: str | None, engine_config: dict, board_name: str,
+                       api_key_file: str | None = None) -> None:
+        import os
+        from pathlib import Path
+
         from kvray.serve.openai_app import OpenAIServer
         from kvray.tokenizer import load_tokenizer
 
+        if api_key is None and api_key_file:  # read here: the Secret is mounted here
+            api_key = Path(api_key_file).read_text().strip().splitlines()[0].strip()
+        if api_key is None:
+            api_key = os.environ.get("KVRAY_API_KEY") or None
         config = config_from_flat(engine_config)
         tokenizer = load_tokenizer(model_path, config.model.tokenizer)
         client = _ServeClient(llm_handle, tokenizer, board_name)
@@ -185,7 +193,8 @@ class OpenAIIngress:
 
 
 def build_app(engine_config: dict, model_path: str, model_name: str,
-              api_key: str | None = None, num_replicas: int = 1, app_name: str = "kvray"):
+              api_key: str | None = None, num_replicas: int = 1, app_name: str = "kvray",
+              api_key_file: str | None = None):
     """The Serve application graph for one model. Serve's own queues are bounded
     (``max_queued_requests``: beyond, callers get 503); the engine admits by sequences."""
     config = config_from_flat(engine_config)
@@ -214,4 +223,4 @@ def build_app(engine_config: dict, model_path: str, model_name: str,
     except ImportError:
         pass
     return OpenAIIngress.options(**ingress).bind(
-        llm, model_path, model_name, api_key, engine_config, board)
+        llm, model_path, model_name, api_key, engine_config, board, api_key_file)

@@ -1,0 +1,62 @@
+"""The Ray Serve application builder: one entry point for ``kvray serve``, ``serve run``,
+``serve deploy`` and KubeRay's ``serveConfigV2``.
+
+    serve run kvray.serve:build_app model=/models/llama tensor_parallel_size=2
+    serve run configs/serve/smollm2.yaml          # import_path: kvray.serve:build_app
+
+Arguments are the flat model-config keys of ``kvray serve`` (``model``, ``dtype``,
+``tensor_parallel_size``, ``max_waiting`` ...; strings from the command line are converted
+and validated like the YAML file), plus:
+
+- ``config``: a flat model YAML on the machine that builds the app; keys given beside it
+  override it;
+- ``num_replicas``: model replicas (data parallelism), default 1;
+- ``name``: the Serve application's name (default ``kvray``; names its stats actor);
+- ``api_key_file``: a file whose first line is the API key, read by the ingress replica
+  (mount a Secret there); without it the ingress reads ``KVRAY_API_KEY`` from its own
+  environment; ``api_key`` itself is accepted but lands in the Serve config in clear.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvray.config import ConfigError, EngineConfig, load_config
+
+SERVE_ARGS = ("config", "num_replicas", "name", "api_key", "api_key_file")
+
+
+def served_model_name(config: EngineConfig, model_path: str | Path) -> str:
+    """``served_model_name``, else the model directory's (or GGUF file's) name."""
+    if config.model.served_model_name:
+        return config.model.served_model_name
+    path = Path(model_path)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def build_app(args: dict[str, Any] | None = None):
+    """The Serve application for one model, from flat ``args`` (see the module doc);
+    raises :class:`~kvray.config.ConfigError` naming a bad key or value."""
+    from kvray.default_model import resolve_model_path
+    from kvray.serve.deployment import build_app as build_graph
+
+    args = dict(args or {})
+    config_path = args.pop("config", None)
+    try:
+        num_replicas = int(args.pop("num_replicas", 1))
+    except (TypeError, ValueError):
+        raise ConfigError("num_replicas must be a positive integer") from None
+    if num_replicas < 1:
+        raise ConfigError(f"num_replicas = {num_replicas}: must be >= 1")
+    name = str(args.pop("name", "kvray"))
+    api_key = args.pop("api_key", None) or None
+    api_key_file = args.pop("api_key_file", None) or None
+    config = load_config(config_path, **args)
+    model_path = resolve_model_path(config.model.model)
+    if not model_path.exists():
+        raise ConfigError(f"model path {model_path} does not exist")
+    flat = {k: v for k, v in config.to_flat().items() if v is not None}
+    flat["model"] = str(model_path)
+    return build_graph(flat, str(model_path), served_model_name(config, model_path),
+                       api_key, num_replicas, app_name=name, api_key_file=api_key_file)
