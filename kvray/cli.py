@@ -1,4 +1,4 @@
-"""``kvray`` command line: ``setup`` and ``generate``.
+"""``kvray`` command line: ``setup``, ``generate``, ``serve``, ``cluster``.
 
 Every config key is also a flag (``block_size`` -> ``--block-size``); a flag overrides the
 value from ``--config FILE``.
@@ -10,42 +10,14 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any, get_args
 
-from kvray.config import FIELD_SECTION, SECTIONS, ConfigError, EngineConfig, load_config
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0.0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config`` and one flag per config key (validated later, by pydantic)."""
-    parser.add_argument("--config", metavar="FILE", help="flat YAML config file (see configs/)")
-    group = parser.add_argument_group("config overrides (each overrides --config)")
-    for section_cls in SECTIONS.values():
-        for key, field in section_cls.model_fields.items():
-            kwargs: dict[str, Any] = {"dest": key, "default": None, "help": field.description}
-            if field.annotation is bool:
-                kwargs["action"] = argparse.BooleanOptionalAction
-            else:
-                choices = [a for a in get_args(field.annotation) if isinstance(a, str)]
-                kwargs["metavar"] = "{" + ",".join(choices) + "}" if choices else key.upper()
-            group.add_argument(_flag(key), **kwargs)
+from kvray.cli_flags import (
+    _non_negative_float,
+    _positive_int,
+    add_config_flags,
+    add_serve_arguments,
+)
+from kvray.config import FIELD_SECTION, ConfigError, EngineConfig, load_config
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -305,23 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API on Ray Serve")
-    srv.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
-                     help="model directory or .gguf file (default: the built-in SmolLM2)")
-    srv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    srv.add_argument("--port", type=_positive_int, default=8000, help="port (default 8000)")
-    srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' (visible in ps: prefer "
-                          "KVRAY_API_KEY or --api-key-file)")
-    srv.add_argument("--api-key-file", default=None, metavar="FILE",
-                     help="read the API key from the first line of FILE")
-    srv.add_argument("--num-replicas", type=_positive_int, default=1,
-                     help="model replicas (data parallelism)")
-    srv.add_argument("--address", default=None,
-                     help="Ray cluster address, e.g. 'auto' for the cluster `ray start` runs "
-                          "here (default: RAY_ADDRESS, else a new private cluster on "
-                          "127.0.0.1)")
-    add_config_flags(srv)
+    add_serve_arguments(srv)
     srv.set_defaults(func=_cmd_serve)
+
+    from kvray.cluster_check import add_cluster_parser
+
+    add_cluster_parser(sub)
     return parser
 
 

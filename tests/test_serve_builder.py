@@ -56,6 +56,7 @@ def test_shipped_serve_configs_pass_rays_schema_and_kvrays_config(path):
     ({"block_sise": 16}, "block_sise.*Did you mean 'block_size'"),
     ({"num_replicas": 0}, "num_replicas"),
     ({"num_replicas": "two"}, "num_replicas"),
+    ({"use_gpu": "maybe"}, "use_gpu"),
     ({"model": "/nonexistent/model"}, "does not exist"),
     ({"config": "/nonexistent.yaml"}, "config file not found"),
 ])

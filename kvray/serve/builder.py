@@ -12,6 +12,8 @@ and validated like the YAML file), plus:
   override it;
 - ``num_replicas``: model replicas (data parallelism), default 1;
 - ``name``: the Serve application's name (default ``kvray``; names its stats actor);
+- ``use_gpu``: reserve a GPU per worker (true/false); default: whether the cluster has
+  GPUs when the app is built — say it when GPU nodes may join later (KubeRay, autoscaling);
 - ``api_key_file``: a file whose first line is the API key, read by the ingress replica
   (mount a Secret there); without it the ingress reads ``KVRAY_API_KEY`` from its own
   environment; ``api_key`` itself is accepted but lands in the Serve config in clear.
@@ -24,7 +26,7 @@ from typing import Any
 
 from kvray.config import ConfigError, EngineConfig, load_config
 
-SERVE_ARGS = ("config", "num_replicas", "name", "api_key", "api_key_file")
+SERVE_ARGS = ("config", "num_replicas", "name", "api_key", "api_key_file", "use_gpu")
 
 
 def served_model_name(config: EngineConfig, model_path: str | Path) -> str:
@@ -52,6 +54,11 @@ def build_app(args: dict[str, Any] | None = None):
     name = str(args.pop("name", "kvray"))
     api_key = args.pop("api_key", None) or None
     api_key_file = args.pop("api_key_file", None) or None
+    use_gpu = args.pop("use_gpu", None)
+    if isinstance(use_gpu, str):
+        if use_gpu.lower() not in ("true", "false", "1", "0"):
+            raise ConfigError(f"use_gpu = {use_gpu!r}: must be true or false")
+        use_gpu = use_gpu.lower() in ("true", "1")
     config = load_config(config_path, **args)
     model_path = resolve_model_path(config.model.model)
     if not model_path.exists():
@@ -59,4 +66,5 @@ def build_app(args: dict[str, Any] | None = None):
     flat = {k: v for k, v in config.to_flat().items() if v is not None}
     flat["model"] = str(model_path)
     return build_graph(flat, str(model_path), served_model_name(config, model_path),
-                       api_key, num_replicas, app_name=name, api_key_file=api_key_file)
+                       api_key, num_replicas, app_name=name, api_key_file=api_key_file,
+                       use_gpu=use_gpu)

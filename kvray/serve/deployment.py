@@ -194,9 +194,11 @@ class OpenAIIngress:
 
 def build_app(engine_config: dict, model_path: str, model_name: str,
               api_key: str | None = None, num_replicas: int = 1, app_name: str = "kvray",
-              api_key_file: str | None = None):
+              api_key_file: str | None = None, use_gpu: bool | None = None):
     """The Serve application graph for one model. Serve's own queues are bounded
-    (``max_queued_requests``: beyond, callers get 503); the engine admits by sequences."""
+    (``max_queued_requests``: beyond, callers get 503); the engine admits by sequences.
+    ``use_gpu``: each worker (or the replica itself, TP x PP = 1) reserves a GPU; None =
+    whether the cluster has GPUs now."""
     config = config_from_flat(engine_config)
     board = f"kvray-stats-{app_name}"
     world = config.parallel.world_size
@@ -204,13 +206,17 @@ def build_app(engine_config: dict, model_path: str, model_name: str,
     queue = config.server.max_waiting + config.scheduler.max_num_seqs
     options: dict[str, Any] = {"num_replicas": num_replicas, "max_queued_requests": queue,
                                "graceful_shutdown_timeout_s": drain + 5}
-    if world > 1 or engine_config.get("distributed_executor_backend") == "ray":
-        # The replica's bundle, then one per worker: Serve reserves the whole replica.
+    if use_gpu is None:  # decided now: say it explicitly when GPU nodes join later
         import ray
 
-        worker = {"CPU": 1, "GPU": 1} if ray.cluster_resources().get("GPU", 0) else {"CPU": 1}
+        use_gpu = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+    if world > 1 or engine_config.get("distributed_executor_backend") == "ray":
+        # The replica's bundle, then one per worker: Serve reserves the whole replica.
+        worker = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
         options["placement_group_bundles"] = [{"CPU": 1}] + [dict(worker) for _ in range(world)]
         options["placement_group_strategy"] = "PACK"
+    elif use_gpu:  # the engine runs in the replica itself: it holds the GPU
+        options["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1}
     llm = LLMServer.options(**options).bind(engine_config, board)
     # The ingress answers every request at once (admitted, or refused with OpenAI's JSON),
     # so its queue only holds a burst while Serve's router assigns it: bounded, but far
