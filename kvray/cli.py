@@ -1,4 +1,4 @@
-"""``kvray`` command line: ``setup``, ``generate``, ``serve``, ``cluster``.
+"""``kvray`` command line: ``setup``, ``generate``, ``serve``, ``cluster``, ``grafana``.
 
 Every config key is also a flag (``block_size`` -> ``--block-size``); a flag overrides the
 value from ``--config FILE``.
@@ -281,8 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_cmd_serve)
 
     from kvray.cluster_check import add_cluster_parser
+    from kvray.grafana import add_grafana_parser
 
     add_cluster_parser(sub)
+    add_grafana_parser(sub)
     return parser
 
 
