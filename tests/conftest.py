@@ -7,6 +7,11 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+# Ray reads this once, when it is first imported: set before any test module imports ray
+# (collection imports them all first), so that every cluster a test starts listens on
+# loopback only (tests/test_distributed.py checks it).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 import pytest
 import transformers
 

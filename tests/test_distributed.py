@@ -68,8 +68,15 @@ LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 def _non_loopback_listeners() -> list:
     """Listening sockets of this process and everything it started (Ray, workers)."""
     ours = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
-    return [(c.laddr, c.pid) for c in psutil.net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN and c.pid in ours and c.laddr.ip not in LOOPBACK]
+    found = []
+    for c in psutil.net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN and c.pid in ours and c.laddr.ip not in LOOPBACK:
+            try:  # name the process: the assertion message says who listens
+                who = " ".join(psutil.Process(c.pid).cmdline())[:100]
+            except psutil.Error:
+                who = "?"
+            found.append((c.laddr, c.pid, who))
+    return found
 
 
 def test_cluster_and_workers_listen_on_loopback_only(cluster, models):
