@@ -68,11 +68,16 @@ def launch_server(model_dir, extra: list[str] = ()):
                 time.sleep(1)
             yield base
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Ctrl-C a server process; kill it if it has not stopped within ``timeout_s``."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ on a config file against a loopback Ray cluster (`ray start`) serves completions
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import openai
 import psutil
 import pytest
 import yaml
+from test_serve import stop_process
 from tiny_models import make_tiny_model
 
 from kvray.config import ConfigError
@@ -130,8 +130,4 @@ def test_serve_run_on_a_config_file_serves_the_openai_client(ray_head, tmp_path)
             with pytest.raises(openai.AuthenticationError):  # the nodes' KVRAY_API_KEY
                 openai.OpenAI(base_url=f"{base}/v1", api_key="wrong").models.list()
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)

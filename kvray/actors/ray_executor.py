@@ -157,6 +157,7 @@ class RayExecutor:
 
         par = config.parallel
         self.timeout_s = par.worker_timeout_s
+        self.startup_timeout_s = max(STARTUP_TIMEOUT_S, self.timeout_s)
         self.tp, self.pp = par.tensor_parallel_size, par.pipeline_parallel_size
         world = self.tp * self.pp
         ensure_ray(num_cpus=max(world + 2, 4))
@@ -185,14 +186,15 @@ class RayExecutor:
             ).remote(config, model_path, rank)
             for rank in range(world)
         ]
-        startup = max(STARTUP_TIMEOUT_S, self.timeout_s)
         try:
-            nodes = self._get([w.node_address.remote() for w in self.workers], startup)
+            nodes = self._get([w.node_address.remote() for w in self.workers],
+                              self.startup_timeout_s)
             init_method = self._get(
                 [self.workers[0].pick_rendezvous.remote(len(set(nodes)) == 1)])[0]
             if world == 1:
                 init_method = "single"  # no process group, but size threads as an actor
-            self._get([w.init_worker.remote(init_method) for w in self.workers], startup)
+            self._get([w.init_worker.remote(init_method) for w in self.workers],
+                      self.startup_timeout_s)
             self.spec, self.max_model_len = self._get(
                 [self.workers[-self.tp].model_info.remote()])[0]
         except BaseException:
@@ -246,14 +248,14 @@ class RayExecutor:
 
     def determine_num_blocks(self) -> int:  # profiles a forward pass: start-up bound
         return min(self._get([w.determine_num_blocks.remote() for w in self.workers],
-                             max(STARTUP_TIMEOUT_S, self.timeout_s)))
+                             self.startup_timeout_s))
 
     def kv_bytes_per_block(self) -> int:
         return max(self._get([w.kv_bytes_per_block.remote() for w in self.workers]))
 
     def initialize_cache(self, num_blocks: int) -> None:
         self._get([w.initialize_cache.remote(num_blocks) for w in self.workers],
-                  max(STARTUP_TIMEOUT_S, self.timeout_s))
+                  self.startup_timeout_s)
 
     def swap_objects(self) -> list[int]:
         return self._get([w.swap_objects.remote() for w in self.workers])

@@ -122,10 +122,7 @@ class _Handler:
                 "total_tokens": prompt + completion}
 
     async def run(self):
-        try:
-            self.req.check_limits(self.server.limits, self.num_prompts())
-        except ProtocolError as err:
-            raise APIError(400, str(err), "BadRequestError", err.param) from None
+        self.req.check_limits(self.server.limits, self.num_prompts())  # 400 naming the field
         prompts = await self.server.off_loop(self.prompt_ids)
         streams = []
         for i, (text, ids) in enumerate(prompts):

@@ -147,14 +147,13 @@ class OpenAIServer:
     def _install_handlers(self) -> None:
         app = self.app
 
-        @app.exception_handler(APIError)
-        async def _api_error(_: Request, err: APIError):
-            return error_response(err.status, err.message, err.err_type, err.param, err.headers)
-
-        @app.exception_handler(KVRayError)
-        async def _kvray_error(_: Request, err: KVRayError):
-            api = api_error_from(err)
+        async def _translated(_: Request, err: Exception):
+            api = api_error_from(err)  # APIError as is; kvray's, Ray's and others mapped
             return error_response(api.status, api.message, api.err_type, api.param, api.headers)
+
+        # Registered per class: Starlette re-raises what reaches the Exception handler.
+        for kind in (APIError, KVRayError, Exception):
+            app.add_exception_handler(kind, _translated)
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(_: Request, err: RequestValidationError):
@@ -177,11 +176,6 @@ class OpenAIServer:
         async def _http(_: Request, err: StarletteHTTPException):
             kind = "NotFoundError" if err.status_code == 404 else "BadRequestError"
             return error_response(err.status_code, str(err.detail), kind)
-
-        @app.exception_handler(Exception)
-        async def _internal(_: Request, err: Exception):
-            api = api_error_from(err)
-            return error_response(api.status, api.message, api.err_type, api.param, api.headers)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
