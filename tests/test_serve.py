@@ -202,9 +202,11 @@ def test_32_concurrent_streams_each_get_their_own_greedy_text(server, client, mo
     assert all(w.finish_reason == "length" for w in want)
 
 
-def _metric(server: str, name: str) -> float:
-    """Sum of a metric's samples; ``name`` may end with an open label filter."""
-    text = httpx.get(f"{server}/metrics").text
+def _metric(server: str, name: str, text: str | None = None) -> float:
+    """Sum of a metric's samples (in ``text``, else a fresh scrape); ``name`` may end with
+    an open label filter."""
+    if text is None:
+        text = httpx.get(f"{server}/metrics").text
     head = re.escape(name) if "{" in name else re.escape(name) + r"\{"
     values = [float(m.group(1)) for m in re.finditer(rf"^{head}[^}}]*}} (\S+)$", text, re.M)]
     return sum(values)
@@ -220,11 +222,16 @@ def test_dropped_stream_frees_its_blocks(server, model_name):
         lines = resp.iter_lines()
         next(lines)
         deadline = time.monotonic() + 10  # engine stats reach /metrics every 0.5 s
-        while _metric(server, "kvray:num_requests_running") < 1:
+        while True:
+            # One scrape: running and KV usage from the same engine stats (a second scrape
+            # could already show the request finished: the tiny model is fast).
+            scrape = httpx.get(f"{server}/metrics").text
+            if _metric(server, "kvray:num_requests_running", scrape) >= 1:
+                break
             assert time.monotonic() < deadline, "the streaming request never showed as running"
             next(lines)
             time.sleep(0.2)
-        assert _metric(server, "kvray:kv_cache_usage_perc") > 0
+        assert _metric(server, "kvray:kv_cache_usage_perc", scrape) > 0
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if (_metric(server, "kvray:num_requests_running") == 0
