@@ -103,6 +103,20 @@ class _Stop(Exception):
     """SIGTERM arrived: drain and stop."""
 
 
+def proxy_location(host: str) -> str:
+    """Where Serve runs HTTP proxies. By default one per node, each binding ``host``: a
+    wildcard address exists on every node, a specific one (the head's IP, 127.0.0.1) only
+    on one, and the other nodes' proxies fail to bind and restart forever. So: every node
+    for a wildcard, else only the head (where ``kvray serve`` runs)."""
+    import ipaddress
+
+    try:
+        wildcard = ipaddress.ip_address(host).is_unspecified
+    except ValueError:  # a host name: it names one machine
+        wildcard = False
+    return "EveryNode" if wildcard else "HeadOnly"
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import logging
     import os
@@ -110,7 +124,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import time
 
     # Ray reads this at import; with 127.0.0.1 as node address every listener is loopback.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Not when joining a cluster: there the driver must find its node by its own IP.
+    if not (args.address or os.environ.get("RAY_ADDRESS")):
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from ray import serve
 
     from kvray.actors.ray_executor import ensure_ray, stop_ray
@@ -144,7 +160,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # After ray.init, which installs its own SIGTERM handler (sys.exit, no drain).
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": args.host, "port": args.port},
+                    proxy_location=proxy_location(args.host))
         serve.run(build_app(app_args), name="kvray", route_prefix="/")
         print(f"kvray: serving {name} on http://{args.host}:{args.port}/v1 "
               f"({args.num_replicas} replica(s)); Ctrl-C or SIGTERM drains and stops",

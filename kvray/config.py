@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 GiB = 1 << 30
 
@@ -108,11 +115,49 @@ class ParallelConfig(_Section):
         "running requests, so that every stage has work (vLLM's virtual engines). "
         "None = pipeline_parallel_size; 1 = one step at a time (stages take turns).")
 
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="How a replica's worker bundles are placed on Ray nodes (Ray's placement "
+        "group strategies): PACK fills as few nodes as possible; SPREAD spreads over nodes "
+        "where it can; STRICT_SPREAD needs one node per worker; STRICT_PACK one node for all.")
+    pipeline_stage_nodes: list[str] | None = Field(
+        None,
+        description="Pin each pipeline stage (all its TP ranks) to a node: one entry per "
+        "stage, each a node IP address or a custom resource only that node has (e.g. "
+        "'10.0.0.12,10.0.0.13' on the command line). None = wherever placement_strategy "
+        "puts them.")
     worker_timeout_s: float = Field(
         120.0, gt=0.0, le=86400.0,
         description="Longest wait for a worker actor (one step, start-up); a worker that "
         "does not answer in time is treated as dead, its requests fail and the workers are "
         "rebuilt.")
+
+    @field_validator("pipeline_stage_nodes", mode="before")
+    @classmethod
+    def _split_stage_nodes(cls, value: Any) -> Any:
+        if isinstance(value, str):  # the command line's comma-separated form
+            return [part.strip() for part in value.split(",")]
+        return value
+
+    @model_validator(mode="after")
+    def _check_stage_nodes(self) -> ParallelConfig:
+        nodes = self.pipeline_stage_nodes
+        if nodes is None:
+            return self
+        if len(nodes) != self.pipeline_parallel_size:
+            raise ValueError(
+                f"pipeline_stage_nodes = {nodes!r}: needs one node per pipeline stage "
+                f"(pipeline_parallel_size = {self.pipeline_parallel_size}), got {len(nodes)}")
+        for node in nodes:
+            if not node or len(node) > 253 or not all(c.isalnum() or c in "._:-" for c in node):
+                raise ValueError(
+                    f"pipeline_stage_nodes = {nodes!r}: {node!r} is neither a node IP address "
+                    "nor a resource name (letters, digits, '.', '_', ':', '-')")
+        if self.placement_strategy == "STRICT_SPREAD" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "pipeline_stage_nodes puts a stage's tensor_parallel_size ranks on one node, "
+                "which placement_strategy = 'STRICT_SPREAD' forbids: use SPREAD or PACK")
+        return self
 
     @property
     def num_micro_batches(self) -> int:

@@ -115,3 +115,14 @@ def test_server_limits_are_flags_and_bad_values_name_the_field(capsys):
     assert config.server.enable_docs
     rc = main(["serve", "--max-stop", "-1"])
     assert rc == 2 and "max_stop" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host,where", [("0.0.0.0", "EveryNode"), ("::", "EveryNode"),
+                                        ("10.0.0.7", "HeadOnly"), ("127.0.0.1", "HeadOnly"),
+                                        ("my-head.internal", "HeadOnly")])
+def test_serve_runs_a_proxy_per_node_only_for_a_wildcard_host(host, where):
+    """A specific address exists on one node: proxies elsewhere would fail to bind it and
+    restart forever (found on the namespace cluster, tests/test_multinode.py)."""
+    from kvray.cli import proxy_location
+
+    assert proxy_location(host) == where

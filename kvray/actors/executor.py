@@ -61,9 +61,15 @@ class Executor(Protocol):
 
 
 def executor_backend(config: EngineConfig) -> str:
-    """``uni`` or ``ray``: as configured, else ``ray`` exactly when TP x PP > 1."""
+    """``uni`` or ``ray``: as configured, else ``ray`` exactly when TP x PP > 1 or the
+    workers are pinned to nodes."""
     par = config.parallel
-    backend = par.distributed_executor_backend or ("ray" if par.world_size > 1 else "uni")
+    wants_ray = par.world_size > 1 or par.pipeline_stage_nodes is not None
+    backend = par.distributed_executor_backend or ("ray" if wants_ray else "uni")
+    if backend == "uni" and par.pipeline_stage_nodes is not None:
+        raise ValueError(
+            "pipeline_stage_nodes pins workers to Ray nodes, but distributed_executor_backend"
+            "='uni' runs the model in this process; use 'ray' or leave it unset")
     if backend == "uni" and par.world_size > 1:
         raise ValueError(
             f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size x "
@@ -79,3 +85,4 @@ def make_executor(config: EngineConfig, model_path: str) -> Executor:
     else:
         from kvray.actors.uniproc_executor import UniProcExecutor as cls
     return cls(config, model_path)
+

@@ -15,6 +15,7 @@ import tempfile
 import time
 import uuid
 
+from kvray.actors.placement import worker_bundles
 from kvray.actors.worker import Worker, free_port
 from kvray.config import EngineConfig
 from kvray.models.spec import ModelSpec
@@ -41,13 +42,15 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None,
     logical CPUs for the workers. Never probes for a cluster unasked: a stale address file
     makes that probe hang for minutes. True when this call started a new local cluster
     (its caller then stops it with :func:`stop_ray`)."""
-    # Read by Ray at import: with it (and the node address) every listener stays on 127.0.0.1.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        # Read by Ray at import: with it (and the node address) every listener stays on
+        # 127.0.0.1. Not when joining a cluster: the driver must find its node by its IP.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=log_to_driver)
         return False
@@ -126,6 +129,7 @@ class _RankedWorker:
             os.remove(path)
 
     def init_worker(self, init_method: str | None) -> None:
+        bind_collectives_to(self.node_address())
         self.worker = Worker(self.config, self.model_path, self.rank, init_method)
 
     # The Worker's interface, one typed method each (Ray calls them by attribute).
@@ -161,26 +165,21 @@ class RayExecutor:
         self.tp, self.pp = par.tensor_parallel_size, par.pipeline_parallel_size
         world = self.tp * self.pp
         ensure_ray(num_cpus=max(world + 2, 4))
-        use_gpu = _cluster_has_gpus()
-        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        bundles = worker_bundles(config, _cluster_has_gpus())
         # Inside a Serve replica whose deployment reserved bundles for the workers (see
         # kvray.serve.deployment), use those: Serve then accounts for the workers' resources.
         current = ray.util.get_current_placement_group()
         if current is not None and len(current.bundle_specs) >= world + 1:
             self.pg, self._owns_pg, first_bundle = current, False, 1
         else:
-            self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+            self.pg = placement_group(bundles, strategy=par.placement_strategy)
             self._owns_pg, first_bundle = True, 0
-            self._wait_for_placement(bundle, world)
+            self._wait_for_placement(bundles, par.placement_strategy)
         actor_cls = ray.remote(_RankedWorker)
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
-        env = {}
-        if ray.util.get_node_ip_address() == "127.0.0.1":  # keep gloo's sockets on loopback
-            env = {"GLOO_SOCKET_IFNAME": "lo"}
         self.workers = [
             actor_cls.options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                runtime_env={"env_vars": env} if env else None,
+                num_cpus=bundles[rank]["CPU"], num_gpus=bundles[rank].get("GPU", 0),
                 scheduling_strategy=strategy(placement_group=self.pg,
                                              placement_group_bundle_index=first_bundle + rank),
             ).remote(config, model_path, rank)
@@ -189,6 +188,9 @@ class RayExecutor:
         try:
             nodes = self._get([w.node_address.remote() for w in self.workers],
                               self.startup_timeout_s)
+            self.worker_nodes = nodes  # node IP of each rank
+            logger.info("kvray workers (rank: node): %s",
+                        ", ".join(f"{r}: {ip}" for r, ip in enumerate(nodes)))
             init_method = self._get(
                 [self.workers[0].pick_rendezvous.remote(len(set(nodes)) == 1)])[0]
             if world == 1:
@@ -203,7 +205,7 @@ class RayExecutor:
         self.output_rank = (self.pp - 1) * self.tp  # last stage, TP rank 0
         self.broadcast_s = 0.0  # time spent putting SchedulerOutputs in the object store
 
-    def _wait_for_placement(self, bundle: dict, world: int) -> None:
+    def _wait_for_placement(self, bundles: list[dict], strategy: str) -> None:
         import ray
 
         ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
@@ -212,12 +214,18 @@ class RayExecutor:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.pg)
-        need = {k: v * world for k, v in bundle.items()}
+        need: dict[str, float] = {}
+        for bundle in bundles:
+            for key, value in bundle.items():
+                need[key] = need.get(key, 0) + value
+        alive = [n for n in ray.nodes() if n.get("Alive")]
         raise PlacementError(
-            f"the Ray cluster cannot place {world} workers (tensor_parallel_size={self.tp} x "
-            f"pipeline_parallel_size={self.pp}) within {PLACEMENT_TIMEOUT_S:.0f} s: they need "
-            f"{need} packed, the cluster has {ray.available_resources()} available; add nodes "
-            "or resources, or lower the parallel sizes")
+            f"the Ray cluster cannot place {len(bundles)} workers (tensor_parallel_size="
+            f"{self.tp} x pipeline_parallel_size={self.pp}, placement_strategy={strategy}) "
+            f"within {PLACEMENT_TIMEOUT_S:.0f} s: one bundle per worker {bundles} (in all "
+            f"{need}); the cluster's {len(alive)} live nodes have "
+            f"{_available_by_node(alive)} available; add nodes or resources, or lower the "
+            "parallel sizes")
 
     # ---- calls -------------------------------------------------------------------------
     def _get(self, refs: list, timeout_s: float | None = None) -> list:
@@ -299,6 +307,41 @@ class RayExecutor:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)
             self.pg = None
+
+
+def bind_collectives_to(ip: str) -> str | None:
+    """Make gloo and NCCL use the network interface that holds ``ip`` (this node's address
+    as Ray knows it). Left alone, gloo picks the address the hostname resolves to, which on
+    many hosts is a loopback address (Debian's ``127.0.1.1``): peers on other nodes then get
+    "Connection refused". A ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` set by the user
+    wins. Returns the interface, or None when no interface holds ``ip``."""
+    import psutil
+
+    iface = next((name for name, addrs in psutil.net_if_addrs().items()
+                  if any(a.address == ip for a in addrs)), None)
+    if iface is not None:
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(var, iface)
+    return iface
+
+
+def _available_by_node(nodes: list[dict]) -> str:
+    """Each live node's address and its free CPU / GPU / custom resources, for errors."""
+    import ray
+
+    try:  # per-node availability (Ray >= 2.x); else the totals
+        from ray._private.state import available_resources_per_node
+
+        free = available_resources_per_node()
+    except Exception:  # noqa: BLE001 - only the message gets poorer
+        return str(ray.available_resources())
+    parts = []
+    for node in nodes:
+        res = free.get(node["NodeID"], {})
+        shown = {k: v for k, v in res.items()
+                 if not k.startswith(("memory", "object_store_memory", "node:__"))}
+        parts.append(f"{node.get('NodeManagerAddress')}: {shown}")
+    return "; ".join(parts)
 
 
 def _cluster_has_gpus() -> bool:

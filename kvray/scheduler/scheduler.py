@@ -192,17 +192,20 @@ class Scheduler:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
             ids = self.kv.allocate_slots(req, num_new)
+            preempted = False
             while ids is None:
                 victim = self._pick_victim()
                 if victim.request_id in self._in_flight:
                     break  # req waits for the victim's step to return, then preempts it
                 self._preempt(victim, plan, out)
+                preempted = True
                 if victim is req:
                     break
                 ids = self.kv.allocate_slots(req, num_new)
             if ids is None and req.status is not RequestStatus.RUNNING:
                 continue  # req itself was preempted; running[i] is now the next request
-            i = self.running.index(req) + 1  # earlier victims shift it left
+            # Earlier victims shift req left (rare: only then search, else O(n^2) a step).
+            i = self.running.index(req) + 1 if preempted else i + 1
             if ids is not None:
                 plan.schedule(req, num_new, ids)
 

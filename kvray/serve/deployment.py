@@ -18,6 +18,8 @@ from typing import Any
 from fastapi import FastAPI
 from ray import serve
 
+from kvray.actors.executor import executor_backend
+from kvray.actors.placement import worker_bundles
 from kvray.config import config_from_flat
 from kvray.outputs import RequestOutput
 from kvray.sampling_params import SamplingParams
@@ -201,7 +203,6 @@ def build_app(engine_config: dict, model_path: str, model_name: str,
     whether the cluster has GPUs now."""
     config = config_from_flat(engine_config)
     board = f"kvray-stats-{app_name}"
-    world = config.parallel.world_size
     drain = config.server.drain_timeout_s
     queue = config.server.max_waiting + config.scheduler.max_num_seqs
     options: dict[str, Any] = {"num_replicas": num_replicas, "max_queued_requests": queue,
@@ -210,11 +211,11 @@ def build_app(engine_config: dict, model_path: str, model_name: str,
         import ray
 
         use_gpu = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
-    if world > 1 or engine_config.get("distributed_executor_backend") == "ray":
-        # The replica's bundle, then one per worker: Serve reserves the whole replica.
-        worker = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
-        options["placement_group_bundles"] = [{"CPU": 1}] + [dict(worker) for _ in range(world)]
-        options["placement_group_strategy"] = "PACK"
+    if executor_backend(config) == "ray":
+        # The replica's bundle, then one per worker: Serve reserves the whole replica
+        # (with STRICT_SPREAD the replica's own bundle needs a node of its own too).
+        options["placement_group_bundles"] = [{"CPU": 1}, *worker_bundles(config, use_gpu)]
+        options["placement_group_strategy"] = config.parallel.placement_strategy
     elif use_gpu:  # the engine runs in the replica itself: it holds the GPU
         options["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1}
     llm = LLMServer.options(**options).bind(engine_config, board)

@@ -1,0 +1,1 @@
+"""Test helpers that ship with kvray (a namespace cluster harness)."""

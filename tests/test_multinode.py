@@ -1,0 +1,279 @@
+"""kvray across nodes: a three-node Ray cluster, each node its own network, PID, UTS and
+mount namespace (kvray.testing.netns), hostnames resolving to 127.0.1.1 as on Debian.
+
+Checked: TP ranks on two nodes, PP stages pinned to two nodes and TP=2 x PP=2 spread over
+three give the same greedy tokens as one in-process worker (prefix caching and chunked
+prefill on; swap preemption under a tiny cache); a node killed mid-generation fails the
+request within a bound, the executor rebuilds on the nodes left, and the next request
+succeeds — offline and through ``kvray serve`` with the ``openai`` client from the host;
+nothing of the cluster is left behind. Needs root (CI runs as root).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import skip_or_fail_in_ci
+from tiny_models import VOCAB_SIZE, make_tiny_model
+
+from kvray import LLM, SamplingParams
+from kvray.testing import netns
+
+DRIVER = str(Path(__file__).with_name("multinode_driver.py"))
+COMMON = dict(dtype="float32", block_size=4, max_num_batched_tokens=16,
+              enable_prefix_caching=True, enable_chunked_prefill=True, max_num_seqs=8)
+MAX_TOKENS = 8
+WORKER_TIMEOUT_S = 20.0  # the bound on a request whose node died (and a bit of slack)
+
+@pytest.fixture(scope="module")
+def cluster():
+    why = netns.available()
+    if why:
+        skip_or_fail_in_ci(f"no namespace cluster here: {why}", "CI runs as root with iproute2")
+    # Every node reads the CPU kernels built here, as hosts sharing an NFS home would:
+    # compiling them on each node costs ~100 s on two cores.
+    from torch.utils.cpp_extension import get_default_build_root
+
+    from kvray.kernels import cpu_ops
+
+    cpu_ops.load_ops()
+    netns.cleanup_stale()  # a run killed before its teardown (SIGKILL, CI timeout)
+    shared_builds = {"TORCH_EXTENSIONS_DIR": get_default_build_root()}
+    with netns.NetnsCluster(num_nodes=3, num_cpus=2, ray_env=shared_builds) as c:
+        yield c
+    assert c.leftovers() == []  # no namespace, link, process or directory
+
+
+@pytest.fixture(scope="module")
+def model(cluster) -> str:
+    # In the shared directory: the nodes' /tmp (pytest's tmp_path) is their own.
+    return str(make_tiny_model("llama_gqa", cluster.shared / "gqa4", num_attention_heads=8,
+                               num_key_value_heads=4, hidden_size=64))
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist()
+               for n in (3, 20, 9, 33, 1, 14)]
+    prompts.append(prompts[3][:24] + [7, 8])  # shares a prefix with prompt 3
+    return prompts
+
+
+def _reference(model: str, max_tokens: int) -> list[list[int]]:
+    llm = LLM(model, **{**COMMON, "max_num_batched_tokens": 32})
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params,
+                            use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
+
+
+def _lines(text: str, kind: str) -> list[dict]:
+    return [json.loads(line[len(kind) + 1:]) for line in text.splitlines()
+            if line.startswith(kind + " ")]
+
+
+def test_nodes_are_isolated_hosts(cluster):
+    """Own hostname resolving to loopback, own /tmp, own PIDs, no route off the subnet."""
+    seen = set()
+    for node in cluster.nodes:
+        out = cluster.run(node, ["sh", "-c", "hostname; getent hosts $(hostname); ls /tmp; "
+                                 "echo $HOME; ps -e -o pid= | wc -l"]).stdout.split("\n")
+        assert out[0] == node.hostname
+        assert out[1].split()[0] == "127.0.1.1"  # the trap gloo falls into
+        assert cluster.routes(node) == [
+            f"{cluster.subnet}.0/24 dev eth0 proto kernel scope link src {node.ip}"]
+        seen.add(out[2])
+    probe = cluster.run(cluster.nodes[1], [sys.executable, "-c",
+                        "import socket; s = socket.socket(); s.settimeout(2)\n"
+                        "try: s.connect(('1.1.1.1', 80)); print('reached')\n"
+                        "except OSError as e: print('unreachable', e.errno)"])
+    assert probe.stdout.startswith("unreachable")
+
+
+def test_tp_pp_across_nodes_match_one_worker(cluster, model):
+    """Greedy tokens of three cross-node layouts and of swap preemption under a tiny cache
+    equal one in-process worker's."""
+    ips = [n.ip for n in cluster.nodes]
+    short, long_ = _reference(model, MAX_TOKENS), _reference(model, 24)
+    scenarios = [
+        {"name": "tp2", "max_tokens": MAX_TOKENS,
+         "config": {**COMMON, "tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD"}},
+        {"name": "pp2", "max_tokens": MAX_TOKENS,
+         "config": {**COMMON, "pipeline_parallel_size": 2,
+                    "pipeline_stage_nodes": [ips[1], "kvray_node_2"]}},
+        {"name": "tp2pp2", "max_tokens": MAX_TOKENS,
+         "config": {**COMMON, "tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+                    "placement_strategy": "SPREAD"}},
+        {"name": "tp2_swap", "max_tokens": 24,
+         "config": {**COMMON, "tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD",
+                    "max_num_batched_tokens": 32, "num_gpu_blocks_override": 24,
+                    "preemption_mode": "swap", "swap_space": 0.01}},
+    ]
+    spec = {"model": model, "prompts": _prompts(), "scenarios": scenarios}
+    proc = cluster.run(cluster.head, [sys.executable, DRIVER, "layouts", json.dumps(spec)],
+                       timeout=600, check=False)
+    results = {r["name"]: r for r in _lines(proc.stdout, "RESULT")}
+    assert set(results) == {s["name"] for s in scenarios}, proc.stderr[-4000:]
+
+    tp2 = results["tp2"]
+    assert tp2["tokens"] == short
+    assert len(set(tp2["worker_nodes"])) == 2  # the all-reduce crosses nodes
+    pp2 = results["pp2"]
+    assert pp2["tokens"] == short
+    assert pp2["worker_nodes"] == [ips[1], ips[2]]  # pinned by IP and by resource
+    both = results["tp2pp2"]
+    assert both["tokens"] == short
+    assert len(set(both["worker_nodes"])) == 3
+    for r in (tp2, pp2, both):
+        assert r["prefix_cache_hits"] > 0
+    swap = results["tp2_swap"]
+    assert swap["tokens"] == long_
+    assert len(set(swap["worker_nodes"])) == 2
+    assert swap["swaps_out"] > 0 and swap["swaps_in"] > 0
+    assert swap["swap_objects"] == [0, 0]
+
+
+def test_node_loss_fails_in_flight_request_and_engine_rebuilds_on_the_rest(cluster, model):
+    config = {**COMMON, "tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD",
+              "worker_timeout_s": WORKER_TIMEOUT_S}
+    spec = {"model": model, "config": config, "prompt": _prompts()[3], "max_tokens": 500}
+    proc = cluster.popen(cluster.head, [sys.executable, DRIVER, "node_loss", json.dumps(spec)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        ready = _read_line(proc, "READY", timeout_s=180)
+        victim = next(i for i, n in enumerate(cluster.nodes)
+                      if n.ip in ready["worker_nodes"] and n is not cluster.head)
+        cluster.kill_node(victim)
+        killed = time.monotonic()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        failed = _read_line(proc, "FAILED", timeout_s=WORKER_TIMEOUT_S + 60)
+        seen_after = time.monotonic() - killed
+        after = _read_line(proc, "AFTER", timeout_s=240)
+    finally:
+        proc.kill()
+        stderr = proc.stderr.read()
+    assert failed["error"] and "engine step failed" in failed["error"], (failed, stderr[-3000:])
+    assert not failed["unfinished"]
+    assert failed["seconds"] < WORKER_TIMEOUT_S, failed  # the bound
+    assert seen_after < WORKER_TIMEOUT_S + 10
+    assert "tokens" in after, (after, stderr[-3000:])
+    assert len(after["tokens"]) == 8
+    lost = cluster.nodes[victim].ip
+    assert lost not in after["worker_nodes"] and len(set(after["worker_nodes"])) == 2
+    print(f"node loss: request failed after {failed['seconds']:.1f} s, "
+          f"next request served in {after['seconds']:.1f} s")
+
+
+def _read_line(proc: subprocess.Popen, kind: str, timeout_s: float) -> dict:
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+            break
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith(kind + " "):
+            return json.loads(line[len(kind) + 1:])
+    proc.kill()
+    pytest.fail(f"no {kind} line from the driver within {timeout_s} s: "
+                f"{proc.stderr.read()[-4000:]}")
+
+
+def _actor_nodes(cluster) -> list[tuple[str, str]]:
+    """(class name, node IP) of every live actor, from Ray's GCS (asked on the head)."""
+    code = ("import json, ray, ray._private.state as state\n"
+            "ray.init(log_to_driver=False)\n"
+            "print('ACTORS', json.dumps([(a['ActorClassName'], a['Address']['IPAddress'])\n"
+            "      for a in state.actors().values() if a['State'] == 'ALIVE']))")
+    proc = cluster.python(cluster.head, code, timeout=120)
+    return [tuple(a) for a in _lines(proc.stdout, "ACTORS")[0]]
+
+
+def test_serve_stream_ends_with_an_error_on_node_loss_and_server_recovers(cluster, model):
+    """``kvray serve`` on the head, TP=2 spread over the nodes, the ``openai`` client on
+    the host: killing a worker's node ends the stream with an error event within the
+    bound, the server stays up and serves the next request on the nodes left."""
+    import openai
+    import requests
+
+    for i in range(len(cluster.nodes)):  # the previous test killed one
+        if not cluster.is_alive(i):
+            cluster.restart_node(i)
+    head, port = cluster.head, 8000
+    log_path = cluster.shared / "serve.log"
+    argv = [str(Path(sys.executable).with_name("kvray")), "serve", model,
+            "--host", head.ip, "--port", str(port), "--tensor-parallel-size", "2",
+            "--placement-strategy", "SPREAD", "--worker-timeout-s", str(WORKER_TIMEOUT_S),
+            "--dtype", "float32", "--block-size", "4", "--max-num-seqs", "8"]
+    with open(log_path, "wb") as log:
+        server = cluster.popen(head, argv, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://{head.ip}:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-4000:]
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        name = client.models.list().data[0].id
+        actors = _actor_nodes(cluster)
+        workers = {ip for cls, ip in actors if cls.endswith("_RankedWorker")}
+        replica = {ip for cls, ip in actors if "LLMServer" in cls}
+        assert len(workers) == 2 and replica, actors
+        victim = next((i for i, n in enumerate(cluster.nodes) if n.ip in workers
+                       and n is not head and n.ip not in replica), None)
+        assert victim is not None, f"no worker-only node to kill: {actors}"
+
+        stream = client.completions.create(model=name, prompt="Hello world", max_tokens=900,
+                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = 0
+        with pytest.raises(openai.APIError) as err:
+            for _ in stream:
+                chunks += 1
+                if chunks == 3:
+                    cluster.kill_node(victim)
+                    killed = time.monotonic()
+        ended_after = time.monotonic() - killed
+        assert chunks < 900 and ended_after < WORKER_TIMEOUT_S, (chunks, ended_after)
+        assert "internal" not in str(err.value).lower() or "traceback" not in str(err.value)
+
+        start, answer = time.monotonic(), None
+        while answer is None and time.monotonic() - start < 240:
+            try:
+                answer = client.completions.create(model=name, prompt="Hello", max_tokens=8,
+                                                   extra_body={"ignore_eos": True})
+            except openai.APIStatusError as e:  # 503 while the workers are rebuilt
+                assert e.status_code == 503, e
+                time.sleep(1)
+        assert answer is not None and answer.usage.completion_tokens == 8
+        recovered_after = time.monotonic() - start
+        assert server.poll() is None
+        assert requests.get(f"{base}/health", timeout=5).status_code == 200
+        workers_after = {ip for cls, ip in _actor_nodes(cluster)
+                         if cls.endswith("_RankedWorker")}
+        assert cluster.nodes[victim].ip not in workers_after and len(workers_after) == 2
+        print(f"serve node loss: stream ended {ended_after:.1f} s after the kill "
+              f"({chunks} chunks), next request served {recovered_after:.1f} s later")
+    finally:
+        server.kill()
