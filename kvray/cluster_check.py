@@ -544,6 +544,8 @@ def _check_fit(config: dict, nodes: list[_Node], tp: int, pp: int, replicas: int
         if have < need:
             report.problems.append(f"{what} needs {need} CPUs (one per worker and engine) on "
                                    f"a CPU-only cluster; the node types give at most {have}")
+        else:
+            report.notes.append(f"{what}: fits on CPUs ({have} available, {need} needed)")
         return
     biggest = max(gpu_nodes, key=lambda n: n.gpus or 0)
     if (biggest.gpus or 0) < tp:

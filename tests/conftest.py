@@ -69,3 +69,25 @@ def cpu_kernels():
         skip_or_fail_in_ci("no C++ compiler for the CPU kernels here",
                            "install a C++ compiler (g++) so the CPU kernels build")
     return cpu_ops
+
+
+def wait_for_health(base: str, timeout_s: float, failed=lambda: None) -> None:
+    """Poll ``base``/health until it answers 200; fail the test after ``timeout_s`` or as
+    soon as ``failed()`` returns a message (the server process exited, say)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        why = failed()
+        if why is None and time.monotonic() > deadline:
+            why = f"no healthy answer from {base} within {timeout_s:g} s"
+        if why is not None:
+            pytest.fail(why)
+        time.sleep(1)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import skip_or_fail_in_ci
+from conftest import skip_or_fail_in_ci, wait_for_health
 from tiny_models import VOCAB_SIZE, make_tiny_model
 
 from kvray import LLM, SamplingParams
@@ -208,8 +208,8 @@ def test_serve_stream_ends_with_an_error_on_node_loss_and_server_recovers(cluste
     """``kvray serve`` on the head, TP=2 spread over the nodes, the ``openai`` client on
     the host: killing a worker's node ends the stream with an error event within the
     bound, the server stays up and serves the next request on the nodes left."""
+    import httpx
     import openai
-    import requests
 
     for i in range(len(cluster.nodes)):  # the previous test killed one
         if not cluster.is_alive(i):
@@ -224,16 +224,8 @@ def test_serve_stream_ends_with_an_error_on_node_loss_and_server_recovers(cluste
         server = cluster.popen(head, argv, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://{head.ip}:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, log_path.read_text()[-4000:]
-            assert time.monotonic() < deadline, log_path.read_text()[-4000:]
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(1)
+        wait_for_health(base, 300, lambda: None if server.poll() is None
+                        else f"kvray serve exited: {log_path.read_text()[-4000:]}")
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
                                timeout=120)
         name = client.models.list().data[0].id
@@ -269,7 +261,7 @@ def test_serve_stream_ends_with_an_error_on_node_loss_and_server_recovers(cluste
         assert answer is not None and answer.usage.completion_tokens == 8
         recovered_after = time.monotonic() - start
         assert server.poll() is None
-        assert requests.get(f"{base}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{base}/health", timeout=5).status_code == 200
         workers_after = {ip for cls, ip in _actor_nodes(cluster)
                          if cls.endswith("_RankedWorker")}
         assert cluster.nodes[victim].ip not in workers_after and len(workers_after) == 2

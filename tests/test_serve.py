@@ -18,6 +18,7 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import wait_for_health
 from tiny_models import make_tiny_model
 
 from kvray import LLM, SamplingParams
@@ -52,20 +53,14 @@ def launch_server(model_dir, extra: list[str] = ()):
              "--api-key", API_KEY, *ENGINE_FLAGS, *extra],
             stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
+        def exited() -> str | None:
+            if proc.poll() is None:
+                return None
+            log.seek(0)
+            return f"kvray serve exited: {log.read()[-3000:]}"
+
         try:
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    pytest.fail(f"kvray serve exited: {log.read()[-3000:]}")
-                try:
-                    if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    pytest.fail("kvray serve did not become healthy in 180 s")
-                time.sleep(1)
+            wait_for_health(base, 180, exited)
             yield base
         finally:
             stop_process(proc)

@@ -10,15 +10,14 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
-import httpx
 import openai
 import psutil
 import pytest
 import yaml
+from conftest import wait_for_health
 from test_serve import stop_process
 from tiny_models import make_tiny_model
 
@@ -111,17 +110,13 @@ def test_serve_run_on_a_config_file_serves_the_openai_client(ray_head, tmp_path)
                                 env={k: v for k, v in env.items() if k != "KVRAY_API_KEY"})
         base = f"http://127.0.0.1:{http_port}"
         try:
-            deadline = time.monotonic() + 180
-            while True:
-                try:
-                    if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    pytest.fail(f"serve run did not come up:\n{log.read()[-3000:]}")
-                time.sleep(1)
+            def exited() -> str | None:
+                if proc.poll() is None:
+                    return None
+                log.seek(0)
+                return f"serve run exited:\n{log.read()[-3000:]}"
+
+            wait_for_health(base, 180, exited)
             client = openai.OpenAI(base_url=f"{base}/v1", api_key="k3y")
             assert [m.id for m in client.models.list().data] == ["tiny"]
             out = client.completions.create(model="tiny", prompt="Hello world", max_tokens=5,

@@ -92,7 +92,8 @@ class NetnsCluster:
 
     def __init__(self, num_nodes: int = 3, num_cpus: int = 2, object_store_mb: int = 120,
                  subnet: str | None = None, fast_health_checks: bool = True,
-                 ray_env: dict[str, str] | None = None) -> None:
+                 ray_env: dict[str, str] | None = None, start_ray: bool = True,
+                 keep: Sequence[str] = ()) -> None:
         if not 1 <= num_nodes <= 200:
             raise ValueError(f"num_nodes must be in [1, 200], got {num_nodes}")
         self.run_id = uuid.uuid4().hex[:6]
@@ -113,6 +114,13 @@ class NetnsCluster:
                  f"kvnode{i}", self.base / "nodes" / f"n{i}", f"kvray_node_{i}")
             for i in range(num_nodes)
         ]
+        self.start_ray = start_ray
+        # Host paths every node still sees under its private /tmp and $HOME: the Python
+        # and packages it runs (a venv or checkout may live in either), plus ``keep``.
+        self.keep = sorted({str(Path(p).resolve()) for p in (
+            sys.prefix, sys.base_prefix, _repo_root(), *keep)})
+        self.home = str(Path.home())
+        self.sshd: list[subprocess.Popen] = []
         self._started = False
 
     # ---- life cycle ---------------------------------------------------------------------
@@ -142,7 +150,8 @@ class NetnsCluster:
             self._make_network()
             for node in self.nodes:
                 self._start_init(node)
-            self._start_ray(timeout_s)
+            if self.start_ray:
+                self._start_ray(timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -177,8 +186,8 @@ class NetnsCluster:
     def _start_init(self, node: Node) -> None:
         """The node's init: new PID, UTS and mount namespaces inside its network namespace;
         it mounts the private directories, sets the hostname, then only reaps children."""
-        for sub in ("tmp", "shm"):
-            (node.root / sub).mkdir(parents=True)
+        for sub in ("tmp", "home"):
+            (node.root / sub).mkdir(parents=True, exist_ok=True)
         (node.root / "hosts").write_text(
             f"127.0.0.1\tlocalhost\n127.0.1.1\t{node.hostname}\n"
             "::1\tlocalhost ip6-localhost ip6-loopback\n")
@@ -188,7 +197,8 @@ class NetnsCluster:
                 "--propagation", "private", "--",
                 sys.executable, "-m", "kvray.testing.netns", "init",
                 "--hostname", node.hostname, "--root", str(node.root),
-                "--hide", str(self.base / "nodes"), "--ready", str(ready)]
+                "--hide", str(self.base / "nodes"), "--ready", str(ready),
+                "--home", self.home, *(f"--keep={k}" for k in self.keep)]
         log = open(node.root / "init.log", "wb")  # noqa: SIM115 (kept open by the child)
         node.init = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                      env=self._clean_env(), start_new_session=True)
@@ -294,7 +304,7 @@ class NetnsCluster:
         """The environment of a process on ``node``: private HOME, Ray pointed at the head."""
         env = self._clean_env()
         env.update(self.ray_env)
-        env.update({"HOME": "/tmp/home", "TMPDIR": "/tmp", "RAY_ADDRESS": self.address,
+        env.update({"HOME": self.home, "TMPDIR": "/tmp", "RAY_ADDRESS": self.address,
                     RUN_ENV: self.run_id})
         env.update(extra or {})
         return env
@@ -339,6 +349,54 @@ class NetnsCluster:
         return self.run(node, [sys.executable, "-c", code], timeout=timeout, check=False,
                         env=env)
 
+    # ---- ssh (for `ray up` with the local provider) ----------------------------------------
+    def enable_ssh(self, session_env: dict[str, str] | None = None,
+                   timeout_s: float = 30.0) -> Path:
+        """Start sshd on every node (port 22 of its IP; Debian's openssh-server) with a
+        throwaway host key and client key made for this run; root may log in with the key
+        only. ``session_env`` (plus PATH with this Python's bin directory first) is set in
+        every ssh session. Returns the private key's path."""
+        sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+        if not Path(sshd).exists():
+            raise RuntimeError("sshd is not installed (Debian: apt-get install "
+                               "openssh-server rsync)")
+        keys = self.shared / "ssh"
+        keys.mkdir(mode=0o700, exist_ok=True)
+        for name in ("host_ed25519", "id_ed25519"):
+            if not (keys / name).exists():
+                _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"kvray-{name}",
+                    "-f", str(keys / name))
+        (keys / "authorized_keys").write_text((keys / "id_ed25519.pub").read_text())
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation
+        env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:"
+                       "/usr/sbin:/usr/bin:/sbin:/bin",
+               "RAY_USAGE_STATS_ENABLED": "0", RUN_ENV: self.run_id,
+               "KVRAY_NETNS_SHARED": str(self.shared), **(session_env or {})}
+        for node in self.nodes:
+            # A login shell resets PATH (/etc/profile); `ray up` sources ~/.bashrc first.
+            (node.root / "home" / ".bashrc").write_text(f'export PATH="{env["PATH"]}"\n')
+            conf = keys / f"sshd_{node.index}.conf"
+            conf.write_text("\n".join([
+                f"ListenAddress {node.ip}:22", f"HostKey {keys / 'host_ed25519'}",
+                f"AuthorizedKeysFile {keys / 'authorized_keys'}",
+                "PermitRootLogin prohibit-password", "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
+                "PidFile /tmp/sshd.pid", "MaxStartups 100", "MaxSessions 100",
+                "SetEnv " + " ".join(f"{k}={v}" for k, v in env.items()), ""]))
+            with open(keys / f"sshd_{node.index}.log", "wb") as log:
+                self.sshd.append(self.popen(node, [sshd, "-D", "-e", "-f", str(conf)],
+                                            stdout=subprocess.DEVNULL, stderr=log))
+        deadline = time.monotonic() + timeout_s
+        for node in self.nodes:
+            while True:
+                with contextlib.suppress(OSError), socket.create_connection((node.ip, 22), 1):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"sshd on node {node.index} did not start: "
+                                       f"{(keys / f'sshd_{node.index}.log').read_text()}")
+                time.sleep(0.1)
+        return keys / "id_ed25519"
+
     # ---- checks ---------------------------------------------------------------------------
     def routes(self, node: Node) -> list[str]:
         """The node's IPv4 routes: only its own subnet (no default route)."""
@@ -361,6 +419,11 @@ class NetnsCluster:
         if self.base.exists():
             found.append(f"directory {self.base}")
         return found
+
+
+def _repo_root() -> str:
+    """The directory holding the ``kvray`` package (a checkout, or site-packages)."""
+    return str(Path(__file__).resolve().parents[2])
 
 
 def _only_child(pid: int, timeout_s: float = 5.0) -> int:
@@ -420,14 +483,30 @@ def cleanup_stale() -> list[str]:
 
 
 # ---- the node's init (runs as PID 1 of the node's PID namespace) ----------------------------
-def _node_init(hostname: str, root: str, hide: str, ready: str) -> None:
+def _node_init(hostname: str, root: str, hide: str, ready: str, home: str,
+               keep: Sequence[str]) -> None:
     def mount(*argv: str) -> None:
         subprocess.run(["mount", *argv], check=True)
 
-    mount("--bind", f"{root}/tmp", "/tmp")
+    def private(mountpoint: str, source: str) -> None:
+        """Mount ``source`` over ``mountpoint``, with the kept paths under it bound back."""
+        for path in keep:
+            rel = os.path.relpath(path, mountpoint)
+            if rel.startswith(".."):
+                continue
+            target = os.path.join(source, rel)
+            if os.path.isdir(path):
+                os.makedirs(target, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                Path(target).touch()
+            mount("--bind", path, target)
+        mount("--rbind", source, mountpoint)
+
+    private("/tmp", f"{root}/tmp")
+    private(home, f"{root}/home")
     mount("-t", "tmpfs", "-o", "size=512m", "tmpfs", "/dev/shm")
     mount("--bind", f"{root}/hosts", "/etc/hosts")
-    os.makedirs("/tmp/home", exist_ok=True)
     Path(ready).write_text("ok")
     mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", hide)  # the other nodes' files
     socket.sethostname(hostname)
@@ -443,20 +522,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvray.testing.netns")
     sub = parser.add_subparsers(dest="cmd", required=True)
     init = sub.add_parser("init", help=argparse.SUPPRESS)
-    for name in ("--hostname", "--root", "--hide", "--ready"):
+    for name in ("--hostname", "--root", "--hide", "--ready", "--home"):
         init.add_argument(name, required=True)
+    init.add_argument("--keep", action="append", default=[])
     up = sub.add_parser("up", help="start a namespace cluster until Ctrl-C")
     up.add_argument("--nodes", type=int, default=3)
     up.add_argument("--num-cpus", type=int, default=2)
+    up.add_argument("--ssh", action="store_true",
+                    help="start sshd on every node and no Ray (for `ray up cluster/netns.yaml`)")
     sub.add_parser("cleanup", help="remove what killed runs left behind")
     args = parser.parse_args(argv)
     if args.cmd == "init":
-        _node_init(args.hostname, args.root, args.hide, args.ready)
+        _node_init(args.hostname, args.root, args.hide, args.ready, args.home, args.keep)
     elif args.cmd == "cleanup":
         for item in cleanup_stale():
             print("removed", item)
     else:
-        with NetnsCluster(args.nodes, args.num_cpus) as cluster:
+        with NetnsCluster(args.nodes, args.num_cpus, start_ray=not args.ssh) as cluster:
+            if args.ssh:
+                print(f"sshd on every node; ssh -i {cluster.enable_ssh()} root@<node ip>")
             print(f"Ray head at {cluster.address}; nodes: "
                   + ", ".join(f"{n.hostname}={n.ip} (pid {n.pid})" for n in cluster.nodes)
                   + f"; shared dir {cluster.shared}. Run on a node: "
