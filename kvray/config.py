@@ -55,6 +55,12 @@ class ModelConfig(_Section):
         description="Longest prompt + output in tokens; None = the model's context length.",
     )
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Global seed for random sampling.")
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        "auto",
+        description="Paged attention kernels. auto: triton on CUDA, the C++ kernel on CPU "
+        "(torch where it cannot be built); torch: the PyTorch reference; cpu: the C++ "
+        "kernel; triton: Triton kernels (on CPU only under TRITON_INTERPRET=1, slowly: "
+        "for tests).")
     served_model_name: str | None = Field(
         None, min_length=1, description="Name the API reports; None = model directory name."
     )
@@ -153,6 +159,10 @@ class ParallelConfig(_Section):
                 raise ValueError(
                     f"pipeline_stage_nodes = {nodes!r}: {node!r} is neither a node IP address "
                     "nor a resource name (letters, digits, '.', '_', ':', '-')")
+        if self.placement_strategy == "STRICT_PACK" and len(set(nodes)) > 1:
+            raise ValueError(
+                f"pipeline_stage_nodes = {nodes!r} names several nodes, but placement_strategy"
+                " = 'STRICT_PACK' puts every worker on one node: use PACK or SPREAD")
         if self.placement_strategy == "STRICT_SPREAD" and self.tensor_parallel_size > 1:
             raise ValueError(
                 "pipeline_stage_nodes puts a stage's tensor_parallel_size ranks on one node, "

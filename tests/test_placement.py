@@ -52,6 +52,8 @@ def test_node_resource_tells_addresses_from_resource_names():
      "neither a node IP address nor a resource name"),
     (dict(tensor_parallel_size=2, pipeline_stage_nodes="a", placement_strategy="STRICT_SPREAD"),
      "STRICT_SPREAD"),
+    (dict(pipeline_parallel_size=2, pipeline_stage_nodes="a,b", placement_strategy="STRICT_PACK"),
+     "STRICT_PACK"),
     (dict(placement_strategy="spread"), "placement_strategy"),
 ])
 def test_bad_placement_settings_name_the_field(kwargs, message):

@@ -85,4 +85,3 @@ def make_executor(config: EngineConfig, model_path: str) -> Executor:
     else:
         from kvray.actors.uniproc_executor import UniProcExecutor as cls
     return cls(config, model_path)
-
