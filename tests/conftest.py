@@ -13,7 +13,13 @@ from typing import NoReturn
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import pytest
+import torch
 import transformers
+
+# Triton's kernels run on CPU tensors in its interpreter, which Triton reads when it is
+# first imported: set it for the whole run where there is no GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import ARCHS, make_tiny_model  # noqa: E402

@@ -7,6 +7,7 @@ the scheduler only sends what changed.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -64,12 +65,43 @@ class ModelRunner:
         self.default_generator = torch.Generator(device).manual_seed(config.model.seed)
         self.cache: CacheEngine | None = None
         self.swap_pool = SwapPool()
-        self.decode_kernel = None
+        self.decode_kernel = self.write_kernel = self.prefill_kernel = None
         if device.type == "cpu" and cpu_ops.load_ops() is not None:
-            self.decode_kernel = cpu_ops.paged_decode
             use_cpu_kernels(self.model, cpu_ops)
             if self.dtype == torch.float32:
                 self._use_small_m_kernel()
+        self._pick_attention_backend(config.model.attention_backend)
+
+    def _pick_attention_backend(self, requested: str) -> None:
+        """The paged attention kernels ``attention_backend`` asks for (see ModelConfig);
+        an impossible choice is an error that names the setting."""
+        on_cpu = self.device.type == "cpu"
+        backend = requested
+        if requested == "auto":
+            backend = "cpu" if on_cpu and cpu_ops.load_ops() is not None else "torch"
+            if not on_cpu and _triton_available():
+                backend = "triton"
+        if backend == "cpu":
+            if not on_cpu or cpu_ops.load_ops() is None:
+                raise ValueError(
+                    f"attention_backend='cpu' needs kvray's C++ kernels on a CPU device "
+                    f"(device here: {self.device.type}; kernels built: "
+                    f"{cpu_ops.load_ops() is not None}); use 'auto' or 'torch'")
+            self.decode_kernel = cpu_ops.paged_decode
+        elif backend == "triton":
+            if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(
+                    "attention_backend='triton' on CPU runs in Triton's interpreter only: "
+                    "set TRITON_INTERPRET=1 before starting kvray (slow; meant for tests)")
+            if not _triton_available():
+                raise ValueError("attention_backend='triton' needs the `triton` package "
+                                 "(pip install triton)")
+            from kvray.kernels import triton_attention
+
+            self.decode_kernel = triton_attention.paged_decode
+            self.write_kernel = triton_attention.write_kv
+            self.prefill_kernel = triton_attention.paged_prefill
+        self.attention_backend = backend
 
     def _use_small_m_kernel(self) -> None:
         """Decode-sized matmuls through the CPU kernel; a bf16 checkpoint run in fp32 also
@@ -160,7 +192,8 @@ class ModelRunner:
             block_tables=table_tensor.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
             seq_lens_list=seq_lens, num_decodes=num_decodes,
-            decode_kernel=self.decode_kernel)
+            decode_kernel=self.decode_kernel, write_kernel=self.write_kernel,
+            prefill_kernel=self.prefill_kernel, max_query_len=max(query_lens))
         return StepInputs(torch.tensor(tokens, dtype=torch.int64, device=dev), meta, req_ids,
                           sample_rows, torch.tensor(logits_index, dtype=torch.int64, device=dev))
 
@@ -284,3 +317,9 @@ def _top_logprobs(result, rows: list[CachedRequestState]) -> list[dict[int, floa
         else:
             out.append(dict(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if k else {})
     return out
+
+
+def _triton_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None

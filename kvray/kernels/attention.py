@@ -34,6 +34,11 @@ class AttentionMetadata:
         num_decodes: the first ``num_decodes`` sequences have exactly one new token.
         decode_kernel: fast decode attention with :func:`cpu_ops.paged_decode`'s
             signature (None = the PyTorch reference).
+        write_kernel: writes K/V with :func:`write_kv_cache`'s signature (None = it).
+        prefill_kernel: varlen paged prefill over all prefill rows at once, with
+            :func:`kvray.kernels.triton_attention.paged_prefill`'s signature (None = the
+            reference, one sequence at a time).
+        max_query_len: the longest row's new tokens (for ``prefill_kernel``'s grid).
     """
 
     query_start_loc: torch.Tensor
@@ -44,6 +49,9 @@ class AttentionMetadata:
     seq_lens_list: list[int] | None = None
     num_decodes: int = 0
     decode_kernel: Callable | None = None
+    write_kernel: Callable | None = None
+    prefill_kernel: Callable | None = None
+    max_query_len: int = 0
 
     @classmethod
     def for_full_sequences(cls, lengths: list[int], device: torch.device | str = "cpu"):
@@ -59,7 +67,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq, D]; causal within each sequence."""
     if kv_cache is None:
         return dense_attention(q, k, v, meta, scale, sliding_window)
-    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    (meta.write_kernel or write_kv_cache)(k, v, kv_cache, meta.slot_mapping)
     return paged_attention(q, kv_cache, meta, scale, sliding_window)
 
 
@@ -105,6 +113,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     for s, e in decode_buckets(meta.seq_lens_list[:nd_ref]):
         out[s:e] = _decode(q[s:e], kv_cache, meta.block_tables[s:e], meta.seq_lens[s:e],
                            meta.seq_lens_list[s], scale, sliding_window)
+    if nd < len(meta.seq_lens_list) and meta.prefill_kernel is not None:
+        qsl = meta.query_start_loc[nd:]
+        first = int(qsl[0])
+        out[first:] = meta.prefill_kernel(q[first:], kv_cache, meta.block_tables[nd:],
+                                          meta.seq_lens[nd:], qsl - first,
+                                          meta.max_query_len, scale, sliding_window)
+        return out
     starts = meta.query_start_loc.tolist() if nd < len(meta.seq_lens_list) else []
     for b in range(nd, len(meta.seq_lens_list)):
         s, e = starts[b], starts[b + 1]
