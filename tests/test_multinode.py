@@ -262,8 +262,9 @@ def test_serve_stream_ends_with_an_error_on_node_loss_and_server_recovers(cluste
         recovered_after = time.monotonic() - start
         assert server.poll() is None
         assert httpx.get(f"{base}/health", timeout=5).status_code == 200
-        workers_after = {ip for cls, ip in _actor_nodes(cluster)
-                         if cls.endswith("_RankedWorker")}
+        # SPREAD is best effort: the rebuilt ranks may share a node now.
+        workers_after = [ip for cls, ip in _actor_nodes(cluster)
+                         if cls.endswith("_RankedWorker")]
         assert cluster.nodes[victim].ip not in workers_after and len(workers_after) == 2
         print(f"serve node loss: stream ended {ended_after:.1f} s after the kill "
               f"({chunks} chunks), next request served {recovered_after:.1f} s later")
