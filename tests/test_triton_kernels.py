@@ -127,3 +127,22 @@ def test_engine_with_triton_backend_gives_transformers_greedy_tokens(arch, tiny_
     assert [o.outputs[0].token_ids for o in outs] == want
     stats = llm.llm_engine.stats
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+
+
+def test_self_check_passes_where_the_kernels_work():
+    """What the engine runs before trusting the kernels by default on CUDA."""
+    triton_attention.self_check(DEVICE)
+
+
+def test_auto_backend_distrusts_kernels_that_fail_their_check(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from kvray.actors.model_runner import ModelRunner
+
+    def broken(device, dtype=torch.float32):
+        raise RuntimeError("miscompiled")
+
+    monkeypatch.setattr(triton_attention, "self_check", broken)
+    runner = SimpleNamespace(device=torch.device(DEVICE), dtype=torch.float32)
+    assert ModelRunner._triton_works(runner) is False
+    assert "failed their check" in caplog.text and "miscompiled" in caplog.text

@@ -79,7 +79,7 @@ class ModelRunner:
         backend = requested
         if requested == "auto":
             backend = "cpu" if on_cpu and cpu_ops.load_ops() is not None else "torch"
-            if not on_cpu and _triton_available():
+            if not on_cpu and _triton_available() and self._triton_works():
                 backend = "triton"
         if backend == "cpu":
             if not on_cpu or cpu_ops.load_ops() is None:
@@ -102,6 +102,19 @@ class ModelRunner:
             self.write_kernel = triton_attention.write_kv
             self.prefill_kernel = triton_attention.paged_prefill
         self.attention_backend = backend
+
+    def _triton_works(self) -> bool:
+        """Whether the Triton kernels compile and agree with the reference here; by default
+        kvray trusts them only then (else the PyTorch reference, with a warning)."""
+        try:
+            from kvray.kernels import triton_attention
+
+            triton_attention.self_check(self.device, self.dtype)
+            return True
+        except Exception as err:  # noqa: BLE001 - any failure means: do not use them
+            logger.warning("kvray: Triton attention kernels failed their check on %s (%s); "
+                           "using the PyTorch reference", self.device, err)
+            return False
 
     def _use_small_m_kernel(self) -> None:
         """Decode-sized matmuls through the CPU kernel; a bf16 checkpoint run in fp32 also

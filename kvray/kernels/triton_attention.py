@@ -244,3 +244,36 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         GROUP=hq // hk, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=dim,
         BLOCK_D=block_d, USE_DOT=min(block_m, block_size, block_d) >= 16)
     return out
+
+
+def self_check(device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+    """Compile and run every kernel once on a tiny paged batch and compare it with the
+    PyTorch reference; raise if anything fails or differs. The engine runs it before it
+    trusts these kernels by default (``attention_backend: auto`` on CUDA)."""
+    from kvray.kernels import attention as ref
+
+    g = torch.Generator().manual_seed(0)
+    hq, hk, dim, block_size, num_blocks = 4, 2, 64, 16, 8
+    cache = torch.randn(2, hk, num_blocks, block_size, dim, generator=g).to(device, dtype)
+    expect = cache.clone()
+    k = torch.randn(3, hk, dim, generator=g).to(device, dtype)
+    v = torch.randn(3, hk, dim, generator=g).to(device, dtype)
+    slots = torch.tensor([18, 19, 40], device=device)
+    write_kv(k, v, cache, slots)
+    ref.write_kv_cache(k, v, expect, slots)
+    if not torch.equal(cache, expect):
+        raise RuntimeError("Triton write_kv differs from the reference")
+    tables = torch.tensor([[1, 2, 0], [3, 4, 5]], device=device)
+    lens = torch.tensor([20, 41], device=device)
+    q = torch.randn(2, hq, dim, generator=g).to(device, dtype)
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    got = paged_decode(q, cache, tables, lens, 0.125, None)
+    want = torch.cat([ref._decode(q[i:i + 1], cache, tables[i:i + 1], lens[i:i + 1],
+                                  int(lens[i]), 0.125, None) for i in range(2)])
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    starts = torch.tensor([0, 2, 20], device=device)
+    q = torch.randn(20, hq, dim, generator=g).to(device, dtype)
+    got = paged_prefill(q, cache, tables, lens, starts, 18, 0.125, None)
+    want = torch.cat([ref._prefill_one(q[s:e], cache, tables[b], int(lens[b]), 0.125, None)
+                      for b, (s, e) in enumerate([(0, 2), (2, 20)])])
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
