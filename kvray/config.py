@@ -35,6 +35,13 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
+def _comma_list(value: Any) -> Any:
+    """A list-valued key may come as the command line's comma-separated string."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",")]
+    return value
+
+
 class ModelConfig(_Section):
     """Which weights to run and how to hold them."""
 
@@ -59,11 +66,32 @@ class ModelConfig(_Section):
         "auto",
         description="Paged attention kernels. auto: triton on CUDA, the C++ kernel on CPU "
         "(torch where it cannot be built); torch: the PyTorch reference; cpu: the C++ "
-        "kernel; triton: Triton kernels (on CPU only under TRITON_INTERPRET=1, slowly: "
-        "for tests).")
+        "kernel; triton: Triton kernels for attention and the fused norm/rotary/activation "
+        "ops (on CPU only under TRITON_INTERPRET=1, slowly: for tests).")
     served_model_name: str | None = Field(
         None, min_length=1, description="Name the API reports; None = model directory name."
     )
+    enforce_eager: bool = Field(
+        False, description="Never capture CUDA graphs: run every step eagerly. By default, on "
+        "CUDA with attention_backend triton and TP = PP = 1, decode steps replay CUDA graphs "
+        "captured at start-up for the batch sizes in cuda_graph_sizes.")
+    cuda_graph_sizes: list[int] | None = Field(
+        None, description="Decode batch sizes to capture CUDA graphs for (a batch is padded up "
+        "to the next one; larger ones run eagerly), e.g. '1,2,4,8,16'. None = 1, 2, 4 and the "
+        "multiples of 8 up to min(max_num_seqs, 256).")
+
+    _split_graph_sizes = field_validator("cuda_graph_sizes", mode="before")(_comma_list)
+
+    @field_validator("cuda_graph_sizes")
+    @classmethod
+    def _check_graph_sizes(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("cuda_graph_sizes needs at least one size (or null)")
+            bad = [s for s in value if not 1 <= s <= 4096]
+            if bad:
+                raise ValueError(f"cuda_graph_sizes: {bad} outside 1..4096")
+        return value
 
 
 class CacheConfig(_Section):
@@ -138,12 +166,7 @@ class ParallelConfig(_Section):
         "does not answer in time is treated as dead, its requests fail and the workers are "
         "rebuilt.")
 
-    @field_validator("pipeline_stage_nodes", mode="before")
-    @classmethod
-    def _split_stage_nodes(cls, value: Any) -> Any:
-        if isinstance(value, str):  # the command line's comma-separated form
-            return [part.strip() for part in value.split(",")]
-        return value
+    _split_stage_nodes = field_validator("pipeline_stage_nodes", mode="before")(_comma_list)
 
     @model_validator(mode="after")
     def _check_stage_nodes(self) -> ParallelConfig:
@@ -281,12 +304,17 @@ def _unknown_key_message(key: str) -> str:
 def _format_validation_error(err: ValidationError, flat: dict[str, Any]) -> str:
     lines = []
     for e in err.errors():
-        key = str(e["loc"][-1]) if e["loc"] else "config"
-        value = flat.get(key, e.get("input"))
+        loc = e["loc"]
+        # the field is the last name in loc; list items add their index: key[2]
+        last = max((i for i, part in enumerate(loc) if isinstance(part, str)), default=None)
+        key = str(loc[last]) if last is not None else "config"
+        where = key + "".join(f"[{part}]" for part in loc[last + 1:]) if last is not None \
+            else key
+        value = e.get("input") if where != key else flat.get(key, e.get("input"))
         if e["type"] == "value_error":
             lines.append(e["msg"].removeprefix("Value error, "))
         else:
-            lines.append(f"{key} = {value!r}: {e['msg']}")
+            lines.append(f"{where} = {value!r}: {e['msg']}")
     return "invalid config: " + "; ".join(lines)
 
 

@@ -63,6 +63,16 @@ def test_wrong_type_is_rejected():
         load_config(max_num_seqs="many")
 
 
+def test_a_bad_list_item_names_the_field_and_its_index():
+    """Regression: the message named only the index ("1 = 'a'"), not the field."""
+    with pytest.raises(ConfigError, match=r"cuda_graph_sizes\[1\] = 'a'"):
+        load_config(cuda_graph_sizes="1,a")
+    with pytest.raises(ConfigError, match=r"pipeline_stage_nodes\[0\] = 5"):
+        load_config(pipeline_stage_nodes=[5])
+    with pytest.raises(ConfigError, match=r"cuda_graph_sizes: \[0\] outside 1..4096"):
+        load_config(cuda_graph_sizes=[0, 8])
+
+
 def test_unknown_key_is_an_error_with_a_suggestion(tmp_path):
     (tmp_path / "c.yaml").write_text("block_sise: 16\n")
     with pytest.raises(ConfigError, match="unknown config key 'block_sise'.*'block_size'"):

@@ -14,19 +14,19 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
-def num_blocks_for_budget(cache: CacheConfig, bytes_per_block: int,
-                          device: torch.device) -> int:
-    """Blocks that fit: the override, else ``kv_cache_memory`` on CPU, else on CUDA what is
-    left of ``gpu_memory_utilization`` x total memory once the weights are loaded (measured
-    now; no profile run reserves room for activations yet)."""
+def gpu_kv_budget(total: int, utilization: float, weights: int, activation_peak: int,
+                  non_torch: int) -> int:
+    """Bytes left for the KV cache on a GPU: ``utilization`` x its memory, less the weights,
+    the peak of the profile run's activations (the largest step the scheduler may send) and
+    what lives outside torch's allocator (CUDA context, NCCL buffers, other processes)."""
+    return int(total * utilization) - weights - activation_peak - non_torch
+
+
+def num_blocks_for_budget(cache: CacheConfig, bytes_per_block: int, budget: int) -> int:
+    """Blocks that fit: the override, else ``budget`` bytes (``kv_cache_memory`` on CPU,
+    :func:`gpu_kv_budget` on CUDA) over the bytes of one block."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * cache.gpu_memory_utilization) - used
-    else:
-        budget = cache.kv_cache_memory
     num = budget // bytes_per_block
     if num < 1:
         raise ValueError(
@@ -37,7 +37,9 @@ def num_blocks_for_budget(cache: CacheConfig, bytes_per_block: int,
 
 class CacheEngine:
     """One ``[2, kv_heads, num_blocks, block_size, head_dim]`` tensor per local layer,
-    indexed by global layer number (``None`` for layers on other pipeline stages)."""
+    indexed by global layer number (``None`` for layers on other pipeline stages).
+    ``num_blocks`` counts every block allocated, those the block manager never hands out
+    (the CUDA graphs' pad block) included."""
 
     def __init__(self, num_layers: int, layer_range: tuple[int, int], num_blocks: int,
                  block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

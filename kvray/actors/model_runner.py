@@ -8,18 +8,26 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from kvray.actors.cache_engine import CacheEngine, kv_bytes_per_block, num_blocks_for_budget
+from kvray.actors.cache_engine import (
+    CacheEngine,
+    gpu_kv_budget,
+    kv_bytes_per_block,
+    num_blocks_for_budget,
+)
+from kvray.actors.cuda_graphs import DecodeGraphs, capture_sizes
 from kvray.actors.swap_pool import SwapPool
 from kvray.config import EngineConfig
 from kvray.kernels import cpu_ops
 from kvray.kernels.attention import AttentionMetadata
+from kvray.kernels.rotary import RotaryEmbedding
 from kvray.kernels.sampling import SamplingBatch, sample
 from kvray.models.layers import use_small_m_kernel
-from kvray.models.llama import use_cpu_kernels
+from kvray.models.llama import use_fused_ops
 from kvray.models.loader import load_model, resolve_max_model_len
 from kvray.parallel import ParallelContext
 from kvray.sampling_params import SamplingParams
@@ -66,8 +74,11 @@ class ModelRunner:
         self.cache: CacheEngine | None = None
         self.swap_pool = SwapPool()
         self.decode_kernel = self.write_kernel = self.prefill_kernel = None
+        self.graphs: DecodeGraphs | None = None
+        # Host-side inputs go through pinned memory, copied without blocking the host.
+        self.pin_memory = device.type == "cuda"
         if device.type == "cpu" and cpu_ops.load_ops() is not None:
-            use_cpu_kernels(self.model, cpu_ops)
+            use_fused_ops(self.model, cpu_ops)
             if self.dtype == torch.float32:
                 self._use_small_m_kernel()
         self._pick_attention_backend(config.model.attention_backend)
@@ -96,8 +107,9 @@ class ModelRunner:
             if not _triton_available():
                 raise ValueError("attention_backend='triton' needs the `triton` package "
                                  "(pip install triton)")
-            from kvray.kernels import triton_attention
+            from kvray.kernels import triton_attention, triton_ops
 
+            use_fused_ops(self.model, triton_ops)
             self.decode_kernel = triton_attention.paged_decode
             self.write_kernel = triton_attention.write_kv
             self.prefill_kernel = triton_attention.paged_prefill
@@ -107,12 +119,13 @@ class ModelRunner:
         """Whether the Triton kernels compile and agree with the reference here; by default
         kvray trusts them only then (else the PyTorch reference, with a warning)."""
         try:
-            from kvray.kernels import triton_attention
+            from kvray.kernels import triton_attention, triton_ops
 
             triton_attention.self_check(self.device, self.dtype)
+            triton_ops.self_check(self.device, self.dtype)
             return True
         except Exception as err:  # noqa: BLE001 - any failure means: do not use them
-            logger.warning("kvray: Triton attention kernels failed their check on %s (%s); "
+            logger.warning("kvray: Triton kernels failed their check on %s (%s); "
                            "using the PyTorch reference", self.device, err)
             return False
 
@@ -137,13 +150,121 @@ class ModelRunner:
         return kv_bytes_per_block(layers, self.block_size, heads, dim, self.dtype)
 
     def determine_num_blocks(self) -> int:
-        return num_blocks_for_budget(self.config.cache, self.kv_bytes_per_block(), self.device)
+        """KV blocks this worker can hold: ``kv_cache_memory`` on CPU; on CUDA what
+        ``gpu_memory_utilization`` leaves after the weights and a profile run of the largest
+        step (:meth:`profile_run`)."""
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None or self.device.type != "cuda":
+            return num_blocks_for_budget(cache, self.kv_bytes_per_block(),
+                                         cache.kv_cache_memory)
+        activation_peak = self.profile_run()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = gpu_kv_budget(total, cache.gpu_memory_utilization, weights, activation_peak,
+                               max(0, non_torch))
+        if self.ctx.world_rank == 0:
+            logger.info("kvray: GPU memory %.1f GiB x %.2f: weights %.2f GiB, activations "
+                        "%.2f GiB, outside torch %.2f GiB -> KV cache %.2f GiB", total / 2**30,
+                        cache.gpu_memory_utilization, weights / 2**30, activation_peak / 2**30,
+                        non_torch / 2**30, budget / 2**30)
+        return num_blocks_for_budget(cache, self.kv_bytes_per_block(), budget)
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """One forward of the largest step the scheduler may send (``max_num_batched_tokens``
+        prompt tokens over up to ``max_num_seqs`` sequences, each one's logits computed) over
+        a scratch KV cache, to find the activations' peak; returns its bytes on CUDA (0
+        elsewhere: no allocator to ask). Pipeline stages run alone on zero activations;
+        tensor-parallel ranks all run it (their all-reduces meet)."""
+        sched, bs = self.config.scheduler, self.block_size
+        tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.max_model_len)
+        seqs = min(sched.max_num_seqs, tokens)
+        lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+        firsts, tables = [], []
+        for n in lens:
+            start = sum(len(t) for t in tables)
+            tables.append(list(range(start, start + -(-n // bs))))
+            firsts.append(start)
+        width = max(len(t) for t in tables)
+        _, heads, dim = self._local_kv_shape()
+        layer_range = (self.model.model.start_layer, self.model.model.end_layer)
+        scratch = CacheEngine(self.spec.num_layers, layer_range, sum(len(t) for t in tables),
+                              bs, heads, dim, self.dtype, self.device)
+        positions = [p for n in lens for p in range(n)]
+        slots = [first * bs + p for n, first in zip(lens, firsts, strict=True)
+                 for p in range(n)]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, *lens], device=dev).cumsum(0),
+            positions=torch.tensor(positions, device=dev),
+            slot_mapping=torch.tensor(slots, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev),
+            seq_lens=torch.tensor(lens, device=dev), seq_lens_list=lens, num_decodes=0,
+            decode_kernel=self.decode_kernel, write_kernel=self.write_kernel,
+            prefill_kernel=self.prefill_kernel, max_query_len=max(lens))
+        cuda = dev.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            before = torch.cuda.memory_allocated(dev)
+        ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        hidden = residual = None
+        if not self.ctx.is_first_stage:
+            hidden = torch.zeros(tokens, self.spec.hidden_size, dtype=self.dtype, device=dev)
+            residual = torch.zeros_like(hidden)
+        result = self.model(ids, meta, hidden, residual, kv_caches=scratch.kv_caches)
+        if self.ctx.is_last_stage:
+            last_rows = meta.query_start_loc[1:] - 1
+            torch.softmax(self.model.compute_logits(result[last_rows]).float(), dim=-1)
+        peak = 0
+        if cuda:
+            torch.cuda.synchronize(dev)
+            peak = torch.cuda.max_memory_allocated(dev) - before
+        del scratch, result, meta
+        return peak
 
     def initialize_cache(self, num_blocks: int) -> None:
         _, heads, dim = self._local_kv_shape()
         layer_range = (self.model.model.start_layer, self.model.model.end_layer)
-        self.cache = CacheEngine(self.spec.num_layers, layer_range, num_blocks,
+        graphs = self._decode_graphs_wanted()
+        # CUDA graphs pad batches with rows that write to a block of their own, past the
+        # ``num_blocks`` the block manager hands out.
+        self.cache = CacheEngine(self.spec.num_layers, layer_range, num_blocks + graphs,
                                  self.block_size, heads, dim, self.dtype, self.device)
+        self.graphs = None
+        if graphs:
+            self._build_decode_graphs(pad_block=num_blocks)
+
+    def _decode_graphs_wanted(self) -> bool:
+        """Replay decode steps from CUDA graphs? On CUDA with kernels free of host syncs
+        (triton), one worker (collectives stay eager), unless ``enforce_eager``."""
+        return (self.device.type == "cuda" and not self.config.model.enforce_eager
+                and self.attention_backend == "triton" and self.ctx.tp_size == 1
+                and self.ctx.pp_size == 1)
+
+    @torch.inference_mode()
+    def _build_decode_graphs(self, pad_block: int) -> None:
+        sizes = capture_sizes(self.config.scheduler.max_num_seqs,
+                              requested=self.config.model.cuda_graph_sizes)
+        if not sizes:
+            return
+        for module in self.model.modules():
+            if isinstance(module, RotaryEmbedding):  # no host sync inside a graph
+                module.fix_tables(self.max_model_len, self.device)
+        capture = self.device.type == "cuda"
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0] if capture else 0
+        self.graphs = DecodeGraphs(
+            self.model, self.cache.kv_caches, sizes, -(-self.max_model_len // self.block_size),
+            self.block_size, pad_block, self.device, self.decode_kernel, self.write_kernel,
+            capture=capture)
+        if capture and self.ctx.world_rank == 0:
+            used = free_before - torch.cuda.mem_get_info(self.device)[0]
+            logger.info("kvray: captured %d CUDA graphs for decode batches of %s rows in "
+                        "%.1f s (%.0f MiB)", len(sizes), f"{sizes[0]}..{sizes[-1]}",
+                        time.perf_counter() - start, used / 2**20)
 
     # ---- per-request state --------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -195,20 +316,24 @@ class ModelRunner:
                 sample_rows.append(b)
                 logits_index.append(len(tokens) - 1)
         max_blocks = max(len(t) for t in tables)
-        table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
-                                    dtype=torch.int64)
-        dev = self.device
+        dev = self._to_device
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, *query_lens], dtype=torch.int64).cumsum(0).to(dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=table_tensor.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            seq_lens_list=seq_lens, num_decodes=num_decodes,
+            query_start_loc=dev(starts), positions=dev(positions), slot_mapping=dev(slots),
+            block_tables=dev([t + [0] * (max_blocks - len(t)) for t in tables]),
+            seq_lens=dev(seq_lens), seq_lens_list=seq_lens, num_decodes=num_decodes,
             decode_kernel=self.decode_kernel, write_kernel=self.write_kernel,
             prefill_kernel=self.prefill_kernel, max_query_len=max(query_lens))
-        return StepInputs(torch.tensor(tokens, dtype=torch.int64, device=dev), meta, req_ids,
-                          sample_rows, torch.tensor(logits_index, dtype=torch.int64, device=dev))
+        return StepInputs(dev(tokens), meta, req_ids, sample_rows, dev(logits_index))
+
+    def _to_device(self, data: list) -> torch.Tensor:
+        """An int64 tensor of ``data`` on this worker's device; on CUDA built in pinned host
+        memory and copied without blocking the host (the copy is queued before the kernels
+        that read it on the same stream)."""
+        host = torch.tensor(data, dtype=torch.int64, pin_memory=self.pin_memory)
+        return host.to(self.device, non_blocking=self.pin_memory)
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -245,6 +370,10 @@ class ModelRunner:
         if not ctx.is_first_stage:
             shape = (inputs.input_ids.shape[0], self.spec.hidden_size)
             hidden, residual = ctx.recv_from_prev_stage([shape, shape], self.dtype, self.device)
+        if self.graphs is not None and inputs.meta.num_decodes == len(inputs.req_ids):
+            result = self.graphs.run(inputs.input_ids, inputs.meta)
+            if result is not None:
+                return result
         result = self.model(inputs.input_ids, inputs.meta, hidden, residual, kv_caches=caches)
         if ctx.is_last_stage:
             return result

@@ -21,7 +21,7 @@ class RMSNorm(torch.nn.Module):
     """RMSNorm with an optional fused residual add: ``forward(x, residual)`` returns
     ``(norm(x + residual), x + residual)``, which saves a pass over the hidden states.
 
-    ``fused`` (set by :func:`kvray.models.llama.use_cpu_kernels`) does it in one kernel call;
+    ``fused`` (set by :func:`kvray.models.llama.use_fused_ops`) does it in one kernel call;
     it then adds ``x`` into ``residual`` in place and returns that tensor as the sum."""
 
     fused: FusedRMSNorm | None = None

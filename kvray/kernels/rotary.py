@@ -45,7 +45,7 @@ class RotaryEmbedding(torch.nn.Module):
     """Applies rotary embedding to q and k given each token's absolute position.
 
     cos/sin are precomputed in fp32 for ``max_positions`` and grown on demand.
-    ``fused_inplace`` (set by :func:`kvray.models.llama.use_cpu_kernels`) rotates in place
+    ``fused_inplace`` (set by :func:`kvray.models.llama.use_fused_ops`) rotates in place
     in one kernel call.
     """
 
@@ -58,7 +58,17 @@ class RotaryEmbedding(torch.nn.Module):
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
         self._last = None
         self._grown_for: torch.Tensor | None = None
+        self._fixed = False
         self._build(max_positions)
+
+    def fix_tables(self, max_positions: int, device: torch.device) -> None:
+        """Build the tables for every position below ``max_positions`` on ``device`` now and
+        stop checking positions against them: no host sync per step (what a CUDA graph
+        capture needs). The caller guarantees no position reaches ``max_positions``."""
+        if self.cos.shape[0] < max_positions:
+            self._build(max_positions)
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        self._fixed = True
 
     def _build(self, n: int) -> None:
         freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
@@ -66,7 +76,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     def _grow(self, positions: torch.Tensor) -> None:
         """Extend the tables past the largest position, on the positions' device."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+        if not self._fixed and positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             self._build(2 * int(positions.max()) + 1)
         if self.cos.device != positions.device:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)

@@ -178,10 +178,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
 
-def use_cpu_kernels(model: nn.Module, ops: ModuleType) -> None:
-    """Route the decoder's norms, rotary embedding and MLP activation through kvray's fused
-    CPU ops (:mod:`kvray.kernels.cpu_ops`): one call each instead of several tiny PyTorch
-    ops, whose dispatch dominates a decode step's elementwise work on CPU."""
+def use_fused_ops(model: nn.Module, ops: ModuleType) -> None:
+    """Route the decoder's norms, rotary embedding and MLP activation through fused ops
+    (:mod:`kvray.kernels.cpu_ops` on CPU, :mod:`kvray.kernels.triton_ops` on GPU): one call
+    each instead of several tiny PyTorch ops, whose dispatch (CPU) or launches (GPU) dominate
+    a decode step's elementwise work."""
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.fused = ops.rms_norm

@@ -1,0 +1,151 @@
+"""The decoder's small fused ops in Triton: residual-add + RMSNorm, rotary embedding in
+place, SiLU-and-mul. The GPU twins of :mod:`kvray.kernels.cpu_ops` (same names and
+signatures, so :func:`kvray.models.llama.use_fused_ops` installs either), each one kernel
+launch where the PyTorch reference takes three to six; at decode sizes the launches, not
+the bytes, are the cost.
+
+Rounding follows the PyTorch references (:mod:`kvray.kernels.norm`, ``rotary._rotate``,
+``F.silu(gate) * up``): fp32 inside, cast to the activation dtype where they cast. The tests
+compare them on CPU under Triton's interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, eps,
+                     N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    dtype = x.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)
+    normed = (x32 * rstd).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension; with ``residual``, ``residual += x`` in place first
+    and the sum is normalised (:func:`kvray.kernels.cpu_ops.rms_norm`'s contract)."""
+    shape = x.shape
+    n = shape[-1]
+    flat = x.reshape(-1, n)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    res = None
+    if residual is not None:
+        res = residual.view(-1, n)
+        assert res.stride(-1) == 1, "residual must have a contiguous last dimension"
+    out = torch.empty((flat.shape[0], n), dtype=x.dtype, device=x.device)
+    if flat.shape[0]:
+        _rms_norm_kernel[(flat.shape[0],)](
+            flat, res if res is not None else flat, weight, out, flat.stride(0),
+            res.stride(0) if res is not None else 0, out.stride(0), float(eps),
+            N=n, BLOCK_N=triton.next_power_of_2(n), HAS_RESIDUAL=res is not None)
+    return out.view(shape)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_cos,
+                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < HALF
+    pos = tl.load(pos_ptr + t)
+    base = x_ptr + t * stride_t + h * stride_h
+    x1 = tl.load(base + offs, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
+    dtype = x1.dtype
+    # cos/sin rounded to x's dtype first, as the reference does
+    c = tl.load(cos_ptr + pos * stride_cos + offs, mask=mask, other=0.0).to(dtype)
+    s = tl.load(sin_ptr + pos * stride_cos + offs, mask=mask, other=0.0).to(dtype)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    cf, sf = c.to(tl.float32), s.to(tl.float32)
+    tl.store(base + offs, (x1f * cf - x2f * sf).to(dtype), mask=mask)
+    tl.store(base + HALF + offs, (x2f * cf + x1f * sf).to(dtype), mask=mask)
+
+
+def rotary_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (each head's D contiguous) in place by ``positions`` with the fp32
+    ``cos``/``sin`` tables [max_pos, D/2]; returns x. Positions must lie inside the tables
+    (the caller grows them)."""
+    num_tokens, heads, dim = x.shape
+    assert x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride()
+    if num_tokens and heads:
+        half = dim // 2
+        _rotary_kernel[(num_tokens, heads)](
+            x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
+            HALF=half, BLOCK_HALF=triton.next_power_of_2(half))
+    return x
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + N + offs, mask=mask, other=0.0)
+    dtype = gate.dtype
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (act * up.to(tl.float32)).to(dtype), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` ([T, 2I] -> [T, I])."""
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    rows, two_n = gate_up.shape
+    n = two_n // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block)
+    return out
+
+
+def self_check(device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+    """Run each op once on tiny inputs against its PyTorch reference; raise if one fails or
+    differs (what the engine runs before trusting them by default on CUDA)."""
+    import torch.nn.functional as F
+
+    from kvray.kernels.norm import rms_norm as ref_rms_norm
+    from kvray.kernels.rotary import _rotate
+
+    g = torch.Generator().manual_seed(0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    x = torch.randn(3, 40, generator=g).to(device, dtype)
+    res = torch.randn(3, 40, generator=g).to(device, dtype)
+    w = torch.randn(40, generator=g).to(device, dtype)
+    want = ref_rms_norm(x + res, w, 1e-6)
+    want_res = x + res
+    got = rms_norm(x, w, 1e-6, res)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(res, want_res, rtol=tol, atol=tol)
+    qk = torch.randn(3, 5, 24, generator=g).to(device, dtype)
+    pos = torch.tensor([0, 7, 3], device=device)
+    freqs = torch.outer(torch.arange(8.0), torch.rand(12, generator=g)).to(device)
+    want = _rotate(qk, freqs.cos()[pos].unsqueeze(1).to(dtype),
+                   freqs.sin()[pos].unsqueeze(1).to(dtype))
+    torch.testing.assert_close(rotary_inplace(qk, pos, freqs.cos(), freqs.sin()), want,
+                               rtol=tol, atol=tol)
+    gate_up = torch.randn(3, 80, generator=g).to(device, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, rtol=tol, atol=tol)
