@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from tiny_models import ARCHS
 
 from kvray.kernels import attention as ref
 
@@ -102,10 +103,11 @@ def test_write_kv_fills_the_same_slots_as_the_reference():
 MAX_TOKENS = 6
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_qknorm_headdim"])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_engine_with_triton_backend_gives_transformers_greedy_tokens(arch, tiny_model_dir):
-    """Chunked prefill over cached prefixes, preemption in a tight cache, decode: every
-    attention call through the Triton kernels."""
+    """Every parity architecture; chunked prefill over cached prefixes, preemption in a
+    tight cache, decode: every attention call and every norm, rotary and SiLU-and-mul
+    through the Triton kernels."""
     from tiny_models import VOCAB_SIZE, load_hf
 
     from kvray import LLM, SamplingParams
@@ -121,7 +123,11 @@ def test_engine_with_triton_backend_gives_transformers_greedy_tokens(arch, tiny_
     llm = LLM(str(tiny_model_dir(arch)), dtype="float32", block_size=16,
               max_num_batched_tokens=24, max_num_seqs=8, num_gpu_blocks_override=5,
               attention_backend="triton")
-    assert llm.llm_engine.executor.worker.runner.attention_backend == "triton"
+    runner = llm.llm_engine.executor.worker.runner
+    assert runner.attention_backend == "triton"
+    from kvray.kernels import triton_ops
+
+    assert runner.model.model.norm.fused is triton_ops.rms_norm
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
