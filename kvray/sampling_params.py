@@ -7,7 +7,9 @@ raises ``ValueError`` naming the field, the value and what is allowed.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 
@@ -18,6 +20,68 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # everything generated so far, every time
     DELTA = 1  # only what is new since the previous output: streams cost O(length) in all
     FINAL_ONLY = 2  # one output, when the request has finished
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output's text (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    Attributes:
+        json: a JSON schema (dict or JSON text) the output must validate against.
+        regex: a regular expression the whole output must match.
+        choice: the output is exactly one of these strings.
+        grammar: a context-free grammar, in Lark or GBNF/EBNF syntax.
+        json_object: any JSON object.
+        disable_any_whitespace: JSON with single spaces after ``:`` and ``,`` only (the
+            default, unlike vLLM's: small models otherwise may spend their whole token
+            budget on whitespace); False allows any whitespace between tokens.
+        field: the request field it came from, for error messages (set by the server).
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+    field: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"{self.field}: give exactly one of json, regex, choice, grammar, "
+                             f"json_object (got {', '.join(given) or 'none'})")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as err:
+                raise ValueError(f"{self.field}: the JSON schema is not valid JSON: {err}") \
+                    from None
+        _check(self.json is None or isinstance(self.json, dict | bool), self.field, self.json,
+               "a JSON schema must be an object")
+        _check(self.regex is None or isinstance(self.regex, str), self.field, self.regex,
+               "regex must be a string")
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip()),
+               self.field, self.grammar, "grammar must be a non-empty string")
+        if self.choice is not None:
+            _check(isinstance(self.choice, list) and self.choice
+                   and all(isinstance(c, str) and c for c in self.choice), self.field,
+                   self.choice, "choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): the cache key of the compiled grammar."""
+        kind = self.kind
+        value = {"json_object": True}.get(kind, getattr(self, kind))
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        if kind in ("json", "json_object") and not self.disable_any_whitespace:
+            kind += "+whitespace"
+        return kind, text
 
 
 @dataclass
@@ -42,6 +106,9 @@ class SamplingParams:
         skip_special_tokens: drop special tokens from the text.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         output_kind: cumulative, delta or final-only outputs (see RequestOutputKind).
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
+            (a dict is read as :class:`StructuredOutputsParams`' fields). A constrained
+            request also ends at EOS once its grammar is complete, even with ignore_eos.
     """
 
     n: int = 1
@@ -64,6 +131,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: the model's EOS ids (ignored when ignore_eos).
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -74,6 +142,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -115,7 +185,7 @@ class SamplingParams:
     def all_stop_token_ids(self) -> set[int]:
         """Token ids that finish the sequence: stop_token_ids plus EOS unless ignore_eos."""
         ids = set(self.stop_token_ids)
-        if not self.ignore_eos:
+        if not self.ignore_eos or self.structured_outputs is not None:
             ids.update(self.eos_token_ids)
         return ids
 

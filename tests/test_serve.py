@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -275,6 +276,54 @@ def test_bad_parameters_get_400_naming_the_parameter(server, model_name, body, p
     err = resp.json()["error"]
     assert err["param"] == param and err["code"] == 400 and err["message"]
     assert "Traceback" not in resp.text
+
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "celsius"],
+           "properties": {"city": {"enum": ["Paris", "Rome"]},
+                          "celsius": {"type": "integer", "minimum": -20, "maximum": 45}}}
+
+
+def test_response_format_json_schema_streamed_and_not(client, model_name):
+    """Sampled at temperature 1 by a random-weight model: only the grammar makes it JSON."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    messages = [{"role": "user", "content": "Weather?"}]
+    for seed in range(3):
+        whole = client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=60, temperature=1.0, seed=seed,
+            response_format=fmt)
+        jsonschema.validate(json.loads(whole.choices[0].message.content), WEATHER)
+        stream = client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=60, temperature=1.0, seed=seed,
+            response_format=fmt, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == whole.choices[0].message.content
+
+
+def test_vllm_structured_output_extras_on_completions(client, model_name):
+    regex = {"structured_outputs": {"regex": "[a-z]{4}-[0-9]{2}"}}
+    out = client.completions.create(model=model_name, prompt="Code:", max_tokens=20,
+                                    temperature=1.0, seed=2, extra_body=regex)
+    assert re.fullmatch("[a-z]{4}-[0-9]{2}", out.choices[0].text)
+    out = client.completions.create(model=model_name, prompt="Pick:", max_tokens=20, n=3,
+                                    temperature=1.0, seed=5,
+                                    extra_body={"guided_choice": ["left", "right"]})
+    assert {c.text for c in out.choices} <= {"left", "right"}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"guided_json": {"type": "integer", "minimum": "zero"}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
+])
+def test_invalid_output_constraints_get_400_naming_the_field(server, model_name, body, param):
+    resp = _post(server, "/v1/chat/completions",
+                 {"model": model_name, "messages": [{"role": "user", "content": "x"}], **body})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
 
 
 def test_malformed_json_unknown_model_and_auth(server, model_name):

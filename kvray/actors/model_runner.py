@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,8 @@ from kvray.models.loader import load_model, resolve_max_model_len
 from kvray.parallel import ParallelContext
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvray.structured_output import GrammarCompiler, Matcher, bitmask_width
+from kvray.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kvray")
 
@@ -46,6 +49,7 @@ class CachedRequestState:
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)  # sliced once, for penalties
+    matcher: Matcher | None = None  # structured outputs (output rank only)
 
 
 @dataclass
@@ -61,6 +65,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, ctx: ParallelContext,
                  device: torch.device) -> None:
         self.config = config
+        self.model_path = model_path
         self.ctx = ctx
         self.device = device
         self.model, self.spec = load_model(model_path, config.model.dtype, ctx,
@@ -75,6 +80,8 @@ class ModelRunner:
         self.swap_pool = SwapPool()
         self.decode_kernel = self.write_kernel = self.prefill_kernel = None
         self.graphs: DecodeGraphs | None = None
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self._mask_thread: ThreadPoolExecutor | None = None
         # Host-side inputs go through pinned memory, copied without blocking the host.
         self.pin_memory = device.type == "cuda"
         if device.type == "cpu" and cpu_ops.load_ops() is not None:
@@ -274,17 +281,24 @@ class ModelRunner:
         for req_id in out.preempted_req_ids:
             self.requests.pop(req_id, None)
         for new in out.new_requests:
-            self.requests[new.req_id] = CachedRequestState(
+            state = self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens,
                 list(new.token_ids[new.num_prompt_tokens:]),
                 list(new.token_ids[:new.num_prompt_tokens]))
+            if new.sampling_params.structured_outputs is not None and self.ctx.is_output_rank:
+                # a request back from preemption replays what it generated so far
+                state.matcher = self._grammar_compiler(new.sampling_params).compile(
+                    new.sampling_params.structured_outputs)
+                state.matcher.accept(state.output_token_ids)
             if new.seed is not None and new.req_id not in self.generators:
                 self.generators[new.req_id] = torch.Generator(self.device).manual_seed(new.seed)
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)
             state.output_token_ids.extend(cached.new_token_ids)
+            if state.matcher is not None:
+                state.matcher.accept(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
@@ -355,6 +369,7 @@ class ModelRunner:
         if out.is_empty:
             return ModelRunnerOutput([], [], [], []) if self.ctx.is_output_rank else None
         inputs = self._prepare_inputs(out)
+        bitmask = self._start_bitmask(inputs)  # on another thread, while the forward runs
         hidden = self._forward(inputs)
         if hidden is None:
             return None  # not the last pipeline stage: activations went to the next one
@@ -362,7 +377,36 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_index])
         if not self.ctx.is_output_rank:
             return None
-        return self._sample(inputs, logits, prompt_logprobs)
+        return self._sample(inputs, logits, prompt_logprobs,
+                            bitmask.result() if bitmask is not None else None)
+
+    # ---- structured outputs -------------------------------------------------------------
+    def _grammar_compiler(self, params: SamplingParams) -> GrammarCompiler:
+        if self._grammars is None:
+            tokenizer = load_tokenizer(self.model_path, self.config.model.tokenizer)
+            self._grammars = GrammarCompiler(tokenizer, self.spec.vocab_size,
+                                             params.eos_token_ids)
+        return self._grammars
+
+    def _start_bitmask(self, inputs: StepInputs) -> Future | None:
+        """The next-token masks of the constrained rows that sample this step, computed on a
+        helper thread (llguidance works outside the GIL) while the forward runs."""
+        if not self.ctx.is_output_rank:
+            return None
+        rows = [(state.matcher, i) for i, b in enumerate(inputs.sample_rows)
+                if (state := self.requests[inputs.req_ids[b]]).matcher is not None]
+        if not rows:
+            return None
+        bitmask = torch.full((len(inputs.sample_rows), bitmask_width(self.spec.vocab_size)), -1,
+                             dtype=torch.int32, pin_memory=self.pin_memory)
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="kvray-grammar")
+
+        def fill() -> torch.Tensor:
+            self._grammars.fill_bitmask(rows, bitmask)
+            return bitmask
+
+        return self._mask_thread.submit(fill)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         ctx, caches = self.ctx, self.cache.kv_caches
@@ -391,8 +435,8 @@ class ModelRunner:
         for req_id in out.swap_drop:
             self.swap_pool.drop(req_id)
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor,
-                prompt_logprobs: dict) -> ModelRunnerOutput:
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, prompt_logprobs: dict,
+                bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
         rows = [self.requests[inputs.req_ids[b]] for b in inputs.sample_rows]
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[dict[int, float]] | None] = {}
@@ -401,7 +445,7 @@ class ModelRunner:
             batch = SamplingBatch.from_params(
                 [s.params for s in rows], [self.generators.get(s.req_id) for s in rows],
                 [s.prompt_token_ids for s in rows],
-                [s.output_token_ids for s in rows], device=self.device)
+                [s.output_token_ids for s in rows], device=self.device, token_bitmask=bitmask)
             result = sample(logits, batch, self.default_generator)
             tokens = result.token_ids.tolist()
             lps = result.logprobs.tolist() if result.logprobs is not None else None

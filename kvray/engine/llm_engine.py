@@ -27,6 +27,7 @@ from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvray.scheduler.preemption import PreemptionCosts, probe_steps
 from kvray.scheduler.request import Request, RequestStatus
 from kvray.scheduler.scheduler import Scheduler
+from kvray.structured_output import GrammarCompiler
 from kvray.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class LLMEngine:
         # Steps submitted and not yet collected, oldest first: (output, handle, start time).
         self._in_flight: deque[tuple[SchedulerOutput, Any, float]] = deque()
         self._last_collect = 0.0  # when the previous step's result came back
+        self._grammars: GrammarCompiler | None = None
         self._build_executor()
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -199,6 +201,8 @@ class LLMEngine:
         self._check_token_ids(list(params.logit_bias or {}), "logit_bias", "logit_bias")
         self._check_token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
+        if params.structured_outputs is not None:  # an invalid grammar is the client's 400
+            self._grammar_compiler().compile(params.structured_outputs)
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = _Parent(request_id, text, ids, params,
@@ -220,6 +224,14 @@ class LLMEngine:
             self._child_to_parent[child.request_id] = (request_id, i)
         self._parents[request_id] = parent
         self._update_gauges()
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Compiles constraints at admission to reject invalid ones (the workers compile
+        their own copies); built on first use: ~1 s to index the vocabulary."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size,
+                                             self.eos_token_ids)
+        return self._grammars
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its n sequences); False if it is unknown or done."""

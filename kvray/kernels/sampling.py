@@ -50,6 +50,11 @@ class SamplingBatch:
     banned_token_ids: list[list[int]]  # per row ids set to -inf (stop/eos before min_tokens)
     num_logprobs: int  # most top logprobs any row asked for (0 = none)
     need_logprobs: bool = True  # False: no row wants logprobs, skip the log-normaliser
+    # Structured outputs: [B, ceil(V / 32)] int32, bit set = token allowed (rows of
+    # unconstrained sequences all ones); None = no row is constrained. Applied after the
+    # penalties; a row left with no allowed token falls back to its EOS ids.
+    token_bitmask: torch.Tensor | None = None
+    eos_token_ids: list[tuple[int, ...]] = field(default_factory=list)  # per row, for that
     all_greedy: bool = field(init=False)
     no_top_k: bool = field(init=False)
     no_top_p: bool = field(init=False)
@@ -80,15 +85,18 @@ class SamplingBatch:
     def to(self, device: torch.device | str) -> SamplingBatch:
         """A copy with its tensors on ``device``; the flags are kept, not recomputed."""
         moved = copy.copy(self)
-        for name in _TENSOR_FIELDS:
-            setattr(moved, name, getattr(self, name).to(device, non_blocking=True))
+        for name in (*_TENSOR_FIELDS, "token_bitmask"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(moved, name, value.to(device, non_blocking=True))
         return moved
 
     @classmethod
     def from_params(cls, params: list[SamplingParams],
                     generators: list[torch.Generator | None],
                     prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
-                    device: torch.device | str = "cpu") -> SamplingBatch:
+                    device: torch.device | str = "cpu",
+                    token_bitmask: torch.Tensor | None = None) -> SamplingBatch:
         """Build the batch for rows ``params[i]`` (greedy rows get temperature 0.0)."""
         assert len(params) == len(generators) == len(prompt_token_ids) == len(output_token_ids)
 
@@ -112,6 +120,9 @@ class SamplingBatch:
                               for p, out in zip(params, output_token_ids, strict=True)],
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
             need_logprobs=any(p.logprobs is not None for p in params),
+            token_bitmask=token_bitmask,
+            eos_token_ids=[p.eos_token_ids for p in params] if token_bitmask is not None
+            else [],
         )
         return batch.to(device)
 
@@ -134,6 +145,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     """
     raw = logits.float()
     logits = apply_penalties_and_bias(raw, batch)
+    if batch.token_bitmask is not None:
+        logits = _apply_token_bitmask(logits if logits is not raw else raw.clone(), batch)
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         tokens = greedy_tokens
@@ -145,6 +158,26 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     if not batch.need_logprobs:
         return SamplerOutput(tokens, None, None, None)
     return _output(tokens, raw, batch.num_logprobs)
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit whose bit in ``bitmask`` ([B, W] int32, on the
+    logits' device) is 0."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab]
+    logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+def _apply_token_bitmask(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Disallowed tokens to -inf, in place. A row with nothing left (its grammar is complete
+    but min_tokens bans EOS, say) may take its EOS ids rather than sample from nothing."""
+    apply_bitmask_(logits, batch.token_bitmask)
+    dead = torch.isneginf(logits).all(dim=-1).nonzero().flatten().tolist()
+    for row in dead:
+        ids = [t for t in batch.eos_token_ids[row] if t < logits.shape[1]]
+        logits[row, ids] = 0.0
+    return logits
 
 
 def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvray.config import ServerConfig
 from kvray.errors import InvalidRequestError
-from kvray.sampling_params import RequestOutputKind, SamplingParams
+from kvray.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 ProtocolError = InvalidRequestError  # a request parameter is invalid (400 naming it)
 
@@ -64,6 +64,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON for a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Request):
     model: str | None = None
     n: int = 1
@@ -88,6 +104,57 @@ class _Sampling(_Request):
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (one of them per request).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from whichever field gave one; a 400 naming the
+        field if it is malformed or more than one field gave one."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            field = "response_format.json_schema.schema"
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise ProtocolError(f"{field}: response_format of type json_schema needs "
+                                    "json_schema.schema", field)
+            found.append((field, {"json": fmt.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            known = {"json", "regex", "choice", "grammar", "json_object",
+                     "disable_any_whitespace"}
+            given = {k: v for k, v in self.structured_outputs.items() if v is not None}
+            # vLLM's engine-side knobs are accepted and ignored
+            unknown = sorted(set(given) - known - {"backend", "disable_fallback",
+                                                   "disable_additional_properties",
+                                                   "whitespace_pattern"})
+            if unknown:
+                raise ProtocolError(f"structured_outputs: unknown key(s) {unknown}; known: "
+                                    f"{sorted(known)}", "structured_outputs")
+            found.append(("structured_outputs",
+                          {k: v for k, v in given.items() if k in known}))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        if not found:
+            return None
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise ProtocolError(f"{found[1][0]}: give one output constraint per request "
+                                f"(got {names})", found[1][0])
+        field, spec = found[0]
+        try:
+            return StructuredOutputsParams(**spec, field=field)
+        except (TypeError, ValueError) as err:
+            raise ProtocolError(str(err) if str(err).startswith(field) else f"{field}: {err}",
+                                field) from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -99,6 +166,7 @@ class _Sampling(_Request):
             except ValueError:
                 raise ProtocolError("logit_bias keys must be token ids (integers as strings)",
                                     "logit_bias") from None
+        structured = self.structured()
         try:
             return SamplingParams(
                 n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -112,7 +180,7 @@ class _Sampling(_Request):
                 max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                output_kind=RequestOutputKind.DELTA)
+                output_kind=RequestOutputKind.DELTA, structured_outputs=structured)
         except ValueError as err:
             raise ProtocolError(str(err), str(err).split(" ", 1)[0]) from None
 

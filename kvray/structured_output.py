@@ -1,0 +1,148 @@
+"""Structured outputs: grammars compiled once per constraint, one matcher per sequence, and
+the per-step token bitmask the sampler applies.
+
+The grammar engine is llguidance (Rust; PyPI ``llguidance``), behind this module's small
+interface (:class:`GrammarCompiler`, :class:`Matcher`): JSON schemas, regexes, choices and
+Lark/GBNF grammars all compile to one grammar format, masks are computed lazily per step
+(no ahead-of-time automaton over the vocabulary, so a new schema costs milliseconds), the
+wheel has no dependencies, and the mask of a batch is computed on Rust threads outside the
+GIL — while the model's forward runs (see ``ModelRunner``).
+
+A bitmask row holds one bit per token id (32 per int32, little-endian bits): 1 = allowed.
+Rows of unconstrained sequences are all ones; :func:`kvray.kernels.sampling.apply_bitmask_`
+applies it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from kvray.errors import InvalidRequestError
+from kvray.sampling_params import StructuredOutputsParams
+
+_CACHE_SIZE = 256  # compiled grammars kept (LRU), per process
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per bitmask row."""
+    return (vocab_size + 31) // 32
+
+
+class Matcher:
+    """One sequence's position in its grammar: tokens go in, the next step's mask comes out."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    def accept(self, token_ids: list[int]) -> bool:
+        """Advance by ``token_ids``; False if one of them breaks the grammar (the matcher then
+        allows only EOS: the sequence ends rather than run on unconstrained)."""
+        return all(self._m.consume_token(tok) for tok in token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` accepted tokens (rejected speculative tokens)."""
+        self._m.rollback(num_tokens)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete: only EOS may follow."""
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+    @property
+    def raw(self) -> Any:
+        return self._m
+
+
+class GrammarCompiler:
+    """Compiles :class:`StructuredOutputsParams` for one tokenizer and vocabulary, caching
+    compiled grammars by their constraint; thread-safe."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]
+                 ) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self._ll = llguidance
+        eos = [t for t in eos_token_ids if t < vocab_size] or None
+        # Building the token trie reads the whole vocabulary: ~1 s, once per process.
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                                      eos_token=eos)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos or ())
+        self._executor = llguidance.LLExecutor()
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _grammar_text(self, params: StructuredOutputsParams) -> str:
+        ll = self._ll.LLMatcher
+        kind, text = params.kind, params.key()[1]
+        if kind in ("json", "json_object"):
+            schema = {"type": "object"} if kind == "json_object" else params.json
+            if schema is True:
+                schema = {}
+            if isinstance(schema, dict) and params.disable_any_whitespace:
+                options = {"whitespace_flexible": False, "item_separator": ", ",
+                           "key_separator": ": ", **schema.get("x-guidance", {})}
+                schema = {**schema, "x-guidance": options}
+            return ll.grammar_from_json_schema(json.dumps(schema))
+        if kind == "regex":
+            return ll.grammar_from_regex(text)
+        if kind == "choice":
+            return ll.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in params.choice))
+        return self._ll.grammar_from("grammar", params.grammar)
+
+    def compile(self, params: StructuredOutputsParams) -> Matcher:
+        """A fresh matcher at the start of ``params``' grammar. An invalid constraint raises
+        :class:`InvalidRequestError` naming ``params.field``."""
+        key = params.key()
+        with self._lock:
+            template = self._cache.get(key)
+            if template is not None:
+                self._cache.move_to_end(key)
+                return Matcher(template.deep_copy())
+        try:
+            grammar = self._grammar_text(params)
+            problem = self._ll.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        except (ValueError, RuntimeError, TypeError) as err:
+            problem = str(err)
+        if problem:
+            raise InvalidRequestError(
+                f"{params.field}: invalid {params.kind.replace('_', ' ')} constraint: "
+                f"{_first_lines(problem)}", params.field)
+        template = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise InvalidRequestError(
+                f"{params.field}: invalid {params.kind} constraint: "
+                f"{_first_lines(template.get_error())}", params.field)
+        with self._lock:
+            self._cache[key] = template
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return Matcher(template.deep_copy())
+
+    def fill_bitmask(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        """Fill row ``i`` of ``bitmask`` (CPU, int32, contiguous, [B, W]) with the next-token
+        mask of each ``(matcher, i)``; in parallel, without the GIL. A terminated or broken
+        matcher allows EOS only."""
+        if not matchers:
+            return
+        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
+        width = bitmask.shape[1]
+        self._executor.unsafe_compute_mask_ptr(
+            [(m.raw, row) for m, row in matchers], bitmask.data_ptr(), width * 4,
+            bitmask.shape[0])
+
+
+def _first_lines(text: str, limit: int = 400) -> str:
+    text = " ".join(line.strip() for line in str(text).strip().splitlines() if line.strip())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
