@@ -249,6 +249,10 @@ class ServerConfig(_Section):
         False, description="Serve /docs, /redoc and /openapi.json (behind the API key if set).")
     metrics_require_key: bool = Field(
         False, description="Require the API key on /metrics too (/health never needs it).")
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto", description="How tool calls are found in a chat output under tool_choice "
+        "'auto': hermes (Qwen2/2.5/3, Hermes: <tool_call> JSON), llama3_json (Llama 3.x JSON); "
+        "auto = llama3_json for a chat template in Llama 3's tool format, else hermes.")
 
 
 SECTIONS: dict[str, type[_Section]] = {

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from kvray.outputs import CompletionOutput, RequestOutput
 from kvray.serve.http import APIError, api_error_from, drain, sse, streaming_response
 from kvray.serve.protocol import ProtocolError, error_body, new_id, now
+from kvray.serve.tools import ToolCallStreamer, parse_tool_calls, pick_parser
 
 if TYPE_CHECKING:
     from kvray.serve.openai_app import OpenAIServer
@@ -260,6 +261,23 @@ class ChatHandler(_Handler):
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
 
+    def __init__(self, server: OpenAIServer, req: Any) -> None:
+        super().__init__(server, req)
+        try:
+            self.tool_mode, self.tool_name = req.tool_mode()
+        except ProtocolError as err:
+            raise APIError(400, str(err), "BadRequestError", err.param) from None
+        self.tool_parser = pick_parser(server.limits.tool_call_parser,
+                                       getattr(server.tokenizer, "chat_template", None))
+        self.streamers: dict[int, ToolCallStreamer] = {}  # choice index -> its parser
+
+    def _finish_reason(self, reason: str | None, made_calls: bool) -> str | None:
+        """A finished output that called tools says so (a named function's: "stop", as
+        OpenAI does)."""
+        if reason == "stop" and made_calls and self.tool_mode in ("auto", "required"):
+            return "tool_calls"
+        return reason
+
     def requested_max_tokens(self):
         return self.req.max_completion_tokens or self.req.max_tokens
 
@@ -273,8 +291,10 @@ class ChatHandler(_Handler):
         return 1
 
     def prompt_ids(self) -> list[tuple[str | None, list[int]]]:
+        # under tool_choice "none" the tools stay out of the prompt: no calls to tempt
+        tools = self.req.tool_dicts() if self.tool_mode != "none" else None
         ids = self.server.chat_prompt_ids(self.req.conversation(),
-                                          self.req.add_generation_prompt)
+                                          self.req.add_generation_prompt, tools)
         return [(None, ids)]
 
     def prefix_text(self, i: int) -> str:
@@ -297,17 +317,62 @@ class ChatHandler(_Handler):
 
     def choice(self, i: int, comp: CompletionOutput, text: str, ids: list[int],
                lps: Logprobs, text_offset: int) -> dict:
-        return {"index": comp.index, "delta": {"content": text},
-                "logprobs": self._logprobs(ids, lps), "finish_reason": comp.finish_reason}
+        if self.tool_mode == "none":
+            delta: dict[str, Any] = {"content": text}
+            made_calls = False
+        else:
+            streamer = self.streamers.setdefault(comp.index, ToolCallStreamer(
+                self.tool_mode, self.tool_parser, self.tool_name))
+            parts = streamer.feed(text)
+            if comp.finish_reason is not None:
+                parts += streamer.finish()
+            delta = _merge_deltas(parts)
+            made_calls = streamer.made_calls
+        return {"index": comp.index, "delta": delta, "logprobs": self._logprobs(ids, lps),
+                "finish_reason": self._finish_reason(comp.finish_reason, made_calls)}
+
+    def _message(self, comp: CompletionOutput) -> tuple[dict, str | None]:
+        content, calls = parse_tool_calls(comp.text, self.tool_mode, self.tool_parser,
+                                          self.tool_name)
+        if comp.finish_reason == "length" and self.tool_mode in ("required", "named"):
+            content, calls = comp.text, []  # cut off mid-arguments: not a call
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+        return message, self._finish_reason(comp.finish_reason, bool(calls))
 
     def response(self, finals: list[RequestOutput]) -> dict:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                    "finish_reason": c.finish_reason}
-                   for c in finals[0].outputs]
+        choices = []
+        for c in finals[0].outputs:
+            message, finish = self._message(c)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                            "finish_reason": finish})
         return self.envelope(self.object_name, choices, usage=self.usage(finals))
 
     def first_chunks(self) -> list[dict]:
         return [self.envelope(self.chunk_name, [{
             "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
             "finish_reason": None}]) for i in range(self.req.n)]
+
+
+def _merge_deltas(parts: list[dict]) -> dict:
+    """One chat delta from a streamer's pieces: content joined; tool-call entries of one
+    call merged (its header first, the arguments appended)."""
+    delta: dict[str, Any] = {}
+    calls: dict[int, dict] = {}
+    for part in parts:
+        if "content" in part:
+            delta["content"] = delta.get("content", "") + part["content"]
+        for entry in part.get("tool_calls", []):
+            merged = calls.get(entry["index"])
+            if merged is None:
+                calls[entry["index"]] = {**entry, "function": dict(entry["function"])}
+            else:
+                merged["function"]["arguments"] = (merged["function"].get("arguments", "")
+                                                   + entry["function"]["arguments"])
+    if calls:
+        delta["tool_calls"] = [calls[k] for k in sorted(calls)]
+    elif "content" not in delta:
+        delta["content"] = ""
+    return delta

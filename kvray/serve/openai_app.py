@@ -258,9 +258,10 @@ class OpenAIServer:
             raise APIError(400, f"{param}: {len(text)} characters; at most "
                            f"{self.limits.max_prompt_chars} allowed", "BadRequestError", param)
 
-    def chat_prompt_ids(self, conv: list[dict], add_generation_prompt: bool) -> list[int]:
-        """Token ids of a conversation through the chat template (400 if it has none or
-        rejects the messages)."""
+    def chat_prompt_ids(self, conv: list[dict], add_generation_prompt: bool,
+                        tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation (and the tools offered, if any) through the chat
+        template (400 if it has none or rejects the messages)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            "BadRequestError", "messages")
@@ -268,8 +269,8 @@ class OpenAIServer:
 
         try:
             return list(self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, tokenize=True,
-                return_dict=True)["input_ids"])
+                conv, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                tokenize=True, return_dict=True)["input_ids"])
         except jinja2.TemplateError as err:  # the template rejects these messages
             raise APIError(400, f"the chat template rejected the messages: {err.message}",
                            "BadRequestError", "messages") from None

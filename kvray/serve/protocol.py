@@ -3,6 +3,7 @@ define them) and their translation to :class:`SamplingParams`."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvray.config import ServerConfig
 from kvray.errors import InvalidRequestError
 from kvray.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from kvray.serve.tools import required_schema
 
 ProtocolError = InvalidRequestError  # a request parameter is invalid (400 naming it)
 
@@ -240,6 +242,30 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result answers this call
+    name: str | None = None
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class _FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: _FunctionName
 
 
 class ChatCompletionRequest(_Sampling):
@@ -248,6 +274,49 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_mode(self) -> tuple[str, str | None]:
+        """(``none`` | ``auto`` | ``required`` | ``named``, the named function's name)."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise ProtocolError("tool_choice: needs tools", "tool_choice")
+            return "none", None
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools]
+            if choice.function.name not in names:
+                raise ProtocolError(f"tool_choice: no tool named {choice.function.name!r} in "
+                                    f"tools ({', '.join(names)})", "tool_choice")
+            return "named", choice.function.name
+        return choice or "auto", None
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools as chat templates take them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """A constraint from response_format and friends, or the one tool_choice implies
+        (``required``: an array of calls; a named function: its parameters), not both."""
+        own = super().structured()
+        mode, name = self.tool_mode()
+        if mode not in ("required", "named"):
+            return own
+        if own is not None:
+            raise ProtocolError(f"tool_choice: {mode} tool calls constrain the output "
+                                f"already; drop {own.field}", "tool_choice")
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        if mode == "named":
+            spec = next(f for f in functions if f["name"] == name)
+            schema = spec.get("parameters") or {"type": "object"}
+        else:
+            schema = required_schema(functions, self.parallel_tool_calls)
+        try:
+            return StructuredOutputsParams(json=schema, field="tools")
+        except ValueError as err:
+            raise ProtocolError(str(err), "tools") from None
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them: text content parts joined; any
@@ -263,7 +332,7 @@ class ChatCompletionRequest(_Sampling):
         check_messages(self.messages, limits)
 
 
-def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -281,8 +350,33 @@ def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
                                         f"{where}.text")
                 texts.append(part["text"])
             content = "".join(texts)
-        out.append({"role": m.role, "content": content or ""})
+        entry: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            entry["tool_calls"] = [_template_call(c, f"messages.{i}.tool_calls.{j}")
+                                   for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            entry["name"] = m.name
+        out.append(entry)
     return out
+
+
+def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
+    """An earlier tool call as chat templates take it: OpenAI sends ``arguments`` as JSON
+    text, templates (Qwen's, Llama's) render them as an object."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ProtocolError(f"{where}.function: needs a name", f"{where}.function")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ProtocolError(f"{where}.function.arguments: not valid JSON",
+                                f"{where}.function.arguments") from None
+    return {**call, "type": call.get("type", "function"),
+            "function": {"name": fn["name"], "arguments": args}}
 
 
 def check_messages(messages: list[ChatMessage], limits: ServerConfig) -> None:
