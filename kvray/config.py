@@ -11,6 +11,7 @@ is allowed.
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,6 +41,43 @@ def _comma_list(value: Any) -> Any:
     if isinstance(value, str):
         return [part.strip() for part in value.split(",")]
     return value
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding, spelled as vLLM's ``speculative_config``: each step proposes
+    up to ``num_speculative_tokens`` draft tokens per running request, which one forward of
+    the target model verifies (greedy: the same tokens as without; sampled: the target's
+    distribution exactly, by rejection sampling)."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["ngram", "draft_model"] | None = Field(
+        None, description="ngram: prompt lookup (no draft model); draft_model: a small model "
+        "of the same family (`model`). None = draft_model when `model` is given, else ngram.")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Draft tokens per step.")
+    prompt_lookup_min: int = Field(1, ge=1, le=64,
+                                   description="ngram: shortest suffix to look up.")
+    prompt_lookup_max: int = Field(4, ge=1, le=64,
+                                   description="ngram: longest suffix to look up.")
+    model: str | None = Field(None, description="draft_model: Hugging Face directory of the "
+                              "draft model (same tokenizer as the target).")
+    disable_by_batch_size: int | None = Field(
+        None, ge=1, description="No drafts while this many requests or more run: verifying "
+        "drafts costs a forward row each, which pays while a step is memory-bound (small "
+        "batches) and not once it is compute-bound. None = always speculate.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.method is None:
+            self.method = "draft_model" if self.model else "ngram"
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: method draft_model needs `model`")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative_config: method ngram takes no `model`")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min "
+                             f"({self.prompt_lookup_min}) > prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
 
 
 class ModelConfig(_Section):
@@ -81,6 +119,21 @@ class ModelConfig(_Section):
         "multiples of 8 up to min(max_num_seqs, 256).")
 
     _split_graph_sizes = field_validator("cuda_graph_sizes", mode="before")(_comma_list)
+
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="Speculative decoding, as vLLM spells it, e.g. "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
+        "or '{\"model\": \"/path/to/draft\", \"num_speculative_tokens\": 4}'. None = off.")
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, value: Any) -> Any:
+        if isinstance(value, str):  # the command line's JSON form
+            try:
+                return json.loads(value)
+            except ValueError as err:
+                raise ValueError(f"speculative_config: not valid JSON ({err})") from None
+        return value
 
     @field_validator("cuda_graph_sizes")
     @classmethod
@@ -308,12 +361,13 @@ def _unknown_key_message(key: str) -> str:
 def _format_validation_error(err: ValidationError, flat: dict[str, Any]) -> str:
     lines = []
     for e in err.errors():
-        loc = e["loc"]
-        # the field is the last name in loc; list items add their index: key[2]
-        last = max((i for i, part in enumerate(loc) if isinstance(part, str)), default=None)
-        key = str(loc[last]) if last is not None else "config"
-        where = key + "".join(f"[{part}]" for part in loc[last + 1:]) if last is not None \
-            else key
+        loc = list(e["loc"])
+        if loc and loc[0] in SECTIONS:
+            loc = loc[1:]
+        # the key, then nested fields (.name) and list items ([2])
+        key = str(loc[0]) if loc else "config"
+        where = key + "".join(f".{part}" if isinstance(part, str) else f"[{part}]"
+                              for part in loc[1:])
         value = e.get("input") if where != key else flat.get(key, e.get("input"))
         if e["type"] == "value_error":
             lines.append(e["msg"].removeprefix("Value error, "))

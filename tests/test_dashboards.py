@@ -326,6 +326,10 @@ def _load(base: str, model: str) -> None:
 
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
         list(pool.map(one, range(36)))
+    repeats = " ".join(["one two three four"] * 6)  # n-gram drafts to verify
+    for _ in range(3):
+        client.completions.create(model=model, prompt=repeats, max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True})
     with pytest.raises(openai.BadRequestError):  # one 4xx for the HTTP-status panel
         client.completions.create(model=model, prompt="x", max_tokens=10**7)
 
@@ -335,7 +339,9 @@ def live(tools, tmp_path_factory):
     """A real Prometheus scraping a real `kvray serve` (1 s) after a short load."""
     root = tmp_path_factory.mktemp("dash_live")
     model_dir = make_tiny_model("llama_gqa", root / "tiny-llama")
-    with launch_server(model_dir) as base:
+    # n-gram speculation on, so the speculative-decoding panel has series too
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    with launch_server(model_dir, spec) as base:
         http_port = int(base.rsplit(":", 1)[1])
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},

@@ -26,7 +26,13 @@ from kvray.config import EngineConfig
 from kvray.kernels import cpu_ops
 from kvray.kernels.attention import AttentionMetadata
 from kvray.kernels.rotary import RotaryEmbedding
-from kvray.kernels.sampling import SamplingBatch, sample
+from kvray.kernels.sampling import (
+    SamplerOutput,
+    SamplingBatch,
+    SpecSpan,
+    sample,
+    sample_speculative,
+)
 from kvray.models.layers import use_small_m_kernel
 from kvray.models.llama import use_fused_ops
 from kvray.models.loader import load_model, resolve_max_model_len
@@ -56,9 +62,13 @@ class CachedRequestState:
 class StepInputs:
     input_ids: torch.Tensor
     meta: AttentionMetadata
-    req_ids: list[str]  # batch order: decodes first
-    sample_rows: list[int]  # batch index of each request that samples
-    logits_index: torch.Tensor  # token index whose hidden state feeds each sampling row
+    req_ids: list[str]  # the step's requests
+    sample_rows: list[int]  # index (in req_ids) of each request that samples
+    logits_index: torch.Tensor  # token index of each logits row (hidden state to project)
+    first_rows: list[int] = field(default_factory=list)  # per sample row: its logits row
+    # speculative decoding: sample row -> its drafts (rows first_rows[i] .. + len(drafts))
+    spans: dict[int, list[int]] = field(default_factory=dict)
+    token_starts: list[int] = field(default_factory=list)  # per request: its first token
 
 
 class ModelRunner:
@@ -304,31 +314,61 @@ class ModelRunner:
 
     # ---- inputs -------------------------------------------------------------------------
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """The step's flat token batch. Attention sees *rows*: a prefill chunk is one row;
+        a decode is a one-token row; a request verifying drafts becomes one one-token row
+        per token (row j attends to its context plus the first j drafts: causal attention
+        over the chunk, run by the decode kernels). One-token rows go first, longest
+        context first (attention buckets them by length)."""
         sched = out.num_scheduled_tokens
-        # Decodes first, longest context first (attention buckets them by length).
-        req_ids = sorted(sched, key=lambda r: (sched[r] != 1, -self.requests[r]
-                                               .num_computed_tokens if sched[r] == 1 else 0))
-        num_decodes = sum(1 for r in req_ids if sched[r] == 1)
         bs = self.block_size
+        rows = []  # (query tokens, first position, request index)
+        req_ids = list(sched)
+        sample_rows: list[int] = []
+        plan: list[tuple[int, int]] = []  # per request: (its rows' first index, count)
+        for r, req_id in enumerate(req_ids):
+            state, n = self.requests[req_id], sched[req_id]
+            start = state.num_computed_tokens
+            drafts = out.spec_token_ids.get(req_id, [])
+            real_end = start + n - len(drafts)  # drafts follow the request's own tokens
+            toks = state.token_ids[start:real_end] + drafts
+            plan.append((len(rows), len(toks) if drafts else 1))
+            if drafts:
+                rows.extend(([tok], start + j, r) for j, tok in enumerate(toks))
+            else:
+                rows.append((toks, start, r))
+            if real_end == len(state.token_ids):
+                sample_rows.append(r)
+        order = sorted(range(len(rows)), key=lambda i: (len(rows[i][0]) != 1,
+                                                        -(rows[i][1] + len(rows[i][0]))))
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        seq_lens, query_lens, tables, sample_rows, logits_index = [], [], [], [], []
-        for b, req_id in enumerate(req_ids):
-            state, n = self.requests[req_id], sched[req_id]
-            start = state.num_computed_tokens
-            end = start + n
-            tokens.extend(state.token_ids[start:end])
-            pos = range(start, end)
+        seq_lens, query_lens, tables = [], [], []
+        row_last_token = [0] * len(rows)  # flat index of each row's last token
+        for i in order:
+            toks, first, r = rows[i]
+            state = self.requests[req_ids[r]]
+            pos = range(first, first + len(toks))
+            tokens.extend(toks)
             positions.extend(pos)
             table = state.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            seq_lens.append(end)
-            query_lens.append(n)
+            seq_lens.append(first + len(toks))
+            query_lens.append(len(toks))
             tables.append(table)
-            if end == len(state.token_ids):
-                sample_rows.append(b)
-                logits_index.append(len(tokens) - 1)
+            row_last_token[i] = len(tokens) - 1
+        logits_index: list[int] = []
+        first_rows: list[int] = []
+        spans: dict[int, list[int]] = {}
+        for i, r in enumerate(sample_rows):
+            first, count = plan[r]
+            first_rows.append(len(logits_index))
+            logits_index.extend(row_last_token[first + j] for j in range(count))
+            drafts = out.spec_token_ids.get(req_ids[r])
+            if drafts:
+                spans[i] = drafts
+        token_starts = [row_last_token[plan[r][0]] - len(rows[plan[r][0]][0]) + 1
+                        for r in range(len(req_ids))]
         max_blocks = max(len(t) for t in tables)
         dev = self._to_device
         starts = [0]
@@ -337,10 +377,12 @@ class ModelRunner:
         meta = AttentionMetadata(
             query_start_loc=dev(starts), positions=dev(positions), slot_mapping=dev(slots),
             block_tables=dev([t + [0] * (max_blocks - len(t)) for t in tables]),
-            seq_lens=dev(seq_lens), seq_lens_list=seq_lens, num_decodes=num_decodes,
+            seq_lens=dev(seq_lens), seq_lens_list=seq_lens,
+            num_decodes=sum(1 for n in query_lens if n == 1),
             decode_kernel=self.decode_kernel, write_kernel=self.write_kernel,
             prefill_kernel=self.prefill_kernel, max_query_len=max(query_lens))
-        return StepInputs(dev(tokens), meta, req_ids, sample_rows, dev(logits_index))
+        return StepInputs(dev(tokens), meta, req_ids, sample_rows, dev(logits_index),
+                          first_rows, spans, token_starts)
 
     def _to_device(self, data: list) -> torch.Tensor:
         """An int64 tensor of ``data`` on this worker's device; on CUDA built in pinned host
@@ -389,21 +431,49 @@ class ModelRunner:
         return self._grammars
 
     def _start_bitmask(self, inputs: StepInputs) -> Future | None:
-        """The next-token masks of the constrained rows that sample this step, computed on a
-        helper thread (llguidance works outside the GIL) while the forward runs."""
+        """The next-token masks of the constrained requests that sample this step, one per
+        logits row, computed on a helper thread (llguidance works outside the GIL) while
+        the forward runs. A request verifying drafts gets a mask per draft position: its
+        matcher steps through the drafts and is rolled back after."""
         if not self.ctx.is_output_rank:
             return None
-        rows = [(state.matcher, i) for i, b in enumerate(inputs.sample_rows)
-                if (state := self.requests[inputs.req_ids[b]]).matcher is not None]
-        if not rows:
+        plain: list[tuple[Matcher, int]] = []
+        spec: list[tuple[Matcher, int, list[int]]] = []
+        for i, b in enumerate(inputs.sample_rows):
+            matcher = self.requests[inputs.req_ids[b]].matcher
+            if matcher is None:
+                continue
+            if i in inputs.spans:
+                spec.append((matcher, inputs.first_rows[i], inputs.spans[i]))
+            else:
+                plain.append((matcher, inputs.first_rows[i]))
+        if not plain and not spec:
             return None
-        bitmask = torch.full((len(inputs.sample_rows), bitmask_width(self.spec.vocab_size)), -1,
+        num_rows = inputs.logits_index.shape[0]
+        bitmask = torch.full((num_rows, bitmask_width(self.spec.vocab_size)), -1,
                              dtype=torch.int32, pin_memory=self.pin_memory)
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="kvray-grammar")
+        grammars = self._grammars
 
         def fill() -> torch.Tensor:
-            self._grammars.fill_bitmask(rows, bitmask)
+            grammars.fill_bitmask(plain, bitmask)
+            for matcher, first, drafts in spec:
+                consumed = 0
+                for j in range(len(drafts) + 1):
+                    row = first + j
+                    grammars.fill_bitmask([(matcher, row)], bitmask)
+                    if j == len(drafts):
+                        break
+                    # a draft the grammar refuses is masked out: verification rejects it,
+                    # and the rows after it are never used
+                    tok = drafts[j]
+                    if not (int(bitmask[row, tok // 32]) >> (tok % 32)) & 1 \
+                            or not matcher.accept([tok]):
+                        break
+                    consumed += 1
+                if consumed:
+                    matcher.rollback(consumed)
             return bitmask
 
         return self._mask_thread.submit(fill)
@@ -414,7 +484,8 @@ class ModelRunner:
         if not ctx.is_first_stage:
             shape = (inputs.input_ids.shape[0], self.spec.hidden_size)
             hidden, residual = ctx.recv_from_prev_stage([shape, shape], self.dtype, self.device)
-        if self.graphs is not None and inputs.meta.num_decodes == len(inputs.req_ids):
+        if self.graphs is not None and \
+                inputs.meta.num_decodes == len(inputs.meta.seq_lens_list):
             result = self.graphs.run(inputs.input_ids, inputs.meta)
             if result is not None:
                 return result
@@ -437,35 +508,91 @@ class ModelRunner:
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor, prompt_logprobs: dict,
                 bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
-        rows = [self.requests[inputs.req_ids[b]] for b in inputs.sample_rows]
+        """Sample each request that samples this step: one token from its row, or with
+        drafts (speculative decoding) the accepted drafts and one more from its rows."""
+        states = [self.requests[inputs.req_ids[b]] for b in inputs.sample_rows]
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[dict[int, float]] | None] = {}
         sampled_lp: dict[str, list[float]] = {}
-        if rows:
+        plain = [i for i in range(len(states)) if i not in inputs.spans]
+        if plain:
+            rows = [inputs.first_rows[i] for i in plain]
+            group = [states[i] for i in plain]
             batch = SamplingBatch.from_params(
-                [s.params for s in rows], [self.generators.get(s.req_id) for s in rows],
-                [s.prompt_token_ids for s in rows],
-                [s.output_token_ids for s in rows], device=self.device, token_bitmask=bitmask)
-            result = sample(logits, batch, self.default_generator)
+                [s.params for s in group], [self.generators.get(s.req_id) for s in group],
+                [s.prompt_token_ids for s in group], [s.output_token_ids for s in group],
+                device=self.device, token_bitmask=None if bitmask is None else bitmask[rows])
+            result = sample(logits[rows] if len(rows) < logits.shape[0] else logits, batch,
+                            self.default_generator)
             tokens = result.token_ids.tolist()
-            lps = result.logprobs.tolist() if result.logprobs is not None else None
-            tops = _top_logprobs(result, rows)
-            for i, state in enumerate(rows):
-                sampled[state.req_id] = [tokens[i]]
-                if state.params.logprobs is not None:
-                    sampled_lp[state.req_id] = [lps[i]]
-                    logprobs[state.req_id] = [{tokens[i]: lps[i], **tops[i]}]
+            self._collect(group, [[t] for t in tokens], result, list(range(len(group))),
+                          sampled, logprobs, sampled_lp)
+        if inputs.spans:
+            self._sample_spans(inputs, logits, bitmask, states, sampled, logprobs, sampled_lp)
         req_ids = inputs.req_ids
         return ModelRunnerOutput(
             req_ids, [sampled.get(r, []) for r in req_ids], [logprobs.get(r) for r in req_ids],
             [sampled_lp.get(r, []) for r in req_ids], prompt_logprobs)
+
+    def _sample_spans(self, inputs: StepInputs, logits: torch.Tensor,
+                      bitmask: torch.Tensor | None, states: list[CachedRequestState],
+                      sampled: dict, logprobs: dict, sampled_lp: dict) -> None:
+        """Verify the drafts of every request that has some (one batch of all their rows;
+        row j of a request sees its outputs plus its first j drafts, for penalties)."""
+        rows, params, gens, prompts, outputs, spans, group = [], [], [], [], [], [], []
+        for i, drafts in inputs.spans.items():
+            state = states[i]
+            gen = self.generators.get(state.req_id)
+            spans.append(SpecSpan(len(rows), drafts, state.params.is_greedy, gen))
+            group.append(state)
+            for j in range(len(drafts) + 1):
+                rows.append(inputs.first_rows[i] + j)
+                params.append(state.params)
+                gens.append(gen)
+                prompts.append(state.prompt_token_ids)
+                outputs.append(state.output_token_ids + drafts[:j])
+        batch = SamplingBatch.from_params(
+            params, gens, prompts, outputs, device=self.device,
+            token_bitmask=None if bitmask is None else bitmask[rows])
+        tokens, _, result = sample_speculative(logits[rows], batch, spans,
+                                               self.default_generator)
+        offsets, at = [], 0
+        for toks in tokens:
+            offsets.append(at)
+            at += len(toks)
+        self._collect(group, tokens, result, offsets, sampled, logprobs, sampled_lp)
+
+    @staticmethod
+    def _collect(group: list[CachedRequestState], tokens: list[list[int]],
+                 result: SamplerOutput | None, offsets: list[int], sampled: dict,
+                 logprobs: dict, sampled_lp: dict) -> None:
+        """File each request's tokens, and their logprobs (rows ``offsets[i]`` on of
+        ``result``) for those that asked."""
+        lps = result.logprobs.tolist() if result is not None and result.logprobs is not None \
+            else None
+        top_ids = result.top_token_ids.tolist() \
+            if result is not None and result.top_token_ids is not None else None
+        top_lps = result.top_logprobs.tolist() \
+            if result is not None and result.top_logprobs is not None else None
+        for state, toks, at in zip(group, tokens, offsets, strict=True):
+            sampled[state.req_id] = toks
+            k = state.params.logprobs
+            if k is None or lps is None:
+                continue
+            sampled_lp[state.req_id] = lps[at:at + len(toks)]
+            entries = []
+            for j, tok in enumerate(toks):
+                top = dict(zip(top_ids[at + j][:k], top_lps[at + j][:k], strict=True)) \
+                    if k and top_ids is not None else {}
+                entries.append({tok: lps[at + j], **top})
+            logprobs[state.req_id] = entries
 
     def _prompt_logprobs(self, inputs: StepInputs, out: SchedulerOutput, hidden: torch.Tensor
                          ) -> dict[str, tuple[int, list[dict[int, float] | None]]]:
         """For requests asking prompt_logprobs: (index of the first prompt token covered,
         the logprobs of each prompt token this chunk predicts; None for token 0)."""
         result = {}
-        starts = inputs.meta.query_start_loc.tolist()
+        starts = inputs.token_starts  # a request with prompt left is one contiguous row
         for b, req_id in enumerate(inputs.req_ids):
             state = self.requests[req_id]
             k = state.params.prompt_logprobs
@@ -488,21 +615,6 @@ class ModelRunner:
                 entries.append(entry)
             result[req_id] = (0 if start == 0 else start + 1, entries)
         return result
-
-
-def _top_logprobs(result, rows: list[CachedRequestState]) -> list[dict[int, float] | None]:
-    if result.logprobs is None:
-        return [None] * len(rows)
-    out: list[dict[int, float] | None] = []
-    top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
-    top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-    for i, state in enumerate(rows):
-        k = state.params.logprobs
-        if k is None:
-            out.append(None)
-        else:
-            out.append(dict(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if k else {})
-    return out
 
 
 def _triton_available() -> bool:

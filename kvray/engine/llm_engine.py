@@ -23,6 +23,7 @@ from kvray.engine.stats import EngineStats
 from kvray.errors import EngineUnavailableError, InvalidRequestError
 from kvray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
+from kvray.scheduler.ngram import NgramProposer
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvray.scheduler.preemption import PreemptionCosts, probe_steps
 from kvray.scheduler.request import Request, RequestStatus
@@ -120,9 +121,14 @@ class LLMEngine:
                 // self.executor.kv_bytes_per_block()
         costs = self._measure_preemption_costs(num_blocks, swap_blocks) \
             if mode == "auto" else None
+        spec = config.model.speculative_config
+        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                 spec.prompt_lookup_max) \
+            if spec is not None and spec.method == "ngram" else None
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
                                    self.max_model_len, swap_blocks, costs,
-                                   config.parallel.num_micro_batches)
+                                   config.parallel.num_micro_batches, proposer,
+                                   spec.disable_by_batch_size if spec is not None else None)
         self._in_flight.clear()
         self.stats.num_blocks = num_blocks
         if costs is not None:
@@ -410,6 +416,8 @@ class LLMEngine:
         s.num_swapped = len(sched.swap)
         s.num_swaps_out = sched.swap.num_swaps_out
         s.num_swaps_in = sched.swap.num_swaps_in
+        s.spec_decode_num_draft_tokens = sched.num_draft_tokens
+        s.spec_decode_num_accepted_tokens = sched.num_accepted_tokens
         self.published_stats = dataclasses.replace(s)  # one reference swap: atomic
 
     # ---- outputs ------------------------------------------------------------------------

@@ -19,6 +19,9 @@ class EngineStats:
     num_swapped: int = 0  # requests whose KV is in the swap pool now
     num_swaps_out: int = 0
     num_swaps_in: int = 0
+    # speculative decoding: draft tokens verified, and how many of them were accepted
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     # swapped-out KV objects the workers hold (objects in the Ray object store); refreshed
     # when the engine goes idle, where it must be 0 (leak check)
     num_swap_objects: int = 0

@@ -301,3 +301,80 @@ def _output(tokens: torch.Tensor, raw_logits: torch.Tensor, num_logprobs: int) -
         return SamplerOutput(tokens, token_logprobs, None, None)
     top = raw_logits.topk(min(num_logprobs, raw_logits.shape[1]), dim=-1)
     return SamplerOutput(tokens, token_logprobs, top.indices, top.values - log_norm)
+
+
+@dataclass
+class SpecSpan:
+    """One request's rows in a speculative step: ``len(drafts) + 1`` consecutive rows from
+    ``first_row``; row j holds the target's logits after the request's tokens and
+    ``drafts[:j]``."""
+
+    first_row: int
+    drafts: list[int]
+    greedy: bool
+    generator: torch.Generator | None
+
+
+def sample_speculative(logits: torch.Tensor, batch: SamplingBatch, spans: list[SpecSpan],
+                       default_generator: torch.Generator | None = None
+                       ) -> tuple[list[list[int]], torch.Tensor, SamplerOutput | None]:
+    """Verify each span's point-mass drafts against the target distribution (the logits
+    processed as :func:`sample` processes them) and pick the tokens to emit: the accepted
+    drafts, then one more token (a correction at the first rejection, else a bonus token
+    from the last row).
+
+    Greedy rows accept a draft iff it is the argmax: exactly the tokens of plain decoding.
+    Sampled rows accept draft d with probability p(d) and on rejection draw from p with d
+    removed (renormalised): standard rejection sampling with a deterministic proposal, so
+    every emitted token follows the target distribution exactly. Returns (tokens per span,
+    the row each emitted token came from as a tensor, and the logprobs output over all rows
+    if any row wants them)."""
+    raw = logits.float()
+    processed = apply_penalties_and_bias(raw, batch)
+    if batch.token_bitmask is not None:
+        processed = _apply_token_bitmask(processed if processed is not raw else raw.clone(),
+                                         batch)
+    greedy_tokens = processed.argmax(dim=-1).tolist()
+    probs = None
+    if not batch.all_greedy:
+        probs = _filtered_probs(processed, batch)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    out_tokens: list[list[int]] = []
+    rows: list[int] = []
+    for span in spans:
+        first, drafts = span.first_row, span.drafts
+        emitted: list[int] = []
+        if span.greedy:
+            for j, d in enumerate(drafts):
+                emitted.append(greedy_tokens[first + j])
+                rows.append(first + j)
+                if greedy_tokens[first + j] != d:
+                    break
+            else:
+                emitted.append(greedy_tokens[first + len(drafts)])
+                rows.append(first + len(drafts))
+        else:
+            gen = span.generator if span.generator is not None else default_generator
+            k = len(drafts)
+            draft_idx = torch.tensor(drafts, dtype=torch.int64, device=probs.device)
+            p_draft = probs[first:first + k].gather(1, draft_idx[:, None])[:, 0] if k else \
+                probs.new_empty(0)
+            u = torch.rand(k, generator=gen, device=probs.device) if k else p_draft
+            accept = (u < p_draft).tolist()
+            j = accept.index(False) if False in accept else k
+            emitted.extend(drafts[:j])
+            rows.extend(range(first, first + j))
+            row = probs[first + j]
+            if j < k:  # rejected: the residual max(p - q, 0) of a point mass q at the draft
+                row = row.clone()
+                row[drafts[j]] = 0.0
+            emitted.append(int(torch.multinomial(row, 1, generator=gen)))
+            rows.append(first + j)
+        out_tokens.append(emitted)
+    row_index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    lp = None
+    if batch.need_logprobs:
+        flat = torch.tensor([t for toks in out_tokens for t in toks], dtype=torch.int64,
+                            device=logits.device)
+        lp = _output(flat, raw[row_index], batch.num_logprobs)
+    return out_tokens, row_index, lp

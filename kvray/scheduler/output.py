@@ -42,6 +42,9 @@ class SchedulerOutput:
     swap_out: dict[str, list[int]] = field(default_factory=dict)  # req -> blocks to save
     swap_in: dict[str, list[int]] = field(default_factory=dict)  # req -> blocks to restore to
     swap_drop: set[str] = field(default_factory=set)  # saved copies no longer needed
+    # Speculative decoding: req -> draft tokens fed after its last token this step (they
+    # are the tail of its num_scheduled_tokens); the workers verify them.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -68,3 +71,5 @@ class ModelRunnerOutput:
     # Requests whose KV a worker could not save to (or restore from) the swap pool this
     # step; the scheduler makes them recompute. Merged over all workers by the executor.
     failed_swaps: set[str] = field(default_factory=set)
+    # Speculative decoding with a draft model: req -> draft tokens for its next step.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

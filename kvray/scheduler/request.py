@@ -47,6 +47,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for its next step
+        self.spec_len = 1 << 30  # most drafts to propose next (adapted to acceptance)
         # timing (monotonic seconds)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

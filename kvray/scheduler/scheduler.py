@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from kvray.config import CacheConfig, SchedulerConfig
 from kvray.errors import InvalidRequestError
 from kvray.scheduler.kv_cache_manager import KVCacheManager
+from kvray.scheduler.ngram import NgramProposer
 from kvray.scheduler.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -69,6 +70,7 @@ class StepPlan:
     max_requests: int  # requests this step may take (its micro-batch's share)
     num_scheduled: dict[str, int] = field(default_factory=dict)  # req -> tokens, batch order
     new_blocks: dict[str, list[int]] = field(default_factory=dict)  # req -> block ids added
+    spec: dict[str, list[int]] = field(default_factory=dict)  # req -> drafts it verifies
     preempted: bool = False  # a request lost its blocks this step
     admitted_waiting: bool = False  # a waiting request joined the batch this step
 
@@ -85,6 +87,7 @@ class StepPlan:
         """Take back a request scheduled earlier in this step (it was just preempted)."""
         self.budget += self.num_scheduled.pop(request.request_id, 0)
         self.new_blocks.pop(request.request_id, None)
+        self.spec.pop(request.request_id, None)
 
 
 class Scheduler:
@@ -92,9 +95,13 @@ class Scheduler:
 
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  max_model_len: int, swap_capacity_blocks: int = 0,
-                 costs: PreemptionCosts | None = None, num_micro_batches: int = 1) -> None:
+                 costs: PreemptionCosts | None = None, num_micro_batches: int = 1,
+                 proposer: NgramProposer | None = None,
+                 spec_disable_batch: int | None = None) -> None:
         """``costs``: measured preemption costs, required by ``preemption_mode="auto"``;
-        ``num_micro_batches``: steps that may be in flight at once (pipeline parallelism)."""
+        ``num_micro_batches``: steps that may be in flight at once (pipeline parallelism);
+        ``proposer``: n-gram drafts for speculative decoding (drafts may also come back
+        from the workers: a draft model)."""
         if sched.preemption_mode == "auto" and costs is None:
             raise ValueError("preemption_mode='auto' needs the measured PreemptionCosts")
         self.config = sched
@@ -115,6 +122,10 @@ class Scheduler:
         self._last_sent_len: dict[str, int] = {}
         self.num_micro_batches = num_micro_batches
         self._in_flight: set[str] = set()  # scheduled in a step whose output is not back
+        self.proposer = proposer
+        self.spec_disable_batch = spec_disable_batch or (1 << 30)
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified
+        self.num_accepted_tokens = 0  # of which accepted
 
     # ---- admission -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -191,7 +202,12 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
-            ids = self.kv.allocate_slots(req, num_new)
+            drafts = req.spec_token_ids[:plan.budget - 1] \
+                if num_new == 1 and len(self.running) < self.spec_disable_batch else []
+            ids = self.kv.allocate_slots(req, num_new + len(drafts)) if drafts else None
+            if ids is None:  # no drafts, or no room for them: a plain step
+                drafts = []
+                ids = self.kv.allocate_slots(req, num_new)
             preempted = False
             while ids is None:
                 victim = self._pick_victim()
@@ -207,7 +223,9 @@ class Scheduler:
             # Earlier victims shift req left (rare: only then search, else O(n^2) a step).
             i = self.running.index(req) + 1 if preempted else i + 1
             if ids is not None:
-                plan.schedule(req, num_new, ids)
+                plan.schedule(req, num_new + len(drafts), ids)
+                if drafts:
+                    plan.spec[req.request_id] = drafts
 
     def _pick_victim(self) -> Request:
         """Lowest priority (largest value), then latest arrival. With pipelined steps it may
@@ -234,6 +252,7 @@ class Scheduler:
         if swap:
             out.swap_out[req.request_id] = self.kv.block_ids(req.request_id)[:num_saved]
         self.kv.free(req)
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._known_to_workers.discard(req.request_id)
@@ -377,6 +396,7 @@ class Scheduler:
         plan.schedule(req, num_new, block_ids)
 
     def _fill_output(self, out: SchedulerOutput, plan: StepPlan) -> None:
+        out.spec_token_ids = plan.spec
         for req_id, num in plan.num_scheduled.items():
             req = self.requests[req_id]
             out.num_scheduled_tokens[req_id] = num
@@ -410,6 +430,16 @@ class Scheduler:
                 continue  # aborted while the step ran, or its KV was lost
             req.num_computed_tokens += num
             tokens = sampled.get(req_id) or []
+            drafts = out.spec_token_ids.get(req_id)
+            if drafts and tokens:  # KV past the accepted drafts is garbage: roll it back
+                accepted = len(tokens) - 1
+                req.num_computed_tokens -= len(drafts) - accepted
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += accepted
+                # Adaptive draft length: one more than were accepted, twice as many after a
+                # full accept. Every draft costs a row of the forward (on CPU, compute);
+                # rejected ones are waste, and batched requests pay it in full.
+                req.spec_len = 2 * len(drafts) if accepted == len(drafts) else accepted + 1
             if not tokens:
                 continue
             if req.first_token_time is None:
@@ -419,7 +449,19 @@ class Scheduler:
                 if self._check_stop(req, token):
                     break
             updated.append(req)
+            if not req.is_finished:
+                self._propose(req, result.draft_token_ids.get(req_id))
         return updated
+
+    def _propose(self, req: Request, drafts: list[int] | None) -> None:
+        """Drafts for ``req``'s next step: the workers' (a draft model), else the n-gram
+        proposer's; never more than the tokens it may still emit less the one a step
+        always emits, nor past max_model_len."""
+        room = min(req.max_tokens - len(req.output_token_ids) - 1,
+                   self.max_model_len - req.num_tokens - 1, req.spec_len)
+        if drafts is None and self.proposer is not None:
+            drafts = self.proposer.propose(req.request_id, req.all_token_ids, room)
+        req.spec_token_ids = list(drafts or ())[:max(room, 0)]
 
     def _recompute_lost(self, failed: set[str]) -> set[str]:
         """Requests whose KV a worker could not save to the swap pool (or restore from it)
@@ -475,6 +517,8 @@ class Scheduler:
         self._known_to_workers.discard(req.request_id)
         self._last_sent_len.pop(req.request_id, None)
         self._finished_since_last_step.add(req.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
         del self.requests[req.request_id]
 
     def abort_request(self, request_id: str) -> bool:

@@ -35,6 +35,11 @@ class ServerMetrics:
                                   "Swapped-out KV objects the workers hold (as of the last "
                                   "idle moment).", mr, registry=r)
         self.preemptions = Gauge("kvray:num_preemptions_total", "Preemptions.", mr, registry=r)
+        self.spec_drafts = Gauge("kvray:spec_decode_num_draft_tokens_total",
+                                 "Speculative decoding: draft tokens verified.", mr, registry=r)
+        self.spec_accepted = Gauge("kvray:spec_decode_num_accepted_tokens_total",
+                                   "Speculative decoding: draft tokens accepted.", mr,
+                                   registry=r)
         self.prompt_tokens = Counter("kvray:prompt_tokens", "Prompt tokens processed.", m,
                                      registry=r)
         self.generation_tokens = Counter("kvray:generation_tokens", "Tokens generated.", m,
@@ -80,6 +85,8 @@ class ServerMetrics:
         self.prefix_hits.labels(*labels).set(stats.get("prefix_cache_hits", 0))
         self.preemptions.labels(*labels).set(stats.get("num_preemptions", 0))
         self.swap_objects.labels(*labels).set(stats.get("num_swap_objects", 0))
+        self.spec_drafts.labels(*labels).set(stats.get("spec_decode_num_draft_tokens", 0))
+        self.spec_accepted.labels(*labels).set(stats.get("spec_decode_num_accepted_tokens", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
