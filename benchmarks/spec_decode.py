@@ -8,14 +8,16 @@ Workloads, on the built-in SmolLM2-135M-Instruct, greedy, fixed prompts:
 - ``random``: prompts of random token ids, little to look up: the cost when drafts rarely
   appear or hit.
 
-Each runs at batch 1 and batch 8 without speculation, then with ``ngram`` (and with a draft
-model when ``--draft-model`` names one: a smaller model with the same tokenizer). Reports
+Each runs at batch 1 and batch 8 without speculation, then with ``ngram``, and with a draft
+model: ``--draft-model DIR`` (a smaller model with the same tokenizer), or by default the
+built-in model cut to its first ``--draft-layers`` layers (same embeddings, final norm and
+head: the only smaller same-tokenizer model there is offline). Reports
 output tokens/s, the speed-up over plain decoding, drafts proposed per output token and
 the acceptance rate (accepted / proposed). Greedy outputs are checked identical.
 
 Usage:
     python benchmarks/spec_decode.py [--k 4] [--max-tokens 128] [--dtype auto]
-        [--draft-model DIR] [--json PATH]
+        [--draft-model DIR | --draft-layers 8] [--json PATH]
 """
 
 from __future__ import annotations
@@ -54,6 +56,24 @@ def random_prompts(n: int, vocab: int, length: int, seed: int) -> list[list[int]
     return [[rnd.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def truncated_draft(layers: int) -> str:
+    """The built-in model's first ``layers`` decoder layers as a model of its own."""
+    import tempfile
+
+    import transformers
+
+    from kvray.default_model import default_model_dir
+
+    src = default_model_dir()
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    out = Path(tempfile.mkdtemp(prefix="kvray-draft-")) / f"smollm2-{layers}-layers"
+    model.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return str(out)
+
+
 def run(llm: Any, prompts: list[Any], max_tokens: int) -> tuple[float, list[list[int]]]:
     from kvray import SamplingParams
 
@@ -69,6 +89,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--draft-layers", type=int, default=8,
+                        help="without --draft-model: the built-in model cut to N layers "
+                        "(0: no draft-model rows)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     dtype = benchmark_dtype(args.dtype)
@@ -80,9 +103,12 @@ def main() -> None:
         (f"ngram k={args.k}", {"method": "ngram", "num_speculative_tokens": args.k,
                                "prompt_lookup_max": 4}),
     ]
-    if args.draft_model:
-        systems.append((f"draft k={args.k}", {"model": args.draft_model,
-                                              "num_speculative_tokens": args.k}))
+    draft = args.draft_model or (truncated_draft(args.draft_layers) if args.draft_layers
+                                 else None)
+    if draft:
+        label = Path(draft).name
+        systems.append((f"draft {label} k={args.k}", {"model": draft,
+                                                      "num_speculative_tokens": args.k}))
     rows: list[dict[str, Any]] = []
     for name, spec in systems:
         llm = LLM(dtype=dtype, speculative_config=spec, max_num_seqs=16)

@@ -206,3 +206,48 @@ def test_spec_decode_counters_are_exported_with_vllm_style_names():
     assert 'kvray:spec_decode_num_draft_tokens_total{model_name="m",replica="r0"} 12.0' in text
     assert 'kvray:spec_decode_num_accepted_tokens_total{model_name="m",replica="r0"} 7.0' \
         in text
+
+
+# ---- draft model ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def draft_models(tmp_path_factory):
+    """A draft with the target's own weights (every greedy draft is right) and a different,
+    smaller one of the same family and tokenizer (most drafts are wrong)."""
+    from tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("drafts")
+    return {"other": make_tiny_model("llama_gqa", root / "other", seed=1,
+                                     num_hidden_layers=1)}
+
+
+@pytest.mark.parametrize("which", ["self", "other"])
+def test_greedy_tokens_with_a_draft_model_equal_plain_decoding(which, tiny_model_dir,
+                                                              draft_models):
+    target = tiny_model_dir("llama_gqa")
+    draft = target if which == "self" else draft_models["other"]
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist()}
+               for n in (5, 17, 33, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain = LLM(str(target), dtype="float32")
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain.shutdown()
+    llm = LLM(str(target), dtype="float32", block_size=4, num_gpu_blocks_override=24,
+              speculative_config={"model": str(draft), "num_speculative_tokens": 3})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.llm_engine.stats
+    llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert stats.spec_decode_num_draft_tokens > 0
+    if which == "self":  # the target as its own draft: every draft is its argmax
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert stats.num_preemptions > 0  # the tight cache made requests recompute drafts too
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
+    from tiny_models import make_tiny_model
+
+    other = make_tiny_model("llama_gqa", tmp_path / "big-vocab", vocab_size=VOCAB_SIZE + 64)
+    with pytest.raises(Exception, match="speculative_config.model.*vocabulary"):
+        LLM(str(tiny_model_dir("llama_gqa")), dtype="float32",
+            speculative_config={"model": str(other)})

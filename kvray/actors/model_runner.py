@@ -21,6 +21,7 @@ from kvray.actors.cache_engine import (
     num_blocks_for_budget,
 )
 from kvray.actors.cuda_graphs import DecodeGraphs, capture_sizes
+from kvray.actors.draft_runner import DraftRunner
 from kvray.actors.swap_pool import SwapPool
 from kvray.config import EngineConfig
 from kvray.kernels import cpu_ops
@@ -99,6 +100,15 @@ class ModelRunner:
             if self.dtype == torch.float32:
                 self._use_small_m_kernel()
         self._pick_attention_backend(config.model.attention_backend)
+        self.drafter: DraftRunner | None = None
+        spec = config.model.speculative_config
+        if spec is not None and spec.method == "draft_model" and ctx.is_output_rank:
+            self.drafter = DraftRunner(
+                spec.model, self.dtype, self.max_model_len, self.spec.vocab_size,
+                spec.num_speculative_tokens, device,
+                dict(decode_kernel=self.decode_kernel, write_kernel=self.write_kernel,
+                     prefill_kernel=self.prefill_kernel))
+            self._install_fast_ops(self.drafter.model)
 
     def _pick_attention_backend(self, requested: str) -> None:
         """The paged attention kernels ``attention_backend`` asks for (see ModelConfig);
@@ -127,10 +137,20 @@ class ModelRunner:
             from kvray.kernels import triton_attention, triton_ops
 
             use_fused_ops(self.model, triton_ops)
+            self._triton_ops = triton_ops
             self.decode_kernel = triton_attention.paged_decode
             self.write_kernel = triton_attention.write_kv
             self.prefill_kernel = triton_attention.paged_prefill
         self.attention_backend = backend
+
+    def _install_fast_ops(self, model: torch.nn.Module) -> None:
+        """The fused ops the target model got, for another model (the draft)."""
+        if self.attention_backend == "triton":
+            use_fused_ops(model, self._triton_ops)
+        elif self.device.type == "cpu" and cpu_ops.load_ops() is not None:
+            use_fused_ops(model, cpu_ops)
+            if self.dtype == torch.float32:
+                use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.SMALL_M_MAX_ROWS)
 
     def _triton_works(self) -> bool:
         """Whether the Triton kernels compile and agree with the reference here; by default
@@ -163,8 +183,11 @@ class ModelRunner:
         return num_local_layers, attn.num_kv_heads, attn.head_dim
 
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one block here: the target's layers, and the draft model's on the
+        sampling rank (its cache shares the block ids)."""
         layers, heads, dim = self._local_kv_shape()
-        return kv_bytes_per_block(layers, self.block_size, heads, dim, self.dtype)
+        draft = self.drafter.kv_bytes_per_block(self.block_size) if self.drafter else 0
+        return kv_bytes_per_block(layers, self.block_size, heads, dim, self.dtype) + draft
 
     def determine_num_blocks(self) -> int:
         """KV blocks this worker can hold: ``kv_cache_memory`` on CPU; on CUDA what
@@ -251,6 +274,8 @@ class ModelRunner:
         self.cache = CacheEngine(self.spec.num_layers, layer_range, num_blocks + graphs,
                                  self.block_size, heads, dim, self.dtype, self.device)
         self.graphs = None
+        if self.drafter is not None:
+            self.drafter.initialize_cache(num_blocks + graphs, self.block_size)
         if graphs:
             self._build_decode_graphs(pad_block=num_blocks)
 
@@ -288,8 +313,12 @@ class ModelRunner:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
             self.generators.pop(req_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(req_id)
         for req_id in out.preempted_req_ids:
             self.requests.pop(req_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(req_id)
         for new in out.new_requests:
             state = self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
@@ -419,8 +448,29 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_index])
         if not self.ctx.is_output_rank:
             return None
-        return self._sample(inputs, logits, prompt_logprobs,
-                            bitmask.result() if bitmask is not None else None)
+        result = self._sample(inputs, logits, prompt_logprobs,
+                              bitmask.result() if bitmask is not None else None)
+        if self.drafter is not None:
+            result.draft_token_ids = self._propose_drafts(inputs, out, result)
+        return result
+
+    def _propose_drafts(self, inputs: StepInputs, out: SchedulerOutput,
+                        result: ModelRunnerOutput) -> dict[str, list[int]]:
+        """The draft model's drafts for each request that sampled, as many as the
+        scheduler's adaptive length will take (the same rule: one more than were accepted,
+        twice as many after a full accept), so that no draft step is wasted."""
+        jobs = []
+        for req_id, toks in zip(result.req_ids, result.sampled_token_ids, strict=True):
+            if not toks:
+                continue
+            drafts = out.spec_token_ids.get(req_id)
+            if drafts:
+                accepted = len(toks) - 1
+                self.drafter.lengths[req_id] = \
+                    2 * len(drafts) if accepted == len(drafts) else accepted + 1
+            state = self.requests[req_id]
+            jobs.append((req_id, state.token_ids + toks, state.block_ids))
+        return self.drafter.propose(jobs)
 
     # ---- structured outputs -------------------------------------------------------------
     def _grammar_compiler(self, params: SamplingParams) -> GrammarCompiler:

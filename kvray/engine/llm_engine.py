@@ -128,7 +128,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
                                    self.max_model_len, swap_blocks, costs,
                                    config.parallel.num_micro_batches, proposer,
-                                   spec.disable_by_batch_size if spec is not None else None)
+                                   spec.disable_by_batch_size if spec is not None else None,
+                                   spec.num_speculative_tokens
+                                   if spec is not None and spec.method == "draft_model" else 0)
         self._in_flight.clear()
         self.stats.num_blocks = num_blocks
         if costs is not None:

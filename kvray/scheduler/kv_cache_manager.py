@@ -169,27 +169,28 @@ class KVCacheManager:
         return hits, len(hits) * bs
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int,
-                          new_computed: list[Block] = ()) -> int:
+                          new_computed: list[Block] = (), lookahead: int = 0) -> int:
         held = len(self.req_blocks.get(request.request_id, ())) + len(new_computed)
         total_tokens = request.num_computed_tokens + len(new_computed) * self.block_size \
-            + num_new_tokens
+            + num_new_tokens + lookahead
         return max(0, -(-total_tokens // self.block_size) - held)
 
     def can_allocate(self, request: Request, num_new_tokens: int,
-                     new_computed: list[Block] = ()) -> bool:
+                     new_computed: list[Block] = (), lookahead: int = 0) -> bool:
         # Cache hits currently in the free queue stop being free once touched.
         hits_in_free = sum(1 for b in new_computed if b.ref_cnt == 0)
-        need = self.num_blocks_needed(request, num_new_tokens, new_computed)
+        need = self.num_blocks_needed(request, num_new_tokens, new_computed, lookahead)
         return need + hits_in_free <= self.pool.num_free
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed: list[Block] = ()) -> list[int] | None:
+                       new_computed: list[Block] = (), lookahead: int = 0) -> list[int] | None:
         """Give ``request`` blocks for ``num_new_tokens`` more tokens (after adopting the
-        cache hits ``new_computed``). Returns the ids of blocks newly added to its table, or
-        None (nothing changed) when there are not enough free blocks."""
-        if not self.can_allocate(request, num_new_tokens, new_computed):
+        cache hits ``new_computed``) and ``lookahead`` slots past them (a draft model
+        writes ahead there; they are never keyed). Returns the ids of blocks newly added
+        to its table, or None (nothing changed) when there are not enough free blocks."""
+        if not self.can_allocate(request, num_new_tokens, new_computed, lookahead):
             return None
-        need = self.num_blocks_needed(request, num_new_tokens, new_computed)
+        need = self.num_blocks_needed(request, num_new_tokens, new_computed, lookahead)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         self.pool.touch(list(new_computed))
         blocks.extend(new_computed)

@@ -97,11 +97,12 @@ class Scheduler:
                  max_model_len: int, swap_capacity_blocks: int = 0,
                  costs: PreemptionCosts | None = None, num_micro_batches: int = 1,
                  proposer: NgramProposer | None = None,
-                 spec_disable_batch: int | None = None) -> None:
+                 spec_disable_batch: int | None = None, lookahead: int = 0) -> None:
         """``costs``: measured preemption costs, required by ``preemption_mode="auto"``;
         ``num_micro_batches``: steps that may be in flight at once (pipeline parallelism);
         ``proposer``: n-gram drafts for speculative decoding (drafts may also come back
-        from the workers: a draft model)."""
+        from the workers: a draft model, which writes ``lookahead`` slots ahead of each
+        request's tokens)."""
         if sched.preemption_mode == "auto" and costs is None:
             raise ValueError("preemption_mode='auto' needs the measured PreemptionCosts")
         self.config = sched
@@ -124,6 +125,7 @@ class Scheduler:
         self._in_flight: set[str] = set()  # scheduled in a step whose output is not back
         self.proposer = proposer
         self.spec_disable_batch = spec_disable_batch or (1 << 30)
+        self.lookahead = lookahead
         self.num_draft_tokens = 0  # speculative decoding: drafts verified
         self.num_accepted_tokens = 0  # of which accepted
 
@@ -143,7 +145,7 @@ class Scheduler:
             raise RequestTooLongError(
                 f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = "
                 f"{n + request.max_tokens} exceeds max_model_len ({self.max_model_len})")
-        capacity = self.kv.num_blocks * self.block_size
+        capacity = self.kv.num_blocks * self.block_size - self.lookahead
         if n + request.max_tokens > capacity:
             raise RequestTooLongError(
                 f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) needs more KV cache "
@@ -204,10 +206,12 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
             drafts = req.spec_token_ids[:plan.budget - 1] \
                 if num_new == 1 and len(self.running) < self.spec_disable_batch else []
-            ids = self.kv.allocate_slots(req, num_new + len(drafts)) if drafts else None
+            la = self.lookahead
+            ids = self.kv.allocate_slots(req, num_new + len(drafts), lookahead=la) \
+                if drafts else None
             if ids is None:  # no drafts, or no room for them: a plain step
                 drafts = []
-                ids = self.kv.allocate_slots(req, num_new)
+                ids = self.kv.allocate_slots(req, num_new, lookahead=la)
             preempted = False
             while ids is None:
                 victim = self._pick_victim()
@@ -217,7 +221,7 @@ class Scheduler:
                 preempted = True
                 if victim is req:
                     break
-                ids = self.kv.allocate_slots(req, num_new)
+                ids = self.kv.allocate_slots(req, num_new, lookahead=la)
             if ids is None and req.status is not RequestStatus.RUNNING:
                 continue  # req itself was preempted; running[i] is now the next request
             # Earlier victims shift req left (rare: only then search, else O(n^2) a step).
@@ -293,7 +297,7 @@ class Scheduler:
             if len(self.waiting) and self._outranks(self.waiting.peek(), req):
                 break
             num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
-            ids = self.kv.allocate_slots(req, num_new)
+            ids = self.kv.allocate_slots(req, num_new, lookahead=self.lookahead)
             if ids is None:
                 break
             out.swap_in[req.request_id] = ids[: req.num_swapped_blocks]
@@ -324,7 +328,7 @@ class Scheduler:
         if not self.config.enable_chunked_prefill and num_new > plan.budget:
             return False
         num_new = min(num_new, plan.budget)
-        ids = self.kv.allocate_slots(req, num_new, hits)
+        ids = self.kv.allocate_slots(req, num_new, hits, lookahead=self.lookahead)
         if ids is None:
             return False
         popped = self.waiting.pop()
@@ -386,7 +390,7 @@ class Scheduler:
             return False
         if not self.config.enable_chunked_prefill and req.num_tokens - num_hit > budget:
             return False
-        need = -(-min(req.num_tokens, num_hit + budget) // self.block_size)
+        need = -(-(min(req.num_tokens, num_hit + budget) + self.lookahead) // self.block_size)
         return self.kv.pool.num_free + num_freed >= need
 
     def _admit(self, req: Request, num_new: int, block_ids: list[int], plan: StepPlan) -> None:
