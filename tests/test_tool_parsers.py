@@ -117,3 +117,35 @@ def test_required_schema_allows_only_the_tools_and_their_parameters():
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     jsonschema.validate([{"name": "b", "parameters": {}}] * 2, required_schema(tools, True))
+
+
+def test_offline_chat_passes_tools_to_the_template_and_required_calls_parse(tmp_path):
+    """LLM.chat hands tools to the chat template (as vLLM's does); a required call is the
+    structured-outputs constraint the server uses, and parses into valid calls."""
+    import jsonschema
+    from tiny_models import make_tiny_model
+
+    from kvray import LLM, SamplingParams
+
+    model = make_tiny_model("llama_gqa", tmp_path / "tools-model")
+    template = (
+        "{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").write_text(template)  # transformers 5 reads this one
+    tool = {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"], "additionalProperties": False}}
+    llm = LLM(str(model), dtype="float32")
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=60,
+                            structured_outputs={"json": required_schema([tool], False)})
+    out = llm.chat([{"role": "user", "content": "Weather in Rome?"}], params,
+                   use_tqdm=False, tools=[{"type": "function", "function": tool}])[0]
+    llm.shutdown()
+    assert "get_weather" in out.prompt
+    content, calls = parse_tool_calls(out.outputs[0].text, "required", "hermes")
+    assert content is None and [c.name for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0].arguments), tool["parameters"])

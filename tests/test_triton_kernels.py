@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-from tiny_models import ARCHS
 
 from kvray.kernels import attention as ref
 
@@ -103,11 +102,12 @@ def test_write_kv_fills_the_same_slots_as_the_reference():
 MAX_TOKENS = 6
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+# GQA; MQA + llama3 rope + tied embeddings; qk-norm + head dim 24 (the interpreter takes
+# ~25 s per architecture: the other two parity models add no kernel path)
+@pytest.mark.parametrize("arch", ["llama_gqa", "llama3_rope_tied", "qwen3_qknorm_headdim"])
 def test_engine_with_triton_backend_gives_transformers_greedy_tokens(arch, tiny_model_dir):
-    """Every parity architecture; chunked prefill over cached prefixes, preemption in a
-    tight cache, decode: every attention call and every norm, rotary and SiLU-and-mul
-    through the Triton kernels."""
+    """Chunked prefill over cached prefixes, preemption in a tight cache, decode: every
+    attention call and every norm, rotary and SiLU-and-mul through the Triton kernels."""
     from tiny_models import VOCAB_SIZE, load_hf
 
     from kvray import LLM, SamplingParams

@@ -15,7 +15,7 @@ from kvray.engine.llm_engine import LLMEngine, PromptType
 from kvray.outputs import RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
 
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]]
 
 
 class LLM:
@@ -102,17 +102,22 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them via the chat template."""
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them via the chat template;
+        ``tools`` (OpenAI's function specs) go to the template as vLLM's ``LLM.chat`` passes
+        them. The reply is text: :func:`kvray.serve.tools.parse_tool_calls` finds calls in
+        it, and ``structured_outputs={"json": required_schema(...)}`` forces them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         if not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate()")
         prompts = []
         for conv in convs:
-            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+            ids = tok.apply_chat_template(conv, tools=tools,
+                                          add_generation_prompt=add_generation_prompt,
                                           tokenize=True, return_dict=True)["input_ids"]
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+            text = tok.apply_chat_template(conv, tools=tools,
+                                           add_generation_prompt=add_generation_prompt,
                                            tokenize=False)
             prompts.append({"prompt_token_ids": list(ids), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
