@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvray.actors.cache_engine import CacheEngine, kv_bytes_per_block
-from kvray.kernels.attention import AttentionMetadata
+from kvray.kernels.attention import PagedRow, paged_batch
 from kvray.models.loader import load_model
 from kvray.parallel import ParallelContext
 
@@ -94,37 +94,13 @@ class DraftRunner:
                 drafts[req_id].append(tok)
         return drafts
 
-    def _forward(self, rows: list[tuple[list[int], int, list[int]]]) -> list[int]:
+    def _forward(self, rows: list[PagedRow]) -> list[int]:
         """One varlen forward of ``(tokens, first position, block ids)`` rows through the
         draft model over its paged cache; the argmax after each row's last token."""
-        bs = self.block_size
-        order = sorted(range(len(rows)), key=lambda i: (len(rows[i][0]) != 1,
-                                                        -(rows[i][1] + len(rows[i][0]))))
-        ids, positions, slots, seq_lens, query_lens, tables, last = [], [], [], [], [], [], {}
-        for i in order:
-            toks, first, blocks = rows[i]
-            pos = range(first, first + len(toks))
-            ids.extend(toks)
-            positions.extend(pos)
-            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
-            seq_lens.append(first + len(toks))
-            query_lens.append(len(toks))
-            tables.append(blocks)
-            last[i] = len(ids) - 1
-        width = max(len(t) for t in tables)
-        dev = self.device
 
         def t(data: list) -> torch.Tensor:
-            return torch.tensor(data, dtype=torch.int64, device=dev)
+            return torch.tensor(data, dtype=torch.int64, device=self.device)
 
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        meta = AttentionMetadata(
-            query_start_loc=t(starts), positions=t(positions), slot_mapping=t(slots),
-            block_tables=t([b + [0] * (width - len(b)) for b in tables]), seq_lens=t(seq_lens),
-            seq_lens_list=seq_lens, num_decodes=sum(1 for n in query_lens if n == 1),
-            max_query_len=max(query_lens), **self.kernels)
+        ids, meta, last = paged_batch(rows, self.block_size, t, **self.kernels)
         hidden = self.model(t(ids), meta, kv_caches=self.cache.kv_caches)
-        logits = self.model.compute_logits(hidden[t([last[i] for i in range(len(rows))])])
-        return logits.argmax(dim=-1).tolist()
+        return self.model.compute_logits(hidden[t(last)]).argmax(dim=-1).tolist()

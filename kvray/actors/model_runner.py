@@ -25,7 +25,7 @@ from kvray.actors.draft_runner import DraftRunner
 from kvray.actors.swap_pool import SwapPool
 from kvray.config import EngineConfig
 from kvray.kernels import cpu_ops
-from kvray.kernels.attention import AttentionMetadata
+from kvray.kernels.attention import AttentionMetadata, PagedRow, paged_batch
 from kvray.kernels.rotary import RotaryEmbedding
 from kvray.kernels.sampling import (
     SamplerOutput,
@@ -105,9 +105,7 @@ class ModelRunner:
         if spec is not None and spec.method == "draft_model" and ctx.is_output_rank:
             self.drafter = DraftRunner(
                 spec.model, self.dtype, self.max_model_len, self.spec.vocab_size,
-                spec.num_speculative_tokens, device,
-                dict(decode_kernel=self.decode_kernel, write_kernel=self.write_kernel,
-                     prefill_kernel=self.prefill_kernel))
+                spec.num_speculative_tokens, device, self.kernels)
             self._install_fast_ops(self.drafter.model)
 
     def _pick_attention_backend(self, requested: str) -> None:
@@ -142,6 +140,12 @@ class ModelRunner:
             self.write_kernel = triton_attention.write_kv
             self.prefill_kernel = triton_attention.paged_prefill
         self.attention_backend = backend
+
+    @property
+    def kernels(self) -> dict:
+        """The attention kernels picked, as :class:`AttentionMetadata` names them."""
+        return dict(decode_kernel=self.decode_kernel, write_kernel=self.write_kernel,
+                    prefill_kernel=self.prefill_kernel)
 
     def _install_fast_ops(self, model: torch.nn.Module) -> None:
         """The fused ops the target model got, for another model (the draft)."""
@@ -221,29 +225,18 @@ class ModelRunner:
         sched, bs = self.config.scheduler, self.block_size
         tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.max_model_len)
         seqs = min(sched.max_num_seqs, tokens)
-        lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
-        firsts, tables = [], []
-        for n in lens:
-            start = sum(len(t) for t in tables)
-            tables.append(list(range(start, start + -(-n // bs))))
-            firsts.append(start)
-        width = max(len(t) for t in tables)
+        rows: list[PagedRow] = []
+        num_blocks = 0
+        for i in range(seqs):
+            n = tokens // seqs + (i < tokens % seqs)
+            rows.append(([0] * n, 0, list(range(num_blocks, num_blocks + -(-n // bs)))))
+            num_blocks += -(-n // bs)
         _, heads, dim = self._local_kv_shape()
         layer_range = (self.model.model.start_layer, self.model.model.end_layer)
-        scratch = CacheEngine(self.spec.num_layers, layer_range, sum(len(t) for t in tables),
-                              bs, heads, dim, self.dtype, self.device)
-        positions = [p for n in lens for p in range(n)]
-        slots = [first * bs + p for n, first in zip(lens, firsts, strict=True)
-                 for p in range(n)]
+        scratch = CacheEngine(self.spec.num_layers, layer_range, num_blocks, bs, heads, dim,
+                              self.dtype, self.device)
         dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, *lens], device=dev).cumsum(0),
-            positions=torch.tensor(positions, device=dev),
-            slot_mapping=torch.tensor(slots, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev),
-            seq_lens=torch.tensor(lens, device=dev), seq_lens_list=lens, num_decodes=0,
-            decode_kernel=self.decode_kernel, write_kernel=self.write_kernel,
-            prefill_kernel=self.prefill_kernel, max_query_len=max(lens))
+        _, meta, last = paged_batch(rows, bs, self._to_device, **self.kernels)
         cuda = dev.type == "cuda"
         if cuda:
             torch.cuda.synchronize(dev)
@@ -256,8 +249,8 @@ class ModelRunner:
             residual = torch.zeros_like(hidden)
         result = self.model(ids, meta, hidden, residual, kv_caches=scratch.kv_caches)
         if self.ctx.is_last_stage:
-            last_rows = meta.query_start_loc[1:] - 1
-            torch.softmax(self.model.compute_logits(result[last_rows]).float(), dim=-1)
+            logits = self.model.compute_logits(result[self._to_device(last)])
+            torch.softmax(logits.float(), dim=-1)
         peak = 0
         if cuda:
             torch.cuda.synchronize(dev)
@@ -346,14 +339,12 @@ class ModelRunner:
         """The step's flat token batch. Attention sees *rows*: a prefill chunk is one row;
         a decode is a one-token row; a request verifying drafts becomes one one-token row
         per token (row j attends to its context plus the first j drafts: causal attention
-        over the chunk, run by the decode kernels). One-token rows go first, longest
-        context first (attention buckets them by length)."""
+        over the chunk, run by the decode kernels)."""
         sched = out.num_scheduled_tokens
-        bs = self.block_size
-        rows = []  # (query tokens, first position, request index)
+        rows: list[PagedRow] = []
         req_ids = list(sched)
         sample_rows: list[int] = []
-        plan: list[tuple[int, int]] = []  # per request: (its rows' first index, count)
+        plan: list[tuple[int, int]] = []  # per request: (its first row, its logits rows)
         for r, req_id in enumerate(req_ids):
             state, n = self.requests[req_id], sched[req_id]
             start = state.num_computed_tokens
@@ -362,30 +353,13 @@ class ModelRunner:
             toks = state.token_ids[start:real_end] + drafts
             plan.append((len(rows), len(toks) if drafts else 1))
             if drafts:
-                rows.extend(([tok], start + j, r) for j, tok in enumerate(toks))
+                rows.extend(([tok], start + j, state.block_ids) for j, tok in enumerate(toks))
             else:
-                rows.append((toks, start, r))
+                rows.append((toks, start, state.block_ids))
             if real_end == len(state.token_ids):
                 sample_rows.append(r)
-        order = sorted(range(len(rows)), key=lambda i: (len(rows[i][0]) != 1,
-                                                        -(rows[i][1] + len(rows[i][0]))))
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens, query_lens, tables = [], [], []
-        row_last_token = [0] * len(rows)  # flat index of each row's last token
-        for i in order:
-            toks, first, r = rows[i]
-            state = self.requests[req_ids[r]]
-            pos = range(first, first + len(toks))
-            tokens.extend(toks)
-            positions.extend(pos)
-            table = state.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            seq_lens.append(first + len(toks))
-            query_lens.append(len(toks))
-            tables.append(table)
-            row_last_token[i] = len(tokens) - 1
+        tokens, meta, row_last_token = paged_batch(rows, self.block_size, self._to_device,
+                                                   **self.kernels)
         logits_index: list[int] = []
         first_rows: list[int] = []
         spans: dict[int, list[int]] = {}
@@ -396,22 +370,9 @@ class ModelRunner:
             drafts = out.spec_token_ids.get(req_ids[r])
             if drafts:
                 spans[i] = drafts
-        token_starts = [row_last_token[plan[r][0]] - len(rows[plan[r][0]][0]) + 1
-                        for r in range(len(req_ids))]
-        max_blocks = max(len(t) for t in tables)
-        dev = self._to_device
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        meta = AttentionMetadata(
-            query_start_loc=dev(starts), positions=dev(positions), slot_mapping=dev(slots),
-            block_tables=dev([t + [0] * (max_blocks - len(t)) for t in tables]),
-            seq_lens=dev(seq_lens), seq_lens_list=seq_lens,
-            num_decodes=sum(1 for n in query_lens if n == 1),
-            decode_kernel=self.decode_kernel, write_kernel=self.write_kernel,
-            prefill_kernel=self.prefill_kernel, max_query_len=max(query_lens))
-        return StepInputs(dev(tokens), meta, req_ids, sample_rows, dev(logits_index),
-                          first_rows, spans, token_starts)
+        token_starts = [row_last_token[first] - len(rows[first][0]) + 1 for first, _ in plan]
+        return StepInputs(self._to_device(tokens), meta, req_ids, sample_rows,
+                          self._to_device(logits_index), first_rows, spans, token_starts)
 
     def _to_device(self, data: list) -> torch.Tensor:
         """An int64 tensor of ``data`` on this worker's device; on CUDA built in pinned host

@@ -61,6 +61,48 @@ class AttentionMetadata:
         return cls(query_start_loc=starts, positions=positions)
 
 
+PagedRow = tuple[list[int], int, list[int]]  # (query token ids, first position, block ids)
+
+
+def paged_batch(rows: list[PagedRow], block_size: int,
+                to_tensor: Callable[[list], torch.Tensor], **kernels: Callable | None
+                ) -> tuple[list[int], AttentionMetadata, list[int]]:
+    """The flat batch of ``rows`` over a paged cache: one-token rows first, longest context
+    first (the decode path buckets them by length), then the longer ones. Returns the token
+    ids in batch order, the metadata (index tensors made by ``to_tensor``; ``kernels`` as
+    :class:`AttentionMetadata` names them), and the flat index of each row's last token in
+    the order ``rows`` were given."""
+    order = sorted(range(len(rows)), key=lambda i: (len(rows[i][0]) != 1,
+                                                    -(rows[i][1] + len(rows[i][0]))))
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens, query_lens, tables = [], [], []
+    last = [0] * len(rows)
+    for i in order:
+        toks, first, blocks = rows[i]
+        pos = range(first, first + len(toks))
+        ids.extend(toks)
+        positions.extend(pos)
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
+        seq_lens.append(first + len(toks))
+        query_lens.append(len(toks))
+        tables.append(blocks)
+        last[i] = len(ids) - 1
+    width = max(len(t) for t in tables)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        query_start_loc=to_tensor(starts), positions=to_tensor(positions),
+        slot_mapping=to_tensor(slots),
+        block_tables=to_tensor([t + [0] * (width - len(t)) for t in tables]),
+        seq_lens=to_tensor(seq_lens), seq_lens_list=seq_lens,
+        num_decodes=sum(1 for n in query_lens if n == 1), max_query_len=max(query_lens),
+        **kernels)
+    return ids, meta, last
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
               scale: float, sliding_window: int | None = None,
               kv_cache: torch.Tensor | None = None) -> torch.Tensor:
