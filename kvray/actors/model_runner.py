@@ -40,6 +40,7 @@ from kvray.models.loader import load_model, resolve_max_model_len
 from kvray.parallel import ParallelContext
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvray.scheduler.request import next_draft_length
 from kvray.structured_output import GrammarCompiler, Matcher, bitmask_width
 from kvray.tokenizer import load_tokenizer
 
@@ -412,23 +413,21 @@ class ModelRunner:
         result = self._sample(inputs, logits, prompt_logprobs,
                               bitmask.result() if bitmask is not None else None)
         if self.drafter is not None:
-            result.draft_token_ids = self._propose_drafts(inputs, out, result)
+            result.draft_token_ids = self._propose_drafts(out, result)
         return result
 
-    def _propose_drafts(self, inputs: StepInputs, out: SchedulerOutput,
-                        result: ModelRunnerOutput) -> dict[str, list[int]]:
+    def _propose_drafts(self, out: SchedulerOutput, result: ModelRunnerOutput
+                        ) -> dict[str, list[int]]:
         """The draft model's drafts for each request that sampled, as many as the
-        scheduler's adaptive length will take (the same rule: one more than were accepted,
-        twice as many after a full accept), so that no draft step is wasted."""
+        scheduler's adaptive length will take (:func:`next_draft_length`, the rule it
+        applies too), so that no draft step is wasted."""
         jobs = []
         for req_id, toks in zip(result.req_ids, result.sampled_token_ids, strict=True):
             if not toks:
                 continue
             drafts = out.spec_token_ids.get(req_id)
             if drafts:
-                accepted = len(toks) - 1
-                self.drafter.lengths[req_id] = \
-                    2 * len(drafts) if accepted == len(drafts) else accepted + 1
+                self.drafter.lengths[req_id] = next_draft_length(len(drafts), len(toks) - 1)
             state = self.requests[req_id]
             jobs.append((req_id, state.token_ids + toks, state.block_ids))
         return self.drafter.propose(jobs)

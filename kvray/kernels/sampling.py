@@ -144,9 +144,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     ``default_generator`` serves rows without their own generator (None = torch's global one).
     """
     raw = logits.float()
-    logits = apply_penalties_and_bias(raw, batch)
-    if batch.token_bitmask is not None:
-        logits = _apply_token_bitmask(logits if logits is not raw else raw.clone(), batch)
+    logits = _processed(raw, batch)
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         tokens = greedy_tokens
@@ -167,6 +165,15 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+def _processed(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits the draw uses: penalties, bias, banned ids, then the grammar mask (``raw``
+    itself is left as it is, for the logprobs)."""
+    logits = apply_penalties_and_bias(raw, batch)
+    if batch.token_bitmask is not None:
+        logits = _apply_token_bitmask(logits if logits is not raw else raw.clone(), batch)
+    return logits
 
 
 def _apply_token_bitmask(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -330,10 +337,7 @@ def sample_speculative(logits: torch.Tensor, batch: SamplingBatch, spans: list[S
     the row each emitted token came from as a tensor, and the logprobs output over all rows
     if any row wants them)."""
     raw = logits.float()
-    processed = apply_penalties_and_bias(raw, batch)
-    if batch.token_bitmask is not None:
-        processed = _apply_token_bitmask(processed if processed is not raw else raw.clone(),
-                                         batch)
+    processed = _processed(raw, batch)
     greedy_tokens = processed.argmax(dim=-1).tolist()
     probs = None
     if not batch.all_greedy:

@@ -26,6 +26,13 @@ class RequestStatus(enum.Enum):
         return self.value in ("stop", "length", "abort")
 
 
+def next_draft_length(num_drafts: int, num_accepted: int) -> int:
+    """How many drafts a request proposes after ``num_accepted`` of its ``num_drafts`` were
+    accepted: one more than were accepted, twice as many after a full accept. Every draft
+    costs a row of the forward (on CPU, compute); rejected ones are waste."""
+    return 2 * num_drafts if num_accepted == num_drafts else num_accepted + 1
+
+
 class Request:
     """One sequence to generate (a prompt with ``n > 1`` becomes n requests)."""
 

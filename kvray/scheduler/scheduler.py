@@ -51,7 +51,7 @@ from kvray.scheduler.output import (
 )
 from kvray.scheduler.preemption import PreemptionCosts
 from kvray.scheduler.queues import make_waiting_queue
-from kvray.scheduler.request import Request, RequestStatus
+from kvray.scheduler.request import Request, RequestStatus, next_draft_length
 from kvray.scheduler.swap import SwapSpace
 
 
@@ -440,10 +440,7 @@ class Scheduler:
                 req.num_computed_tokens -= len(drafts) - accepted
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += accepted
-                # Adaptive draft length: one more than were accepted, twice as many after a
-                # full accept. Every draft costs a row of the forward (on CPU, compute);
-                # rejected ones are waste, and batched requests pay it in full.
-                req.spec_len = 2 * len(drafts) if accepted == len(drafts) else accepted + 1
+                req.spec_len = next_draft_length(len(drafts), accepted)
             if not tokens:
                 continue
             if req.first_token_time is None:

@@ -325,7 +325,7 @@ class ToolCallStreamer:
                 out.append({"content": buf[:len(buf) - keep]})
             self.held = buf[len(buf) - keep:]
             break
-        return _merge_content(out)
+        return out
 
     def _feed_llama3(self, text: str) -> list[dict]:
         if self.in_call:
@@ -383,12 +383,3 @@ def _partial_suffix(text: str, tag: str) -> int:
             return n
     return 0
 
-
-def _merge_content(deltas: list[dict]) -> list[dict]:
-    out: list[dict] = []
-    for d in deltas:
-        if "content" in d and out and "content" in out[-1]:
-            out[-1] = {"content": out[-1]["content"] + d["content"]}
-        else:
-            out.append(d)
-    return out
