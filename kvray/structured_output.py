@@ -24,8 +24,26 @@ import torch
 
 from kvray.errors import InvalidRequestError
 from kvray.sampling_params import StructuredOutputsParams
+from kvray.tokenizer import load_tokenizer
 
 _CACHE_SIZE = 256  # compiled grammars kept (LRU), per process
+_compilers: dict[tuple, GrammarCompiler] = {}
+_compilers_lock = threading.Lock()
+
+
+def compiler_for(model_path: str, tokenizer_path: str | None, vocab_size: int,
+                 eos_token_ids: tuple[int, ...], tokenizer: Any = None) -> GrammarCompiler:
+    """The process's compiler for this model's tokenizer: the engine (validating at
+    admission) and an in-process worker share one, so the vocabulary is indexed once.
+    ``tokenizer``: the Hugging Face tokenizer if the caller has it loaded."""
+    key = (str(model_path), tokenizer_path, vocab_size, tuple(eos_token_ids))
+    with _compilers_lock:
+        if key not in _compilers:
+            _compilers[key] = GrammarCompiler(
+                tokenizer if tokenizer is not None else load_tokenizer(model_path,
+                                                                       tokenizer_path),
+                vocab_size, eos_token_ids)
+        return _compilers[key]
 
 
 def bitmask_width(vocab_size: int) -> int:

@@ -41,8 +41,7 @@ from kvray.parallel import ParallelContext
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvray.scheduler.request import next_draft_length
-from kvray.structured_output import GrammarCompiler, Matcher, bitmask_width
-from kvray.tokenizer import load_tokenizer
+from kvray.structured_output import GrammarCompiler, Matcher, bitmask_width, compiler_for
 
 logger = logging.getLogger("kvray")
 
@@ -435,9 +434,8 @@ class ModelRunner:
     # ---- structured outputs -------------------------------------------------------------
     def _grammar_compiler(self, params: SamplingParams) -> GrammarCompiler:
         if self._grammars is None:
-            tokenizer = load_tokenizer(self.model_path, self.config.model.tokenizer)
-            self._grammars = GrammarCompiler(tokenizer, self.spec.vocab_size,
-                                             params.eos_token_ids)
+            self._grammars = compiler_for(self.model_path, self.config.model.tokenizer,
+                                          self.spec.vocab_size, params.eos_token_ids)
         return self._grammars
 
     def _start_bitmask(self, inputs: StepInputs) -> Future | None:

@@ -28,7 +28,7 @@ from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvray.scheduler.preemption import PreemptionCosts, probe_steps
 from kvray.scheduler.request import Request, RequestStatus
 from kvray.scheduler.scheduler import Scheduler
-from kvray.structured_output import GrammarCompiler
+from kvray.structured_output import GrammarCompiler, compiler_for
 from kvray.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,6 @@ class LLMEngine:
         # Steps submitted and not yet collected, oldest first: (output, handle, start time).
         self._in_flight: deque[tuple[SchedulerOutput, Any, float]] = deque()
         self._last_collect = 0.0  # when the previous step's result came back
-        self._grammars: GrammarCompiler | None = None
         self._build_executor()
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -234,12 +233,11 @@ class LLMEngine:
         self._update_gauges()
 
     def _grammar_compiler(self) -> GrammarCompiler:
-        """Compiles constraints at admission to reject invalid ones (the workers compile
-        their own copies); built on first use: ~1 s to index the vocabulary."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size,
-                                             self.eos_token_ids)
-        return self._grammars
+        """Compiles constraints at admission to reject invalid ones (workers in other
+        processes compile their own copies); built on first use: ~1 s to index the
+        vocabulary."""
+        return compiler_for(self.model_path, self.config.model.tokenizer,
+                            self.spec.vocab_size, self.eos_token_ids, self.tokenizer)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its n sequences); False if it is unknown or done."""
