@@ -246,6 +246,16 @@ def decode_bytes_per_step(model: torch.nn.Module, shape: ModelShape, context: fl
     return weights + kv
 
 
+def warm_up(generate: Callable[[list[list[int]], int], Any], shape: ModelShape,
+            wl: Workload) -> float:
+    """One short run at each batch size (Triton compiles and autotunes, lazy set-up), the
+    same for every system; returns its seconds."""
+    t0 = time.perf_counter()
+    generate(random_prompts(1, wl.b1_prompt, shape.vocab, seed=101), 8)
+    generate(random_prompts(wl.batch, wl.batch_prompt, shape.vocab, seed=102), 4)
+    return round(time.perf_counter() - t0, 3)
+
+
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(len(SPECIAL_TOKENS), vocab, (count, length), generator=g)
@@ -295,11 +305,7 @@ def run_kvray(shape: ModelShape, path: Path, dtype: str, wl: Workload, eager: bo
                     raise RuntimeError(f"kvray gave {got} tokens, asked for {max_tokens}")
             return outs
 
-        # Warm-up at both batch sizes (Triton autotuning, lazy initialisation).
-        t0 = time.perf_counter()
-        generate(random_prompts(1, wl.b1_prompt, shape.vocab, seed=101), 8)
-        generate(random_prompts(wl.batch, wl.batch_prompt, shape.vocab, seed=102), 4)
-        m.details["warmup_s"] = round(time.perf_counter() - t0, 3)
+        m.details["warmup_s"] = warm_up(generate, shape, wl)
 
         tpots = []
         for rep in range(wl.repeats):
@@ -388,10 +394,7 @@ def run_transformers(shape: ModelShape, model: transformers.PreTrainedModel,
         generate(prompts, max_new_tokens)
         return time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    generate(random_prompts(1, wl.b1_prompt, shape.vocab, seed=101), 8)
-    generate(random_prompts(wl.batch, wl.batch_prompt, shape.vocab, seed=102), 4)
-    m.details["warmup_s"] = round(time.perf_counter() - t0, 3)
+    m.details["warmup_s"] = warm_up(generate, shape, wl)
 
     tpots = []
     for rep in range(wl.repeats):
