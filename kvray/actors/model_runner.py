@@ -35,7 +35,7 @@ from kvray.kernels.sampling import (
     sample_speculative,
 )
 from kvray.models.layers import use_small_m_kernel
-from kvray.models.llama import use_fused_ops
+from kvray.models.llama import use_fused_decode_layer, use_fused_ops
 from kvray.models.loader import load_model, resolve_max_model_len
 from kvray.parallel import ParallelContext
 from kvray.sampling_params import SamplingParams
@@ -100,6 +100,9 @@ class ModelRunner:
             if self.dtype == torch.float32:
                 self._use_small_m_kernel()
         self._pick_attention_backend(config.model.attention_backend)
+        if self._fused_decode_layer_fits():
+            use_fused_decode_layer(self.model, cpu_ops.load_ops().decode_layer,
+                                   cpu_ops.SMALL_M_MAX_ROWS)
         self.drafter: DraftRunner | None = None
         spec = config.model.speculative_config
         if spec is not None and spec.method == "draft_model" and ctx.is_output_rank:
@@ -141,6 +144,13 @@ class ModelRunner:
             self.prefill_kernel = triton_attention.paged_prefill
         self.attention_backend = backend
 
+    def _fused_decode_layer_fits(self) -> bool:
+        """Whether small decode batches can run each layer as one C++ call: the CPU
+        kernels' attention, fp32 activations (the small-M kernel's input) and one
+        tensor-parallel rank (no all-reduce inside a layer)."""
+        return (self.attention_backend == "cpu" and self.dtype == torch.float32
+                and self.ctx.tp_size == 1)
+
     @property
     def kernels(self) -> dict:
         """The attention kernels picked, as :class:`AttentionMetadata` names them."""
@@ -155,6 +165,9 @@ class ModelRunner:
             use_fused_ops(model, cpu_ops)
             if self.dtype == torch.float32:
                 use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.SMALL_M_MAX_ROWS)
+            if self.attention_backend == "cpu" and self.dtype == torch.float32:  # one rank
+                use_fused_decode_layer(model, cpu_ops.load_ops().decode_layer,
+                                       cpu_ops.SMALL_M_MAX_ROWS)
 
     def _triton_works(self) -> bool:
         """Whether the Triton kernels compile and agree with the reference here; by default

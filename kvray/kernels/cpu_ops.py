@@ -25,7 +25,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_paged_attention.cpp", "cpu_linear.cpp", "cpu_fused.cpp", "bindings.cpp")
+_SOURCES = ("cpu_paged_attention.cpp", "cpu_linear.cpp", "cpu_fused.cpp", "cpu_layer.cpp",
+            "bindings.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # linear_small_m takes 1..32 rows; the engine uses it up to 16: past that MKL catches up
 # (measured on an AVX2 EPYC: 1.1-2.7x MKL at 8-16 rows, 0.9-1.3x at 24-32).

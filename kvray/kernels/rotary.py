@@ -81,6 +81,14 @@ class RotaryEmbedding(torch.nn.Module):
         if self.cos.device != positions.device:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole fp32 cos/sin tables ([max_pos, D/2]), grown past ``positions`` first:
+        what the fused kernels index themselves. Checked once per step, not per layer."""
+        if self._grown_for is not positions:
+            self._grow(positions)
+            self._grown_for = positions
+        return self.cos, self.sin
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos/sin rows for ``positions`` as [T, 1, D/2] in ``dtype``. Every layer of a step
         asks for the same positions, so the last answer is kept and reused."""
@@ -102,10 +110,7 @@ class RotaryEmbedding(torch.nn.Module):
         with the fused kernel: ``qk`` may be a view of the QKV projection)."""
         if self.fused_inplace is not None and qk.stride(-1) == 1 \
                 and qk.stride(-2) == qk.shape[-1]:
-            if self._grown_for is not positions:  # once per step, not once per layer
-                self._grow(positions)
-                self._grown_for = positions
-            return self.fused_inplace(qk, positions, self.cos, self.sin)
+            return self.fused_inplace(qk, positions, *self.tables(positions))
         cos, sin = self.cos_sin(positions, qk.dtype)
         return _rotate(qk, cos, sin)
 

@@ -93,6 +93,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # The whole layer in one call for decode batches of at most ``fused_decode_max_rows``
+    # rows (cpu_ops.decode_layer's signature); set by use_fused_decode_layer.
+    fused_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    fused_decode_max_rows: int = 0
+
     def __init__(self, spec: ModelSpec, ctx: ParallelContext, layer_idx: int,
                  rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
         super().__init__()
@@ -100,10 +105,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(spec, ctx, dtype)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self._decode_args: tuple | None = None
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata, kv_cache: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_decode is not None and kv_cache is not None \
+                and meta.num_decodes == hidden.shape[0] <= self.fused_decode_max_rows:
+            return self._fused_decode(hidden, residual, meta, kv_cache)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -111,6 +120,34 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, meta, kv_cache)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def _fused_decode(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                      meta: AttentionMetadata, kv_cache: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer through ``fused_decode``: no Python between its kernels."""
+        attn = self.self_attn
+        if self._decode_args is None:  # the weights the small-M kernel reads, once
+            def kernel_weight(linear):
+                return linear.weight if linear.small_m_weight is None else linear.small_m_weight
+
+            norm = self.input_layernorm
+            qkv, o = attn.qkv_proj, attn.o_proj
+            gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
+            none = torch.empty(0)  # an undefined weight: no q/k norms
+            weights = [norm.weight, kernel_weight(qkv),
+                       attn.q_norm.weight if attn.q_norm is not None else none,
+                       attn.k_norm.weight if attn.k_norm is not None else none,
+                       kernel_weight(o), self.post_attention_layernorm.weight,
+                       kernel_weight(gate_up), kernel_weight(down)]
+            self._decode_args = (
+                weights, [qkv.bias, o.bias, gate_up.bias, down.bias],
+                [attn.num_heads, attn.num_kv_heads, attn.head_dim], norm.eps,
+                attn.scale, attn.sliding_window or -1)
+        weights, biases, dims, eps, scale, window = self._decode_args
+        cos, sin = attn.rotary.tables(meta.positions)
+        return self.fused_decode(hidden, residual, weights, biases, dims, eps, meta.positions,
+                                 cos, sin, kv_cache, meta.block_tables, meta.seq_lens,
+                                 meta.slot_mapping, scale, window)
 
 
 class LlamaModel(nn.Module):
@@ -176,6 +213,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head.compute_logits(hidden)
+
+
+def use_fused_decode_layer(model: nn.Module, kernel: Callable[..., tuple], max_rows: int
+                           ) -> None:
+    """Run each decoder layer of decode batches of at most ``max_rows`` rows as one call of
+    ``kernel`` (:func:`kvray.kernels.cpu_ops.decode_layer`). Only for one tensor-parallel
+    rank (the layer's all-reduces stay in Python) and the CPU kernels' paged cache."""
+    for module in model.modules():
+        if isinstance(module, LlamaDecoderLayer):
+            module.fused_decode, module.fused_decode_max_rows = kernel, max_rows
+            module._decode_args = None
 
 
 def use_fused_ops(model: nn.Module, ops: ModuleType) -> None:

@@ -11,4 +11,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, with an optional fused residual add");
   m.def("rotary_inplace", &rotary_inplace, "rotary embedding of x [T, H, D] in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] -> [T, I]");
+  m.def("decode_layer", &decode_layer, "one decoder layer for a decode batch (fp32)");
 }

@@ -2,6 +2,9 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <tuple>
+#include <vector>
+
 // Paged decode attention: q [B, Hq, D] against the paged cache [2, Hk, blocks, bs, D].
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
                         double scale, int64_t window);
@@ -19,3 +22,15 @@ void rotary_inplace(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tens
 
 // silu(gate) * up for gate_up = [gate | up] of shape [T, 2 * I] -> [T, I].
 at::Tensor silu_and_mul(at::Tensor gate_up);
+
+// One decoder layer for a decode batch (one new token per row): input norm (+ residual),
+// QKV, optional per-head q/k norms, rotary, K/V write, paged decode attention, O, post norm
+// (+ residual), gate/up, SiLU-and-mul, down. w: [in_norm, qkv, q_norm, k_norm, o,
+// post_norm, gate_up, down] (q_norm/k_norm empty when absent); bias: [qkv, o, gate_up,
+// down]; dims: [Hq, Hk, D]. Returns (layer output, residual); the residual is updated in
+// place (it is `hidden` itself on the first layer).
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    at::Tensor hidden, c10::optional<at::Tensor> residual, std::vector<at::Tensor> w,
+    std::vector<c10::optional<at::Tensor>> bias, std::vector<int64_t> dims, double eps,
+    at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor tables,
+    at::Tensor seq_lens, at::Tensor slots, double scale, int64_t window);
