@@ -279,8 +279,8 @@ class LLMEngine:
                 if out.is_noop and self._in_flight:
                     break  # nothing fits beside the steps in flight: wait for one
                 self.stats.num_overlapped_steps += bool(self._in_flight)
-                self._in_flight.append((out, self.executor.submit_step(out),
-                                        time.perf_counter()))
+                start = time.perf_counter()  # before submitting: in-process, it runs the step
+                self._in_flight.append((out, self.executor.submit_step(out), start))
                 if out.is_empty:
                     break
             out, handle, start = self._in_flight.popleft()
