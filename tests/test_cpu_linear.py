@@ -7,7 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvray.models.layers import RowParallelLinear, use_small_m_kernel
+from kvray.models.layers import (
+    WEIGHT_MAJOR_MAX_ROWS,
+    ParallelLMHead,
+    RowParallelLinear,
+    use_small_m_kernel,
+)
 from kvray.parallel import ParallelContext
 
 
@@ -48,24 +53,44 @@ def test_small_m_linear_rejects_what_it_cannot_do(ops):
         ops.linear_small_m(torch.randn(2, 8, dtype=torch.bfloat16), w.bfloat16(), None)
 
 
-def test_layers_use_the_kernel_only_for_few_rows(ops):
+def test_layers_use_the_kernel_only_for_few_rows(ops, monkeypatch):
     layer = RowParallelLinear(ParallelContext(), 16, 8, True, torch.float32)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
-    calls = []
+    calls, weight_major = [], []
 
     def counting(x, w, b):
         calls.append(x.shape[0])
         return ops.linear_small_m(x, w, b)
 
+    mm = torch.mm
+
+    def counting_mm(a, b):
+        weight_major.append(b.shape[1])
+        return mm(a, b)
+
     use_small_m_kernel(layer, counting, max_rows=4)
-    assert layer.weight_major_gemm  # rows past the kernel's: (W x^T)^T, then the bias
-    for rows in (1, 4, 5, 32):
+    monkeypatch.setattr(torch, "mm", counting_mm)
+    # past the kernel's rows: (W x^T)^T up to WEIGHT_MAJOR_MAX_ROWS, F.linear beyond
+    for rows in (1, 4, 5, 32, WEIGHT_MAJOR_MAX_ROWS, WEIGHT_MAJOR_MAX_ROWS + 1, 300):
         x = torch.randn(rows, 16)
         y = layer(x)
         assert y.is_contiguous() and y.shape == (rows, 8)
         torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
     assert calls == [1, 4]
+    assert weight_major == [5, 32, WEIGHT_MAJOR_MAX_ROWS]
+
+
+def test_the_lm_head_stays_weight_major_at_any_row_count(ops, monkeypatch):
+    head = ParallelLMHead(ParallelContext(), 40, 16, torch.float32)
+    torch.nn.init.normal_(head.weight)
+    use_small_m_kernel(head, ops.linear_small_m, max_rows=4)
+    weight_major = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: weight_major.append(b.shape[1]) or mm(a, b))
+    x = torch.randn(300, 16)
+    torch.testing.assert_close(head.compute_logits(x), F.linear(x, head.weight))
+    assert weight_major == [300]
 
 
 def test_bf16_copies_only_where_bf16_holds_the_weights_exactly(ops):

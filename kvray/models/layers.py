@@ -43,30 +43,40 @@ class SmallMMatmul:
     small_m_kernel: SmallMKernel | None = None  # set per layer by use_small_m_kernel()
     small_m_max_rows: int = 0
     small_m_weight: torch.Tensor | None = None
-    weight_major_gemm: bool = False
+    weight_major_max_rows: int = 0  # inputs of at most this many rows go as (W x^T)^T
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.small_m_kernel is not None and 0 < x.shape[0] <= self.small_m_max_rows:
+        rows = x.shape[0]
+        if self.small_m_kernel is not None and 0 < rows <= self.small_m_max_rows:
             weight = self.small_m_weight if self.small_m_weight is not None else self.weight
             return self.small_m_kernel(x, weight, bias)
-        if self.weight_major_gemm:  # (W x^T)^T: MKL's fp32 sgemm is faster this way round
+        if rows <= self.weight_major_max_rows:  # MKL's fp32 sgemm is faster this way round
             y = torch.mm(self.weight, x.t()).t().contiguous()
             return y if bias is None else y.add_(bias)
         return F.linear(x, self.weight, bias)
 
 
+# Past this many rows F.linear is as fast as the weight-major GEMM or faster on the
+# decoder's shapes (AVX2 EPYC, fp32, 2 threads: 105-127 vs 89-114 GFLOP/s at 512 rows,
+# 88-110 vs 69-92 at 2,048; weight-major 1.1-1.4x faster at 32-48 rows), and the
+# transpose back costs more the more rows there are.
+WEIGHT_MAJOR_MAX_ROWS = 64
+
+
 def use_small_m_kernel(model: nn.Module, kernel: SmallMKernel, max_rows: int,
                        bf16_weights: bool = False) -> int:
     """Route every linear layer (and the LM head) of ``model`` through ``kernel`` when the
-    input has at most ``max_rows`` rows, and larger inputs through the weight-major GEMM
-    (fp32 on CPU: 1.3-2.4x F.linear on the LM head and MLP shapes at 16-64 rows, measured).
+    input has at most ``max_rows`` rows, and inputs of up to :data:`WEIGHT_MAJOR_MAX_ROWS`
+    rows (any number for the LM head: 1.4-1.8x at 48-128 rows) through the weight-major
+    GEMM (W x^T)^T, which MKL's fp32 sgemm runs faster than F.linear at those sizes.
     With ``bf16_weights``, give the kernel a bf16 copy of each weight that bf16 holds exactly
     (a bf16 checkpoint run in fp32). Returns the bytes those copies take."""
     extra = 0
     for module in model.modules():
         if isinstance(module, SmallMMatmul):
             module.small_m_kernel, module.small_m_max_rows = kernel, max_rows
-            module.weight_major_gemm = True
+            module.weight_major_max_rows = (
+                1 << 62 if isinstance(module, ParallelLMHead) else WEIGHT_MAJOR_MAX_ROWS)
             if bf16_weights:
                 copy = module.weight.to(torch.bfloat16)
                 if torch.equal(copy.to(module.weight.dtype), module.weight):
