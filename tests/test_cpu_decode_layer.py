@@ -114,6 +114,14 @@ def test_fused_decode_layer_only_for_pure_decode_batches_of_few_rows(llms, monke
         layer(hidden, residual, meta, kv)
     assert calls == [], f"{max_rows + 1} decode rows are past the small-M kernel's range"
 
+    meta, kv, hidden, residual = _decode_batch(runner, 2, seed=3)
+    strided = hidden.t().contiguous().t()  # the same values, not contiguous
+    with torch.inference_mode():
+        got = layer(strided, residual.clone(), meta, kv.clone())
+        want = layer(hidden, residual.clone(), meta, kv.clone())
+    assert calls == [2], "only the contiguous batch (the second call) takes the fused layer"
+    assert torch.equal(got[0], want[0]), "a strided input takes the Python layer, same result"
+
 
 def test_rejects_a_slot_outside_the_cache(llms):
     runner = _runner(llms("llama_gqa"))

@@ -6,6 +6,10 @@
   cache, one pass over K for the scores and one over V, parallel over (sequence, kv head).
 - ``linear_small_m``: ``x @ w.T`` for the few rows of a decode step, reading each weight row
   once for all rows (MKL re-reads the weights per row at small M).
+- ``rms_norm``, ``rotary_inplace``, ``silu_and_mul``: a decoder layer's elementwise work,
+  one call each.
+- ``decode_layer`` (the extension's, used by :func:`kvray.models.llama.use_fused_decode_layer`):
+  a whole decoder layer of a decode batch in one call, the kernels above back to back.
 
 The sources under ``csrc/`` are compiled with the system C++ compiler through
 ``torch.utils.cpp_extension`` the first time they are needed (cached under

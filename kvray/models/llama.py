@@ -94,7 +94,8 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     # The whole layer in one call for decode batches of at most ``fused_decode_max_rows``
-    # rows (cpu_ops.decode_layer's signature); set by use_fused_decode_layer.
+    # rows (the signature of decode_layer in cpu_ops' extension); set by
+    # use_fused_decode_layer.
     fused_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     fused_decode_max_rows: int = 0
 
@@ -111,7 +112,8 @@ class LlamaDecoderLayer(nn.Module):
                 meta: AttentionMetadata, kv_cache: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_decode is not None and kv_cache is not None \
-                and meta.num_decodes == hidden.shape[0] <= self.fused_decode_max_rows:
+                and meta.num_decodes == hidden.shape[0] <= self.fused_decode_max_rows \
+                and hidden.is_contiguous() and (residual is None or residual.is_contiguous()):
             return self._fused_decode(hidden, residual, meta, kv_cache)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
@@ -133,7 +135,7 @@ class LlamaDecoderLayer(nn.Module):
             norm = self.input_layernorm
             qkv, o = attn.qkv_proj, attn.o_proj
             gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
-            none = torch.empty(0)  # an undefined weight: no q/k norms
+            none = torch.empty(0)  # an empty weight: the model has no q/k norms
             weights = [norm.weight, kernel_weight(qkv),
                        attn.q_norm.weight if attn.q_norm is not None else none,
                        attn.k_norm.weight if attn.k_norm is not None else none,
@@ -218,8 +220,10 @@ class LlamaForCausalLM(nn.Module):
 def use_fused_decode_layer(model: nn.Module, kernel: Callable[..., tuple], max_rows: int
                            ) -> None:
     """Run each decoder layer of decode batches of at most ``max_rows`` rows as one call of
-    ``kernel`` (:func:`kvray.kernels.cpu_ops.decode_layer`). Only for one tensor-parallel
-    rank (the layer's all-reduces stay in Python) and the CPU kernels' paged cache."""
+    ``kernel`` (``decode_layer`` of :mod:`kvray.kernels.cpu_ops`' extension, which computes
+    exactly what :meth:`LlamaDecoderLayer.forward` does with the same kernels). Only for one
+    tensor-parallel rank (a TP layer all-reduces mid-layer, in Python) and the CPU kernels'
+    paged cache; inputs that are not contiguous take the Python layer."""
     for module in model.modules():
         if isinstance(module, LlamaDecoderLayer):
             module.fused_decode, module.fused_decode_max_rows = kernel, max_rows
