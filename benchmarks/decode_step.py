@@ -65,8 +65,7 @@ def weight_bytes_per_decode_step(model: torch.nn.Module) -> int:
     total = 0
     for module in model.modules():
         if isinstance(module, SmallMMatmul):
-            w = module.small_m_weight if module.small_m_weight is not None else module.weight
-            total += w.numel() * w.element_size()
+            total += module.kernel_weight.numel() * module.kernel_weight.element_size()
     return total
 
 

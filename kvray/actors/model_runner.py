@@ -100,7 +100,7 @@ class ModelRunner:
             if self.dtype == torch.float32:
                 self._use_small_m_kernel()
         self._pick_attention_backend(config.model.attention_backend)
-        if self._fused_decode_layer_fits():
+        if self._fused_decode_layer_fits(ctx.tp_size):
             use_fused_decode_layer(self.model, cpu_ops.load_ops().decode_layer,
                                    cpu_ops.SMALL_M_MAX_ROWS)
         self.drafter: DraftRunner | None = None
@@ -144,12 +144,11 @@ class ModelRunner:
             self.prefill_kernel = triton_attention.paged_prefill
         self.attention_backend = backend
 
-    def _fused_decode_layer_fits(self) -> bool:
-        """Whether small decode batches can run each layer as one C++ call: the CPU
-        kernels' attention, fp32 activations (the small-M kernel's input) and one
-        tensor-parallel rank (no all-reduce inside a layer)."""
-        return (self.attention_backend == "cpu" and self.dtype == torch.float32
-                and self.ctx.tp_size == 1)
+    def _fused_decode_layer_fits(self, tp_size: int) -> bool:
+        """Whether small decode batches of a model split over ``tp_size`` ranks can run
+        each layer as one C++ call: the CPU kernels' attention, fp32 activations (the
+        small-M kernel's input) and one tensor-parallel rank (no all-reduce in a layer)."""
+        return self.attention_backend == "cpu" and self.dtype == torch.float32 and tp_size == 1
 
     @property
     def kernels(self) -> dict:
@@ -165,7 +164,7 @@ class ModelRunner:
             use_fused_ops(model, cpu_ops)
             if self.dtype == torch.float32:
                 use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.SMALL_M_MAX_ROWS)
-            if self.attention_backend == "cpu" and self.dtype == torch.float32:  # one rank
+            if self._fused_decode_layer_fits(tp_size=1):  # the draft runs on one rank
                 use_fused_decode_layer(model, cpu_ops.load_ops().decode_layer,
                                        cpu_ops.SMALL_M_MAX_ROWS)
 

@@ -45,11 +45,15 @@ class SmallMMatmul:
     small_m_weight: torch.Tensor | None = None
     weight_major_max_rows: int = 0  # inputs of at most this many rows go as (W x^T)^T
 
+    @property
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight the small-M kernel reads: the bf16 copy where there is one."""
+        return self.weight if self.small_m_weight is None else self.small_m_weight
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
         if self.small_m_kernel is not None and 0 < rows <= self.small_m_max_rows:
-            weight = self.small_m_weight if self.small_m_weight is not None else self.weight
-            return self.small_m_kernel(x, weight, bias)
+            return self.small_m_kernel(x, self.kernel_weight, bias)
         if rows <= self.weight_major_max_rows:  # MKL's fp32 sgemm is faster this way round
             y = torch.mm(self.weight, x.t()).t().contiguous()
             return y if bias is None else y.add_(bias)

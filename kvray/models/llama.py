@@ -129,18 +129,15 @@ class LlamaDecoderLayer(nn.Module):
         """The same layer through ``fused_decode``: no Python between its kernels."""
         attn = self.self_attn
         if self._decode_args is None:  # the weights the small-M kernel reads, once
-            def kernel_weight(linear):
-                return linear.weight if linear.small_m_weight is None else linear.small_m_weight
-
             norm = self.input_layernorm
             qkv, o = attn.qkv_proj, attn.o_proj
             gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
             none = torch.empty(0)  # an empty weight: the model has no q/k norms
-            weights = [norm.weight, kernel_weight(qkv),
+            weights = [norm.weight, qkv.kernel_weight,
                        attn.q_norm.weight if attn.q_norm is not None else none,
                        attn.k_norm.weight if attn.k_norm is not None else none,
-                       kernel_weight(o), self.post_attention_layernorm.weight,
-                       kernel_weight(gate_up), kernel_weight(down)]
+                       o.kernel_weight, self.post_attention_layernorm.weight,
+                       gate_up.kernel_weight, down.kernel_weight]
             self._decode_args = (
                 weights, [qkv.bias, o.bias, gate_up.bias, down.bias],
                 [attn.num_heads, attn.num_kv_heads, attn.head_dim], norm.eps,

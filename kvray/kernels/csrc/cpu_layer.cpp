@@ -22,15 +22,17 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv,
   const int64_t T = k.size(0), Hk = k.size(1), D = k.size(2);
   const int64_t num_slots = kv.size(2) * kv.size(3);
   const int64_t* sp = slots.data_ptr<int64_t>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
   float* cache = kv.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     const int64_t s = sp[t];
     TORCH_CHECK(s >= 0 && s < num_slots, "decode_layer: slot ", s, " outside the cache");
     for (int64_t h = 0; h < Hk; ++h) {
       std::memcpy(cache + ((0 * Hk + h) * num_slots + s) * D,
-                  k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1), D * sizeof(float));
+                  kp + t * k.stride(0) + h * k.stride(1), D * sizeof(float));
       std::memcpy(cache + ((1 * Hk + h) * num_slots + s) * D,
-                  v.data_ptr<float>() + t * v.stride(0) + h * v.stride(1), D * sizeof(float));
+                  vp + t * v.stride(0) + h * v.stride(1), D * sizeof(float));
     }
   }
 }
