@@ -10,6 +10,9 @@ Peer mode (`--peer URL`): the same requests, at each `--concurrency`, against kv
 against any other OpenAI-compatible server (e.g. llama.cpp's llama-server, see
 benchmarks/peer_llamacpp.sh), back to back, with a kvray / peer ratio table.
 
+Every load (and the warm-up) sends prompts of its own, the same to every server: servers
+that cache prompts must not answer one load from the KV of another.
+
 Usage:
     python benchmarks/serve.py [--rates 1,2,4,inf] [--concurrency N[,N...]] [--num-requests 64]
         [--base-url http://127.0.0.1:8000] [--skip-offline] [--dtype D]
@@ -31,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -202,18 +206,35 @@ def _pair(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def run_loads(base: str, reqs, rates: list[str], concurrencies: list[int], seed: int,
+def load_workload(n: int, seed: int, load: str, prompt_len: tuple[int, int],
+                  output_len: tuple[int, int]) -> list[tuple[list[int], int]]:
+    """The requests of one load: fresh prompts per load (and per warm-up), the same for
+    every server. A server that caches prompts (kvray's prefix cache, llama-server's slot
+    cache) would otherwise answer a later load's prompts from an earlier load's KV and
+    skip their prefill: llama-server's log showed 1-token prompt evaluations for whole
+    loads when every load reused one prompt set."""
+    return workload(n, zlib.crc32(f"{seed}:{load}".encode()), prompt_len, output_len)
+
+
+def run_loads(base: str, n: int, rates: list[str], concurrencies: list[int], seed: int,
+              prompt_len: tuple[int, int], output_len: tuple[int, int],
               label: str = "") -> list[dict]:
-    """Warm the server up, then one run per Poisson rate and per fixed concurrency."""
+    """Warm the server up, then one run per Poisson rate and per fixed concurrency, each
+    on its own prompts (:func:`load_workload`)."""
     model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
-    asyncio.run(run_load(base, model, reqs[:4], float("inf"), None, 0))  # warm-up
+    warmup = load_workload(4, seed, "warm-up", prompt_len, output_len)
+    asyncio.run(run_load(base, model, warmup, float("inf"), None, 0))
     rows = []
     for rate_text in rates:
+        load = f"rate {rate_text} req/s"
+        reqs = load_workload(n, seed, load, prompt_len, output_len)
         results, dur = asyncio.run(run_load(base, model, reqs, float(rate_text), None, seed))
-        rows.append(summarize(f"{label}rate {rate_text} req/s", results, dur))
+        rows.append(summarize(f"{label}{load}", results, dur))
     for conc in concurrencies:
+        load = f"concurrency {conc}"
+        reqs = load_workload(n, seed, load, prompt_len, output_len)
         results, dur = asyncio.run(run_load(base, model, reqs, float("inf"), conc, seed))
-        rows.append(summarize(f"{label}concurrency {conc}", results, dur))
+        rows.append(summarize(f"{label}{load}", results, dur))
     return rows
 
 
@@ -262,7 +283,6 @@ def main() -> None:
     from benchmarks.common import benchmark_dtype
 
     dtype = benchmark_dtype(args.dtype)  # what both sides run on this CPU
-    reqs = workload(args.num_requests, args.seed, prompt_len, output_len)
     proc = None
     base = args.base_url
     if base is None:
@@ -270,12 +290,15 @@ def main() -> None:
     try:
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
         if peer is None:
-            rows = run_loads(base, reqs, rates, concurrencies, args.seed)
+            rows = run_loads(base, args.num_requests, rates, concurrencies, args.seed,
+                             prompt_len, output_len)
         else:  # one load at a time on each server, back to back, so both see the same noise
             rows, ours, theirs = [], [], []
             for conc in concurrencies:
-                ours += run_loads(base, reqs, [], [conc], args.seed, "kvray ")
-                theirs += run_loads(peer, reqs, [], [conc], args.seed, f"{args.peer_name} ")
+                ours += run_loads(base, args.num_requests, [], [conc], args.seed, prompt_len,
+                                  output_len, "kvray ")
+                theirs += run_loads(peer, args.num_requests, [], [conc], args.seed, prompt_len,
+                                    output_len, f"{args.peer_name} ")
                 rows += [ours[-1], theirs[-1]]
     finally:
         if proc is not None:
@@ -290,7 +313,8 @@ def main() -> None:
         print_peer_ratios(ours, theirs, concurrencies, args.peer_name)
     elif not args.skip_offline:
         best = max(r["out_tok_s"] for r in rows)
-        off = offline(reqs, dtype)
+        off = offline(load_workload(args.num_requests, args.seed, "offline", prompt_len,
+                                    output_len), dtype)
         print(f"\noffline LLM on the same workload: {off:.1f} output tok/s; best server load "
               f"{best:.1f} tok/s = {best / off:.2f}x offline (target >= 0.85x)")
 
