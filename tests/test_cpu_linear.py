@@ -1,7 +1,10 @@
-"""The small-M linear kernel equals F.linear, and the model routes decode-sized inputs
-through it (and larger ones through PyTorch)."""
+"""The small-M and tiled linear kernels equal F.linear, and the model routes decode-sized
+inputs through the first, prefill-sized ones through the second."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
@@ -53,6 +56,66 @@ def test_small_m_linear_rejects_what_it_cannot_do(ops):
         ops.linear_small_m(torch.randn(2, 8, dtype=torch.bfloat16), w.bfloat16(), None)
 
 
+@pytest.mark.parametrize("rows", [1, 65, 255, 256, 257, 700])
+@pytest.mark.parametrize("out_features,in_features", [(1, 3), (127, 64), (129, 577), (700, 33)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tiled_linear_matches_f_linear(ops, rows, out_features, in_features, with_bias):
+    # Row and column counts on both sides of the 256 x 128 tiles' edges.
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if with_bias else None
+    torch.testing.assert_close(ops.linear_tiled(x, w, b), F.linear(x, w, b),
+                               rtol=1e-5, atol=2e-6 * in_features)
+
+
+def test_tiled_linear_takes_strided_inputs(ops):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 2, 96, generator=gen)[:, 1]  # rows 192 floats apart
+    w = torch.randn(200, 96, generator=gen)
+    torch.testing.assert_close(ops.linear_tiled(x, w, None), F.linear(x, w),
+                               rtol=1e-5, atol=2e-4)
+
+
+def test_tiled_linear_works_in_inference_mode(ops):
+    # Regression: the threads run ATen ops on the caller's inference tensors; without the
+    # caller's thread-local state they failed ("Inplace update to inference tensor outside
+    # InferenceMode"), which the engine (it runs in inference mode) hit on every prefill.
+    with torch.inference_mode():
+        x, w, b = torch.randn(600, 64), torch.randn(300, 64), torch.randn(300)
+        torch.testing.assert_close(ops.linear_tiled(x, w, b), F.linear(x, w, b),
+                                   rtol=1e-5, atol=2e-4)
+
+
+def test_tiled_linear_rejects_mismatched_shapes(ops):
+    with pytest.raises(RuntimeError, match="x \\[M, K\\] and w \\[N, K\\]"):
+        ops.linear_tiled(torch.randn(4, 8), torch.randn(5, 9), None)
+    with pytest.raises(RuntimeError, match="bias \\[N\\]"):
+        ops.linear_tiled(torch.randn(4, 8), torch.randn(5, 8), torch.randn(4))
+
+
+def test_kernels_let_other_python_threads_run(ops):
+    """The ops release the GIL: a Serve replica's threads stream tokens while the engine
+    thread is inside a kernel, instead of waiting for it (and the step for them)."""
+    x, w = torch.randn(4096, 1024), torch.randn(4096, 1024)  # ~34 GFLOP: 0.1 s or more
+    started, done = threading.Event(), threading.Event()
+
+    def run() -> None:
+        started.set()
+        ops.linear_tiled(x, w, None)
+        done.set()
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    started.wait()
+    ticks = 0
+    while not done.is_set():
+        time.sleep(0.001)  # each tick needs the GIL back
+        ticks += 1
+    worker.join()
+    assert ticks >= 20, f"only {ticks} ticks while the kernel ran: it held the GIL"
+
+
 def test_layers_use_the_kernel_only_for_few_rows(ops, monkeypatch):
     layer = RowParallelLinear(ParallelContext(), 16, 8, True, torch.float32)
     torch.nn.init.normal_(layer.weight)
@@ -69,9 +132,15 @@ def test_layers_use_the_kernel_only_for_few_rows(ops, monkeypatch):
         weight_major.append(b.shape[1])
         return mm(a, b)
 
-    use_small_m_kernel(layer, counting, max_rows=4)
+    tiled = []
+
+    def counting_tiled(x, w, b):
+        tiled.append(x.shape[0])
+        return ops.linear_tiled(x, w, b)
+
+    use_small_m_kernel(layer, counting, max_rows=4, large_m_kernel=counting_tiled)
     monkeypatch.setattr(torch, "mm", counting_mm)
-    # past the kernel's rows: (W x^T)^T up to WEIGHT_MAJOR_MAX_ROWS, F.linear beyond
+    # past the kernel's rows: (W x^T)^T up to WEIGHT_MAJOR_MAX_ROWS, the tiled GEMM beyond
     for rows in (1, 4, 5, 32, WEIGHT_MAJOR_MAX_ROWS, WEIGHT_MAJOR_MAX_ROWS + 1, 300):
         x = torch.randn(rows, 16)
         y = layer(x)
@@ -79,6 +148,7 @@ def test_layers_use_the_kernel_only_for_few_rows(ops, monkeypatch):
         torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
     assert calls == [1, 4]
     assert weight_major == [5, 32, WEIGHT_MAJOR_MAX_ROWS]
+    assert tiled == [WEIGHT_MAJOR_MAX_ROWS + 1, 300]
 
 
 def test_the_lm_head_stays_weight_major_at_any_row_count(ops, monkeypatch):

@@ -163,7 +163,8 @@ class ModelRunner:
         elif self.device.type == "cpu" and cpu_ops.load_ops() is not None:
             use_fused_ops(model, cpu_ops)
             if self.dtype == torch.float32:
-                use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.SMALL_M_MAX_ROWS)
+                use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.SMALL_M_MAX_ROWS,
+                                   large_m_kernel=cpu_ops.linear_tiled)
             if self._fused_decode_layer_fits(tp_size=1):  # the draft runs on one rank
                 use_fused_decode_layer(model, cpu_ops.load_ops().decode_layer,
                                        cpu_ops.SMALL_M_MAX_ROWS)
@@ -183,11 +184,13 @@ class ModelRunner:
             return False
 
     def _use_small_m_kernel(self) -> None:
-        """Decode-sized matmuls through the CPU kernel; a bf16 checkpoint run in fp32 also
-        keeps bf16 copies of its weights for it, halving the bytes each decode step reads."""
+        """Decode-sized matmuls through the CPU kernel, prefill-sized ones through the tiled
+        GEMM; a bf16 checkpoint run in fp32 also keeps bf16 copies of its weights for the
+        former, halving the bytes each decode step reads."""
         bf16_checkpoint = self.spec.torch_dtype == "bfloat16"
         extra = use_small_m_kernel(self.model, cpu_ops.linear_small_m,
-                                   cpu_ops.SMALL_M_MAX_ROWS, bf16_weights=bf16_checkpoint)
+                                   cpu_ops.SMALL_M_MAX_ROWS, bf16_weights=bf16_checkpoint,
+                                   large_m_kernel=cpu_ops.linear_tiled)
         if extra and self.ctx.world_rank == 0:
             logger.info("kvray: bf16 copies of the weights for decode steps: %.0f MiB",
                         extra / 2**20)

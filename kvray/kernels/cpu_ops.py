@@ -6,6 +6,9 @@
   cache, one pass over K for the scores and one over V, parallel over (sequence, kv head).
 - ``linear_small_m``: ``x @ w.T`` for the few rows of a decode step, reading each weight row
   once for all rows (MKL re-reads the weights per row at small M).
+- ``linear_tiled``: ``x @ w.T`` for many rows (prefill chunks, mixed steps) as tiles of
+  single-threaded sgemm that the threads take one at a time: a thread whose core another
+  process borrows for a while no longer holds up the others at the end of a static split.
 - ``rms_norm``, ``rotary_inplace``, ``silu_and_mul``: a decoder layer's elementwise work,
   one call each.
 - ``decode_layer`` (the extension's, used by :func:`kvray.models.llama.use_fused_decode_layer`):
@@ -95,6 +98,14 @@ def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     ext = load_ops()
     assert ext is not None, "call load_ops() first and check it is available"
     return ext.linear_small_m(x.contiguous(), weight, bias)
+
+
+def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """``F.linear`` for 2-D ``x`` of many rows, in tiles the threads take one at a time."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    return ext.linear_tiled(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

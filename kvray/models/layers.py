@@ -44,6 +44,7 @@ class SmallMMatmul:
     small_m_max_rows: int = 0
     small_m_weight: torch.Tensor | None = None
     weight_major_max_rows: int = 0  # inputs of at most this many rows go as (W x^T)^T
+    large_m_kernel: SmallMKernel | None = None  # F.linear's stand-in past those rows
 
     @property
     def kernel_weight(self) -> torch.Tensor:
@@ -57,22 +58,26 @@ class SmallMMatmul:
         if rows <= self.weight_major_max_rows:  # MKL's fp32 sgemm is faster this way round
             y = torch.mm(self.weight, x.t()).t().contiguous()
             return y if bias is None else y.add_(bias)
+        if self.large_m_kernel is not None and x.dim() == 2:
+            return self.large_m_kernel(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
 
-# Past this many rows F.linear is as fast as the weight-major GEMM or faster on the
-# decoder's shapes (AVX2 EPYC, fp32, 2 threads: 105-127 vs 89-114 GFLOP/s at 512 rows,
-# 88-110 vs 69-92 at 2,048; weight-major 1.1-1.4x faster at 32-48 rows), and the
-# transpose back costs more the more rows there are.
+# Past this many rows F.linear (on CPU its tiled stand-in, cpu_ops.linear_tiled) is as
+# fast as the weight-major GEMM or faster on the decoder's shapes (AVX2 EPYC, fp32,
+# 2 threads: 105-127 vs 89-114 GFLOP/s at 512 rows, 88-110 vs 69-92 at 2,048; weight-major
+# 1.1-1.4x faster at 32-48 rows), and the transpose back costs more the more rows there are.
 WEIGHT_MAJOR_MAX_ROWS = 64
 
 
 def use_small_m_kernel(model: nn.Module, kernel: SmallMKernel, max_rows: int,
-                       bf16_weights: bool = False) -> int:
+                       bf16_weights: bool = False,
+                       large_m_kernel: SmallMKernel | None = None) -> int:
     """Route every linear layer (and the LM head) of ``model`` through ``kernel`` when the
     input has at most ``max_rows`` rows, and inputs of up to :data:`WEIGHT_MAJOR_MAX_ROWS`
     rows (any number for the LM head: 1.4-1.8x at 48-128 rows) through the weight-major
-    GEMM (W x^T)^T, which MKL's fp32 sgemm runs faster than F.linear at those sizes.
+    GEMM (W x^T)^T, which MKL's fp32 sgemm runs faster than F.linear at those sizes; more
+    rows than that through ``large_m_kernel`` (F.linear's signature) when given.
     With ``bf16_weights``, give the kernel a bf16 copy of each weight that bf16 holds exactly
     (a bf16 checkpoint run in fp32). Returns the bytes those copies take."""
     extra = 0
@@ -81,6 +86,7 @@ def use_small_m_kernel(model: nn.Module, kernel: SmallMKernel, max_rows: int,
             module.small_m_kernel, module.small_m_max_rows = kernel, max_rows
             module.weight_major_max_rows = (
                 1 << 62 if isinstance(module, ParallelLMHead) else WEIGHT_MAJOR_MAX_ROWS)
+            module.large_m_kernel = large_m_kernel
             if bf16_weights:
                 copy = module.weight.to(torch.bfloat16)
                 if torch.equal(copy.to(module.weight.dtype), module.weight):

@@ -3,13 +3,19 @@
 
 #include "ops.h"
 
+// Every op runs without the GIL (none touches a Python object): in a Serve replica the
+// engine thread computes while the replica's own threads stream tokens; holding the GIL
+// through a decoder layer would make them wait for it, and the next step for them.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode,
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_decode", &paged_decode, nogil(),
         "Paged decode attention: q [B, Hq, D] against the paged KV cache -> [B, Hq, D]");
-  m.def("linear_small_m", &linear_small_m,
+  m.def("linear_small_m", &linear_small_m, nogil(),
         "x [M, K] @ w[N, K]^T (+ bias) reading w once for all M rows (fp32, small M)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of rows, with an optional fused residual add");
-  m.def("rotary_inplace", &rotary_inplace, "rotary embedding of x [T, H, D] in place");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] -> [T, I]");
-  m.def("decode_layer", &decode_layer, "one decoder layer for a decode batch (fp32)");
+  m.def("linear_tiled", &linear_tiled, nogil(),
+        "x [M, K] @ w[N, K]^T (+ bias) as tiles the threads take one at a time (many rows)");
+  m.def("rms_norm", &rms_norm, nogil(), "RMSNorm of rows, with an optional fused residual add");
+  m.def("rotary_inplace", &rotary_inplace, nogil(), "rotary embedding of x [T, H, D] in place");
+  m.def("silu_and_mul", &silu_and_mul, nogil(), "silu(gate) * up of [T, 2I] -> [T, I]");
+  m.def("decode_layer", &decode_layer, nogil(), "one decoder layer for a decode batch (fp32)");
 }

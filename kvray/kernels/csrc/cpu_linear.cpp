@@ -10,8 +10,10 @@
 #include "ops.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -108,12 +110,32 @@ static void tile_rows(const float* x, const W* w, const float* b, float* y, int6
   }
 }
 
+// fn(begin, end) over [0, n) in chunks of `chunk`, which the threads take one at a time
+// (an atomic counter; at::parallel_for's OpenMP split is static). When another process
+// takes a core for a few ms, the thread left with it would otherwise hold up the step.
+template <typename F>
+static void parallel_dynamic(int64_t n, int64_t chunk, const F& fn) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (threads <= 1) {
+    fn(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
+      fn(c * chunk, std::min(n, (c + 1) * chunk));
+  });
+}
+
 template <typename W>
 static void run(const float* x, const W* w, const float* b, float* y, int64_t M, int64_t K,
                 int64_t N) {
-  // ~64 KiB of weights per task: enough to amortise scheduling, small enough to balance.
+  // At least ~64 KiB of weights per chunk (amortises the hand-out), about 4 chunks per
+  // thread (balance when a thread loses its core for a while).
   const int64_t grain = std::max<int64_t>(4, 16384 / std::max<int64_t>(K, 1) / 4 * 4);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  const int64_t per = N / (4 * std::max(at::get_num_threads(), 1)) / 4 * 4;
+  parallel_dynamic(N, std::max(grain, per), [&](int64_t n0, int64_t n1) {
     tile_rows<W>(x, w, b, y, M, K, N, n0, n1);
   });
 }
@@ -138,5 +160,46 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> 
     run(x.data_ptr<float>(), w.data_ptr<float>(), b, y.data_ptr<float>(), M, K, N);
   else
     run(x.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), b, y.data_ptr<float>(), M, K, N);
+  return y;
+}
+
+// y = x w^T (+ bias) for many rows (prefill chunks, mixed steps) as tiles of at most
+// kTileRows x kTileCols outputs, each one single-threaded sgemm (MKL runs sequentially
+// inside a parallel region), handed out to the threads one at a time. MKL's own threading
+// splits the matrix statically: when another process takes a core for a few ms (Serve's
+// proxy and ingress streaming tokens beside the engine), the other thread finishes its
+// half and waits. Here it takes over the remaining tiles. On an AVX2 EPYC, 2 threads, fp32,
+// the decoder's four shapes at 192-2,048 rows: 106-113 vs 86-101 GFLOP/s for F.linear on
+// an idle machine, 81-98 vs 59-84 with 20 % of the CPU taken by other processes.
+constexpr int64_t kTileRows = 256;
+constexpr int64_t kTileCols = 128;
+
+at::Tensor linear_tiled(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "linear_tiled: x [M, K] and w [N, K] expected");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear_tiled: x and w of one dtype");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == w.size(0)),
+              "linear_tiled: bias [N] expected");
+  const int64_t M = x.size(0), N = w.size(0);
+  auto y = at::empty({M, N}, x.options());
+  const int64_t tiles_n = (N + kTileCols - 1) / kTileCols;
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows * tiles_n;
+  // The ATen calls in the threads run under the caller's thread-local state (inference
+  // mode, grad mode).
+  const at::ThreadLocalState state;
+  parallel_dynamic(tiles, 1, [&](int64_t t0, int64_t t1) {
+    at::ThreadLocalStateGuard guard(state);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t m0 = t / tiles_n * kTileRows, n0 = t % tiles_n * kTileCols;
+      const int64_t m1 = std::min(M, m0 + kTileRows), n1 = std::min(N, n0 + kTileCols);
+      at::Tensor out = y.slice(0, m0, m1).slice(1, n0, n1);
+      at::Tensor wt = w.slice(0, n0, n1).t();
+      if (has_bias)
+        at::addmm_out(out, bias->slice(0, n0, n1), x.slice(0, m0, m1), wt);
+      else
+        at::mm_out(out, x.slice(0, m0, m1), wt);
+    }
+  });
   return y;
 }
