@@ -29,12 +29,17 @@ def ops(cpu_kernels):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_m_linear_matches_f_linear(ops, rows, out_features, in_features, with_bias):
     # Odd sizes: the 8-wide vector loop's tail and the 4/2-row weight groups' remainders.
+    _check_against_f_linear(ops.linear_small_m, rows, out_features, in_features, with_bias)
+
+
+def _check_against_f_linear(kernel, rows: int, out_features: int, in_features: int,
+                            with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=gen)
     w = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if with_bias else None
     # fp32 sums of in_features products in another order: error grows with the length
-    torch.testing.assert_close(ops.linear_small_m(x, w, b), F.linear(x, w, b),
+    torch.testing.assert_close(kernel(x, w, b), F.linear(x, w, b),
                                rtol=1e-5, atol=2e-6 * in_features)
 
 
@@ -61,12 +66,7 @@ def test_small_m_linear_rejects_what_it_cannot_do(ops):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tiled_linear_matches_f_linear(ops, rows, out_features, in_features, with_bias):
     # Row and column counts on both sides of the 256 x 128 tiles' edges.
-    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
-    x = torch.randn(rows, in_features, generator=gen)
-    w = torch.randn(out_features, in_features, generator=gen)
-    b = torch.randn(out_features, generator=gen) if with_bias else None
-    torch.testing.assert_close(ops.linear_tiled(x, w, b), F.linear(x, w, b),
-                               rtol=1e-5, atol=2e-6 * in_features)
+    _check_against_f_linear(ops.linear_tiled, rows, out_features, in_features, with_bias)
 
 
 def test_tiled_linear_takes_strided_inputs(ops):
