@@ -169,8 +169,8 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> 
 // splits the matrix statically: when another process takes a core for a few ms (Serve's
 // proxy and ingress streaming tokens beside the engine), the other thread finishes its
 // half and waits. Here it takes over the remaining tiles. On an AVX2 EPYC, 2 threads, fp32,
-// the decoder's four shapes at 192-2,048 rows: 106-113 vs 86-101 GFLOP/s for F.linear on
-// an idle machine, 81-98 vs 59-84 with 20 % of the CPU taken by other processes.
+// the decoder's four shapes at 80-2,048 rows: 1.02-1.22x F.linear on an idle machine,
+// 1.07-1.63x with 20 % of the CPU taken by other processes (most at the fewest rows).
 constexpr int64_t kTileRows = 256;
 constexpr int64_t kTileCols = 128;
 
