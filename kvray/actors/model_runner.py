@@ -72,6 +72,13 @@ class StepInputs:
     token_starts: list[int] = field(default_factory=list)  # per request: its first token
 
 
+def _use_cpu_linear_kernels(model: torch.nn.Module, bf16_weights: bool = False) -> int:
+    """The CPU extension's linears for ``model`` (fp32): the small-M kernel for decode-sized
+    inputs, the tiled GEMM for prefill-sized ones (see :func:`use_small_m_kernel`)."""
+    return use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.SMALL_M_MAX_ROWS,
+                              bf16_weights=bf16_weights, large_m_kernel=cpu_ops.linear_tiled)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, ctx: ParallelContext,
                  device: torch.device) -> None:
@@ -163,8 +170,7 @@ class ModelRunner:
         elif self.device.type == "cpu" and cpu_ops.load_ops() is not None:
             use_fused_ops(model, cpu_ops)
             if self.dtype == torch.float32:
-                use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.SMALL_M_MAX_ROWS,
-                                   large_m_kernel=cpu_ops.linear_tiled)
+                _use_cpu_linear_kernels(model)
             if self._fused_decode_layer_fits(tp_size=1):  # the draft runs on one rank
                 use_fused_decode_layer(model, cpu_ops.load_ops().decode_layer,
                                        cpu_ops.SMALL_M_MAX_ROWS)
@@ -187,10 +193,8 @@ class ModelRunner:
         """Decode-sized matmuls through the CPU kernel, prefill-sized ones through the tiled
         GEMM; a bf16 checkpoint run in fp32 also keeps bf16 copies of its weights for the
         former, halving the bytes each decode step reads."""
-        bf16_checkpoint = self.spec.torch_dtype == "bfloat16"
-        extra = use_small_m_kernel(self.model, cpu_ops.linear_small_m,
-                                   cpu_ops.SMALL_M_MAX_ROWS, bf16_weights=bf16_checkpoint,
-                                   large_m_kernel=cpu_ops.linear_tiled)
+        extra = _use_cpu_linear_kernels(self.model,
+                                        bf16_weights=self.spec.torch_dtype == "bfloat16")
         if extra and self.ctx.world_rank == 0:
             logger.info("kvray: bf16 copies of the weights for decode steps: %.0f MiB",
                         extra / 2**20)
