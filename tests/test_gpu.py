@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (benchmarks/gpu_check.sh runs these on one)",
                 allow_module_level=True)
 
-from tiny_models import VOCAB_SIZE, load_hf  # noqa: E402
+from tiny_models import VOCAB_SIZE, load_hf, runner_facts  # noqa: E402
 
 from kvray import LLM, SamplingParams  # noqa: E402
 from kvray.kernels import attention as ref  # noqa: E402
@@ -40,7 +40,7 @@ def _kvray(model_dir, prompts, **kwargs):
     llm = LLM(str(model_dir), gpu_memory_utilization=0.3, max_num_seqs=16, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    runner = llm.llm_engine.executor.worker.runner
+    runner = runner_facts(llm)
     llm.shutdown()
     return [o.outputs[0].token_ids for o in outs], runner
 
@@ -54,7 +54,7 @@ def test_triton_kernels_match_reference_in_half_precision(dtype):
 def test_paged_decode_on_long_contexts_matches_reference():
     """Many blocks per sequence: every split of the flash-decoding kernel has work."""
     g = torch.Generator().manual_seed(0)
-    hq, hk, dim, bs, num_blocks = 32, 8, 128, 16, 600
+    hq, hk, dim, bs, num_blocks = 32, 8, 128, 16, 1024
     cache = torch.randn(2, hk, num_blocks, bs, dim, generator=g).to("cuda", torch.bfloat16)
     lens = torch.tensor([4000, 1, 2500, 17], device="cuda")
     tables = torch.randperm(num_blocks, generator=g)[:4 * 250].view(4, 250).to("cuda")
@@ -74,7 +74,7 @@ def test_engine_on_gpu_gives_transformers_greedy_tokens_with_cuda_graphs(arch, t
     got, runner = _kvray(tiny_model_dir(arch), prompts, dtype="float32")
     assert runner.attention_backend == "triton"
     assert runner.pin_memory
-    assert runner.graphs is not None and runner.graphs.graphs and runner.graphs.steps > 0
+    assert runner.graphs is not None and runner.graphs.captured and runner.graphs.steps > 0
     assert got == want
 
 
@@ -117,3 +117,15 @@ def test_kv_cache_is_sized_by_the_profile_run_within_gpu_memory_utilization(tiny
     assert blocks > 1000  # a tiny model leaves most of the budget to the KV cache
     # what kvray took stays inside its share (other tests' leftovers were there before)
     assert (total - free_after) - used_before <= 0.2 * total + (256 << 20)
+
+
+def test_shutdown_gives_the_gpu_memory_back(tiny_model_dir):
+    """Weights, KV cache and CUDA graphs are freed by shutdown(), so a second engine in the
+    process gets its gpu_memory_utilization share (it once found the first one's 42 GiB
+    still allocated and a negative KV budget)."""
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    llm = LLM(str(tiny_model_dir("llama_gqa")), dtype="float32", gpu_memory_utilization=0.1)
+    assert torch.cuda.memory_allocated() - before > 1 << 30
+    llm.shutdown()
+    assert torch.cuda.memory_allocated() - before < 64 << 20

@@ -302,3 +302,40 @@ def test_prompt_logprobs_stay_exact_when_the_request_is_preempted(model_dir, hf)
         ref = torch.log_softmax(hf(torch.tensor([second])).logits[0].float(), dim=-1)
     for j in range(1, len(second)):
         assert abs(got[j][second[j]] - ref[j - 1, second[j]].item()) <= 1e-4
+
+
+def test_shutdown_frees_the_model_and_kv_cache_for_the_next_engine(model_dir):
+    """shutdown() hands the weights, KV cache and graphs back at once (on CUDA the next
+    engine's gpu_memory_utilization budget counts every tensor the process still holds),
+    even while the caller keeps a reference to the runner; a second engine then works."""
+    import gc
+    import weakref
+
+    first = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=32)
+    runner = first.llm_engine.executor.worker.runner
+    model, cache = weakref.ref(runner.model), weakref.ref(runner.cache.kv_caches[0])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = first.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    first.shutdown()
+    gc.collect()
+    assert runner.model is None and runner.cache is None
+    assert model() is None and cache() is None
+    second = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=32)
+    got = second.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    second.shutdown()
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_shutdown_leaves_the_callers_process_group_alone(model_dir, tmp_path):
+    """An in-process engine (TP = PP = 1) joins no process group, so it must not destroy
+    one the user's program set up before building it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}",
+                            rank=0, world_size=1)
+    try:
+        llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16)
+        llm.shutdown()
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()

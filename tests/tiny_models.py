@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import transformers
@@ -75,3 +76,21 @@ def make_tiny_model(arch: str, path: str | Path, seed: int = 0, **overrides) -> 
 def load_hf(path: str | Path) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch.float32, local_files_only=True).eval()
+
+
+def runner_facts(llm) -> SimpleNamespace:
+    """What the tests check of an in-process engine's model runner, read before
+    ``llm.shutdown()`` (which frees the runner's model, KV cache and CUDA graphs): attention
+    backend, pinned inputs, KV blocks allocated and the decode graphs' counters (``graphs``
+    None when the runner has none; ``graphs.captured`` lists the sizes with a CUDA graph)."""
+    runner = llm.llm_engine.executor.worker.runner
+    graphs = None
+    if runner.graphs is not None:
+        g = runner.graphs
+        graphs = SimpleNamespace(captured=sorted(g.graphs), steps=g.steps,
+                                 padded_rows=g.padded_rows, sizes=list(g.sizes),
+                                 pad_block=g.pad_block)
+    return SimpleNamespace(attention_backend=runner.attention_backend,
+                           pin_memory=runner.pin_memory,
+                           kv_blocks=runner.cache.kv_caches[runner.model.model.start_layer]
+                           .shape[2], graphs=graphs)

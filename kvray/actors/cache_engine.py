@@ -22,15 +22,18 @@ def gpu_kv_budget(total: int, utilization: float, weights: int, activation_peak:
     return int(total * utilization) - weights - activation_peak - non_torch
 
 
-def num_blocks_for_budget(cache: CacheConfig, bytes_per_block: int, budget: int) -> int:
+def num_blocks_for_budget(cache: CacheConfig, bytes_per_block: int, budget: int,
+                          breakdown: str = "") -> int:
     """Blocks that fit: the override, else ``budget`` bytes (``kv_cache_memory`` on CPU,
-    :func:`gpu_kv_budget` on CUDA) over the bytes of one block."""
+    :func:`gpu_kv_budget` on CUDA) over the bytes of one block. ``breakdown`` says where a
+    GPU budget went, for the error when not one block fits."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     num = budget // bytes_per_block
     if num < 1:
         raise ValueError(
-            f"the KV cache budget ({budget} bytes) holds no block of {bytes_per_block} bytes; "
+            f"the KV cache budget ({budget} bytes) holds no block of {bytes_per_block} bytes"
+            f"{f' ({breakdown})' if breakdown else ''}; "
             "raise kv_cache_memory (CPU) or gpu_memory_utilization (CUDA)")
     return int(num)
 

@@ -6,6 +6,7 @@ the scheduler only sends what changed.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -117,6 +118,26 @@ class ModelRunner:
                 spec.model, self.dtype, self.max_model_len, self.spec.vocab_size,
                 spec.num_speculative_tokens, device, self.kernels)
             self._install_fast_ops(self.drafter.model)
+
+    def release(self) -> None:
+        """Drop what this runner holds on its device (CUDA graphs and their memory pool, the
+        KV caches, the draft model, the weights) and hand the freed memory back to the
+        device, so that another engine in this process gets it: on CUDA the next engine's
+        ``gpu_memory_utilization`` budget counts every tensor the process still holds.
+        Nothing runs on the runner afterwards."""
+        self.graphs = None
+        self.cache = None
+        self.drafter = None
+        self.requests.clear()
+        self.generators.clear()
+        self.swap_pool = SwapPool()
+        self.model = None
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=False)
+            self._mask_thread = None
+        gc.collect()  # reference cycles in the model would keep its tensors until later
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _pick_attention_backend(self, requested: str) -> None:
         """The paged attention kernels ``attention_backend`` asks for (see ModelConfig);
@@ -232,7 +253,14 @@ class ModelRunner:
                         "%.2f GiB, outside torch %.2f GiB -> KV cache %.2f GiB", total / 2**30,
                         cache.gpu_memory_utilization, weights / 2**30, activation_peak / 2**30,
                         non_torch / 2**30, budget / 2**30)
-        return num_blocks_for_budget(cache, self.kv_bytes_per_block(), budget)
+        gib = 2**30
+        breakdown = (f"gpu_memory_utilization {cache.gpu_memory_utilization} x "
+                     f"{total / gib:.1f} GiB, less {weights / gib:.2f} GiB of tensors this "
+                     f"process holds (the weights, and any other engine's not shut down), "
+                     f"{activation_peak / gib:.2f} GiB of activations and "
+                     f"{max(0, non_torch) / gib:.2f} GiB outside torch (CUDA context, other "
+                     "processes)")
+        return num_blocks_for_budget(cache, self.kv_bytes_per_block(), budget, breakdown)
 
     @torch.inference_mode()
     def profile_run(self) -> int:

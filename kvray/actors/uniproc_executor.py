@@ -37,4 +37,6 @@ class UniProcExecutor:
         return [self.worker.swap_objects()]
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()  # its device memory goes back now, not at collection
         self.worker = None

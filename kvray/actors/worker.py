@@ -77,6 +77,9 @@ class Worker:
             set_cpu_threads(in_actor=init_method is not None,
                             world_size=config.parallel.world_size)
         par = config.parallel
+        # Only a group this worker joined is its to destroy (an in-process engine may share
+        # the process with the user's own torch.distributed group).
+        self._owns_process_group = par.world_size > 1
         if par.world_size > 1:
             assert init_method not in (None, "single"), "multi-rank workers need a rendezvous"
             self.ctx = init_distributed(rank, par.tensor_parallel_size,
@@ -106,5 +109,8 @@ class Worker:
         return len(self.runner.swap_pool)
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
+        """Free the model, KV cache and graphs (see :meth:`ModelRunner.release`) and leave
+        the process group this worker joined."""
+        self.runner.release()
+        if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
