@@ -335,7 +335,10 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, RotaryEmbedding):  # no host sync inside a graph
                 module.fix_tables(self.max_model_len, self.device)
-        capture = self.device.type == "cuda"
+        # Only kernels free of host reads may be captured: the PyTorch reference reads the
+        # sequence lengths on the host, and a graph would replay the capture's lengths
+        # (wrong tokens, seen on an H200). Without them the padded batch runs eagerly.
+        capture = self.device.type == "cuda" and self.attention_backend == "triton"
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0] if capture else 0
         self.graphs = DecodeGraphs(
