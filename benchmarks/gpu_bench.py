@@ -40,6 +40,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -314,6 +315,11 @@ def run_kvray(shape: ModelShape, path: Path, dtype: str, wl: Workload, eager: bo
             tpots.append(kvray_tpot(generate, prompt, other, wl.b1_output))
         m.tpot_ms = min(tpots) * 1e3
         m.b1_tokens_per_s = 1e3 / m.tpot_ms
+        if not eager:
+            try:
+                m.details["step_ms"] = kvray_step_breakdown(llm, shape, wl)
+            except Exception as err:  # noqa: BLE001 - a diagnostic; the row stands without
+                m.details["step_ms"] = {"error": f"{type(err).__name__}: {err}"}
 
         prompts = random_prompts(wl.batch, wl.batch_prompt, shape.vocab, seed=300)
         t0 = time.perf_counter()
@@ -344,6 +350,76 @@ def kvray_tpot(generate: Callable[[list[list[int]], int], list[Any]], prompt: li
     t0 = time.perf_counter()
     generate(other, 1)
     return (total - (time.perf_counter() - t0)) / (num_tokens - 1)
+
+
+STEP_PARTS = ("schedule", "update states", "prepare inputs", "forward", "logits", "sampling")
+
+
+def kvray_step_breakdown(llm: Any, shape: ModelShape, wl: Workload, steps: int = 64
+                         ) -> dict[str, float]:
+    """Milliseconds per batch-1 decode step spent in each part of kvray's step (the
+    scheduler, the runner's state update and input preparation, the forward pass — the
+    graph replay —, the LM head, sampling) and the rest (applying outputs, detokenizing,
+    bookkeeping). Each part synchronizes the device before and after, so GPU work is
+    charged to the part that launched it; that serializes host and device, so the parts
+    add up to more than the plain TPOT: they say where a step's time goes. Empty when the
+    runner is not in this process."""
+    from kvray import SamplingParams
+
+    engine = llm.llm_engine
+    runner = getattr(getattr(engine.executor, "worker", None), "runner", None)
+    if runner is None:
+        return {}
+    device = runner.device
+    targets = [(engine.scheduler, "schedule", "schedule"),
+               (runner, "_update_states", "update states"),
+               (runner, "_prepare_inputs", "prepare inputs"), (runner, "_forward", "forward"),
+               (runner.model, "compute_logits", "logits"), (runner, "_sample", "sampling")]
+    current: dict[str, float] = dict.fromkeys(STEP_PARTS, 0.0)
+
+    def wrap(obj: Any, name: str, part: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            synchronize(device)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                synchronize(device)
+                current[part] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)  # an instance attribute: delattr restores the method
+
+    for target in targets:
+        wrap(*target)
+    totals = dict.fromkeys(("step", *STEP_PARTS, "rest"), 0.0)
+    counted = 0
+    try:
+        steps = min(steps, wl.max_model_len - wl.b1_prompt - 1)
+        prompt = random_prompts(1, wl.b1_prompt, shape.vocab, seed=500)[0]
+        params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+        engine.add_request("step-breakdown", prompt, params)
+        prefill = True
+        while engine.has_unfinished_requests():
+            current.update(dict.fromkeys(STEP_PARTS, 0.0))
+            t0 = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - t0
+            if prefill:  # the first step computes the prompt: not a decode step
+                prefill = False
+                continue
+            counted += 1
+            totals["step"] += wall
+            for part in STEP_PARTS:
+                totals[part] += current[part]
+            totals["rest"] += wall - sum(current.values())
+    finally:
+        for obj, name, _ in targets:
+            with contextlib.suppress(AttributeError):
+                delattr(obj, name)
+    return {k: round(1e3 * v / max(counted, 1), 3) for k, v in totals.items()} | {
+        "steps": counted}
 
 
 def kvray_runner_facts(llm: Any) -> dict[str, Any]:
@@ -485,6 +561,20 @@ def render(report: dict[str, Any]) -> str:
                 f"| {fmt(r['batch_tokens_per_s'])} "
                 f"| {ratio(r['b1_tokens_per_s'], hf and hf['b1_tokens_per_s'])} "
                 f"| {ratio(r['batch_tokens_per_s'], hf and hf['batch_tokens_per_s'])} |")
+    breakdowns = [r for r in report["results"]
+                  if isinstance(r["details"].get("step_ms"), dict) and
+                  "step" in r["details"]["step_ms"]]
+    if breakdowns:
+        parts = ("step", *STEP_PARTS, "rest")
+        lines += ["", "batch-1 decode step of kvray default, ms per step by part (each part "
+                  "synchronized with the device: GPU work is charged to the part that "
+                  "launched it; 'rest' = applying outputs, detokenizing, bookkeeping):", "",
+                  "| model | " + " | ".join(parts) + " |",
+                  "|---|" + "---:|" * len(parts)]
+        for r in breakdowns:
+            ms = r["details"]["step_ms"]
+            lines.append(f"| {r['model']} | " + " | ".join(fmt(ms.get(p), 3) for p in parts)
+                         + " |")
     return "\n".join(lines)
 
 
