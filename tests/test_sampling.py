@@ -292,6 +292,30 @@ def test_input_logits_are_not_modified():
 
 # --- batch construction ---------------------------------------------------------------------
 
+def test_plain_greedy_batches_leave_their_columns_on_the_host():
+    """Plain greedy rows (argmax of the raw logits) read no per-row column, so a batch of
+    them copies none to the device; any row that processes logits (a penalty, a bias, a
+    banned id, sampling) moves the batch as before."""
+    def build(params: list[SamplingParams]) -> SamplingBatch:
+        n = len(params)
+        return SamplingBatch.from_params(params, [None] * n, [[5, 6]] * n, [[7]] * n,
+                                         device="meta")
+
+    greedy = build([SamplingParams(temperature=0.0, logprobs=3)] * 2)
+    assert greedy.plain_greedy and greedy.temperature.device.type == "cpu"
+    for busy in (SamplingParams(temperature=0.0, repetition_penalty=1.2),
+                 SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+                 SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[2]),
+                 SamplingParams(temperature=0.7)):
+        batch = build([SamplingParams(temperature=0.0), busy])
+        assert not batch.plain_greedy and batch.temperature.device.type == "meta", busy
+    logits = torch.randn(2, 11)
+    out = sample(logits, SamplingBatch.from_params(
+        [SamplingParams(temperature=0.0, logprobs=2)] * 2, [None] * 2, [[1]] * 2, [[]] * 2))
+    assert out.token_ids.tolist() == logits.argmax(dim=-1).tolist()
+    assert out.top_token_ids.shape == (2, 2)
+
+
 def test_from_params_builds_tensors_and_flags():
     plain = make_batch([SamplingParams(), SamplingParams(temperature=0.0)])
     assert not plain.all_greedy

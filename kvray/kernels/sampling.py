@@ -82,6 +82,14 @@ class SamplingBatch:
             ((self.presence_penalty == 0.0) & (self.frequency_penalty == 0.0)).all())
         self.no_penalties = self.no_repetition_penalty and self.no_presence_frequency
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes the argmax of its raw logits: no penalty, bias, banned id or
+        grammar mask, so :func:`sample` and :func:`sample_speculative` read none of the
+        per-row columns."""
+        return (self.all_greedy and self.no_bias and self.no_banned and self.no_penalties
+                and self.token_bitmask is None)
+
     def to(self, device: torch.device | str) -> SamplingBatch:
         """A copy with its tensors on ``device``; the flags are kept, not recomputed."""
         moved = copy.copy(self)
@@ -97,7 +105,10 @@ class SamplingBatch:
                     prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
                     device: torch.device | str = "cpu",
                     token_bitmask: torch.Tensor | None = None) -> SamplingBatch:
-        """Build the batch for rows ``params[i]`` (greedy rows get temperature 0.0)."""
+        """Build the batch for rows ``params[i]`` (greedy rows get temperature 0.0). A
+        :attr:`plain_greedy` batch keeps its columns on the host, where they were built:
+        nothing reads them, and on a GPU their seven copies were a fair part of a small
+        model's decode step."""
         assert len(params) == len(generators) == len(prompt_token_ids) == len(output_token_ids)
 
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -124,7 +135,7 @@ class SamplingBatch:
             eos_token_ids=[p.eos_token_ids for p in params] if token_bitmask is not None
             else [],
         )
-        return batch.to(device)
+        return batch if batch.plain_greedy else batch.to(device)
 
 
 @dataclass
