@@ -65,7 +65,8 @@ def test_small_m_linear_rejects_what_it_cannot_do(ops):
 @pytest.mark.parametrize("out_features,in_features", [(1, 3), (127, 64), (129, 577), (700, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tiled_linear_matches_f_linear(ops, rows, out_features, in_features, with_bias):
-    # Row and column counts on both sides of the 256 x 128 tiles' edges.
+    # Row counts on both sides of the 16-row panels and 256-row tiles, column counts on both
+    # sides of the 6-row weight groups and 96-column tiles (remainder groups of 1-5 rows).
     _check_against_f_linear(ops.linear_tiled, rows, out_features, in_features, with_bias)
 
 
@@ -75,16 +76,23 @@ def test_tiled_linear_takes_strided_inputs(ops):
     w = torch.randn(200, 96, generator=gen)
     torch.testing.assert_close(ops.linear_tiled(x, w, None), F.linear(x, w),
                                rtol=1e-5, atol=2e-4)
+    xt = torch.randn(96, 300, generator=gen).t()  # columns contiguous, not rows
+    torch.testing.assert_close(ops.linear_tiled(xt, w, None), F.linear(xt, w),
+                               rtol=1e-5, atol=2e-4)
 
 
-def test_tiled_linear_works_in_inference_mode(ops):
-    # Regression: the threads run ATen ops on the caller's inference tensors; without the
-    # caller's thread-local state they failed ("Inplace update to inference tensor outside
-    # InferenceMode"), which the engine (it runs in inference mode) hit on every prefill.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_linear_works_in_inference_mode(ops, dtype):
+    # Regression: the threads of the sgemm-per-tile path (every dtype but fp32 with AVX2)
+    # run ATen ops on the caller's inference tensors; without the caller's thread-local
+    # state they failed ("Inplace update to inference tensor outside InferenceMode"), which
+    # the engine (it runs in inference mode) hit on every prefill.
     with torch.inference_mode():
-        x, w, b = torch.randn(600, 64), torch.randn(300, 64), torch.randn(300)
-        torch.testing.assert_close(ops.linear_tiled(x, w, b), F.linear(x, w, b),
-                                   rtol=1e-5, atol=2e-4)
+        x, w, b = (torch.randn(600, 64, dtype=dtype), torch.randn(300, 64, dtype=dtype),
+                   torch.randn(300, dtype=dtype))
+        tol = dict(rtol=1e-5, atol=2e-4) if dtype == torch.float32 else \
+            dict(rtol=2e-2, atol=5e-2)
+        torch.testing.assert_close(ops.linear_tiled(x, w, b), F.linear(x, w, b), **tol)
 
 
 def test_tiled_linear_rejects_mismatched_shapes(ops):

@@ -6,9 +6,10 @@
   cache, one pass over K for the scores and one over V, parallel over (sequence, kv head).
 - ``linear_small_m``: ``x @ w.T`` for the few rows of a decode step, reading each weight row
   once for all rows (MKL re-reads the weights per row at small M).
-- ``linear_tiled``: ``x @ w.T`` for many rows (prefill chunks, mixed steps) as tiles of
-  single-threaded sgemm that the threads take one at a time: a thread whose core another
-  process borrows for a while no longer holds up the others at the end of a static split.
+- ``linear_tiled``: ``x @ w.T`` for many rows (prefill chunks, mixed steps) as tiles that
+  the threads take one at a time (a thread whose core another process borrows for a while
+  no longer holds up the others at the end of a static split); fp32 tiles run a
+  register-blocked AVX2 kernel over repacked operands, other dtypes a single-threaded sgemm.
 - ``rms_norm``, ``rotary_inplace``, ``silu_and_mul``: a decoder layer's elementwise work,
   one call each.
 - ``decode_layer`` (the extension's, used by :func:`kvray.models.llama.use_fused_decode_layer`):
