@@ -40,7 +40,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -58,6 +57,8 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.step_overhead import STEP_PARTS, Timers  # noqa: E402
 
 H200_SPEC_BANDWIDTH = 4.8e12  # bytes/s, NVIDIA's HBM3e figure for the H200
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0..3; prompts use ids above
@@ -352,9 +353,6 @@ def kvray_tpot(generate: Callable[[list[list[int]], int], list[Any]], prompt: li
     return (total - (time.perf_counter() - t0)) / (num_tokens - 1)
 
 
-STEP_PARTS = ("schedule", "update states", "prepare inputs", "forward", "logits", "sampling")
-
-
 def kvray_step_breakdown(llm: Any, shape: ModelShape, wl: Workload, steps: int = 64
                          ) -> dict[str, float]:
     """Milliseconds per batch-1 decode step spent in each part of kvray's step (the
@@ -370,29 +368,8 @@ def kvray_step_breakdown(llm: Any, shape: ModelShape, wl: Workload, steps: int =
     runner = getattr(getattr(engine.executor, "worker", None), "runner", None)
     if runner is None:
         return {}
-    device = runner.device
-    targets = [(engine.scheduler, "schedule", "schedule"),
-               (runner, "_update_states", "update states"),
-               (runner, "_prepare_inputs", "prepare inputs"), (runner, "_forward", "forward"),
-               (runner.model, "compute_logits", "logits"), (runner, "_sample", "sampling")]
-    current: dict[str, float] = dict.fromkeys(STEP_PARTS, 0.0)
-
-    def wrap(obj: Any, name: str, part: str) -> None:
-        fn = getattr(obj, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            synchronize(device)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                synchronize(device)
-                current[part] += time.perf_counter() - t0
-
-        setattr(obj, name, timed)  # an instance attribute: delattr restores the method
-
-    for target in targets:
-        wrap(*target)
+    timers = Timers(sync=lambda: synchronize(runner.device))
+    timers.wrap_step(engine, runner)
     totals = dict.fromkeys(("step", *STEP_PARTS, "rest"), 0.0)
     counted = 0
     try:
@@ -402,7 +379,7 @@ def kvray_step_breakdown(llm: Any, shape: ModelShape, wl: Workload, steps: int =
         engine.add_request("step-breakdown", prompt, params)
         prefill = True
         while engine.has_unfinished_requests():
-            current.update(dict.fromkeys(STEP_PARTS, 0.0))
+            timers.current.clear()
             t0 = time.perf_counter()
             engine.step()
             wall = time.perf_counter() - t0
@@ -412,12 +389,10 @@ def kvray_step_breakdown(llm: Any, shape: ModelShape, wl: Workload, steps: int =
             counted += 1
             totals["step"] += wall
             for part in STEP_PARTS:
-                totals[part] += current[part]
-            totals["rest"] += wall - sum(current.values())
+                totals[part] += timers.current[part]
+            totals["rest"] += wall - sum(timers.current.values())
     finally:
-        for obj, name, _ in targets:
-            with contextlib.suppress(AttributeError):
-                delattr(obj, name)
+        timers.unwrap()
     return {k: round(1e3 * v / max(counted, 1), 3) for k, v in totals.items()} | {
         "steps": counted}
 

@@ -16,6 +16,7 @@ import random
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,27 +24,53 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import benchmark_dtype  # noqa: E402
 from kvray import LLM, SamplingParams  # noqa: E402
 
-PARTS = ("schedule", "update states", "prepare inputs", "forward", "logits", "sampling",
-         "apply outputs")
+# The parts of a step that Timers.wrap_step times, in the order a step runs them.
+STEP_PARTS = ("schedule", "update states", "prepare inputs", "forward", "logits", "sampling")
+PARTS = (*STEP_PARTS, "apply outputs")
 
 
 class Timers:
-    """Wall time per part within the current step."""
+    """Wall time per part within the current step. With ``sync`` (e.g. a CUDA synchronize),
+    each part synchronizes the device before and after, so device work is charged to the
+    part that launched it."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
         self.current: dict[str, float] = defaultdict(float)
+        self.sync = sync
+        self._wrapped: list[tuple[object, str]] = []
 
     def wrap(self, obj, name: str, part: str) -> None:
         fn = getattr(obj, name)
 
         def timed(*args, **kwargs):
+            if self.sync is not None:
+                self.sync()
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                if self.sync is not None:
+                    self.sync()
                 self.current[part] += time.perf_counter() - start
 
-        setattr(obj, name, timed)
+        setattr(obj, name, timed)  # an instance attribute: delattr restores the method
+        self._wrapped.append((obj, name))
+
+    def wrap_step(self, engine, runner) -> None:
+        """Time each of :data:`STEP_PARTS` of ``engine``'s steps (``runner``: its
+        in-process model runner)."""
+        for (obj, name), part in zip(
+                ((engine.scheduler, "schedule"), (runner, "_update_states"),
+                 (runner, "_prepare_inputs"), (runner, "_forward"),
+                 (runner.model, "compute_logits"), (runner, "_sample")), STEP_PARTS,
+                strict=True):
+            self.wrap(obj, name, part)
+
+    def unwrap(self) -> None:
+        """Put the wrapped methods back."""
+        for obj, name in self._wrapped:
+            delattr(obj, name)
+        self._wrapped.clear()
 
 
 def measure(running: int, steps: int, dtype: str, seed: int) -> dict[str, float]:
@@ -55,12 +82,7 @@ def measure(running: int, steps: int, dtype: str, seed: int) -> dict[str, float]
     engine = llm.llm_engine
     runner = engine.executor.worker.runner
     timers = Timers()
-    timers.wrap(engine.scheduler, "schedule", "schedule")
-    timers.wrap(runner, "_update_states", "update states")
-    timers.wrap(runner, "_prepare_inputs", "prepare inputs")
-    timers.wrap(runner, "_forward", "forward")
-    timers.wrap(runner.model, "compute_logits", "logits")
-    timers.wrap(runner, "_sample", "sampling")
+    timers.wrap_step(engine, runner)
     rng = random.Random(seed)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(running):

@@ -12,8 +12,9 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tens
 // y = x w^T (+ bias) for a few rows of x (fp32): every weight row is read once for all rows.
 at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 
-// y = x w^T (+ bias) for many rows: tiles of single-threaded sgemm, taken by the threads
-// one at a time (a thread that loses its core for a while does not stall the others).
+// y = x w^T (+ bias) for many rows: tiles taken by the threads one at a time (a thread that
+// loses its core for a while does not stall the others); fp32 tiles run a register-blocked
+// AVX2 kernel, other dtypes one single-threaded sgemm each.
 at::Tensor linear_tiled(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 
 // RMSNorm of each row (fp32 math); with residual: residual += x in place first, and the
