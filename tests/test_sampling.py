@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvray.kernels.sampling import SamplingBatch, apply_penalties_and_bias, sample
+from kvray.kernels.sampling import SamplingBatch, apply_penalties_and_bias, row_argmax, sample
 from kvray.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -74,6 +74,18 @@ def test_greedy_rows_take_argmax():
     logits = torch.randn(8, VOCAB, generator=gen(0))
     out = sample(logits, repeat(SamplingParams(temperature=0.0), 8))
     assert out.token_ids.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_argmax_with_ties_nan_and_inf(dtype):
+    """The faster reduction behind greedy picks gives argmax's index in every corner."""
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [nan, 1.0, 2.0, nan], [1.0, nan, 5.0, 5.0],
+                      [-inf] * 4, [inf, 2.0, inf, 0.0], [0.0, -0.0, 0.0, -1.0]], dtype=dtype)
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    big = torch.randn(64, 49_152, generator=torch.Generator().manual_seed(0)).to(dtype)
+    big[3, 100] = big[3, 7] = big[3].max() + 1  # a tie far apart
+    assert torch.equal(row_argmax(big), big.argmax(dim=-1))
 
 
 def test_mixed_batch_greedy_rows_argmax_random_rows_sample():

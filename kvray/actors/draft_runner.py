@@ -19,6 +19,7 @@ import torch
 
 from kvray.actors.cache_engine import CacheEngine, kv_bytes_per_block
 from kvray.kernels.attention import PagedRow, paged_batch
+from kvray.kernels.sampling import row_argmax
 from kvray.models.loader import load_model
 from kvray.parallel import ParallelContext
 
@@ -103,4 +104,4 @@ class DraftRunner:
 
         ids, meta, last = paged_batch(rows, self.block_size, t, **self.kernels)
         hidden = self.model(t(ids), meta, kv_caches=self.cache.kv_caches)
-        return self.model.compute_logits(hidden[t(last)]).argmax(dim=-1).tolist()
+        return row_argmax(self.model.compute_logits(hidden[t(last)])).tolist()
