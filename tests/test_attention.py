@@ -116,6 +116,22 @@ def test_cpu_decode_kernel_matches_the_reference(kernel, dtype, atol, window):
     assert torch.allclose(fast.float(), _expected(ks, vs, qs, window).float(), atol=atol)
 
 
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_cpu_decode_kernel_reads_a_bf16_cache_for_an_fp32_query(kernel, head_dim):
+    """The fused decode layer of a bf16 model: fp32 q over the bf16 cache, fp32 out; the
+    same numbers as the fp32 kernel over the cache's values widened."""
+    g = torch.Generator().manual_seed(head_dim)
+    cache = torch.randn(2, 2, 8, 4, head_dim, generator=g).bfloat16()
+    q = torch.randn(2, 4, head_dim, generator=g)
+    tables = torch.tensor([[3, 1, 0], [5, 2, 0]])
+    lens = torch.tensor([10, 6])
+    got = kernel(q, cache, tables, lens, 0.2, -1)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, kernel(q, cache.float(), tables, lens, 0.2, -1))
+    with pytest.raises(RuntimeError, match="q must have the cache's dtype or be fp32"):
+        kernel(q.bfloat16(), cache.float(), tables, lens, 0.2, -1)
+
+
 def test_cpu_decode_kernel_handles_unusual_head_dim(kernel):
     g = torch.Generator().manual_seed(3)
     cache = torch.randn(2, 1, 8, 4, 24, generator=g)

@@ -2,7 +2,8 @@
 exactly what the Python layer computes with the same kernels: the output, the residual
 stream and the K/V written into the paged cache, on every architecture's variant (biases,
 per-head q/k norms, GQA, sliding window), for the first layer (no residual yet) and later
-ones; and the engine takes it only for pure-decode batches of few rows."""
+ones; and the engine takes it only for pure-decode batches of few rows. A bf16 model's
+fused layer is the fp32 layer over the same values (K/V rounded into its bf16 cache)."""
 
 from __future__ import annotations
 
@@ -130,3 +131,89 @@ def test_rejects_a_slot_outside_the_cache(llms):
     meta.slot_mapping = torch.tensor([0, kv.shape[2] * BLOCK], dtype=torch.int64)
     with pytest.raises(RuntimeError, match="outside the cache"):
         layer(hidden, residual, meta, kv)
+
+
+# ---- a bf16 model: the fused layer computes on fp32 activations over its bf16 weights/cache
+
+
+@pytest.fixture(scope="module")
+def bf16_pairs(tiny_model_dir, cpu_kernels):
+    """variant -> (bf16 LLM, fp32 LLM holding the bf16 model's weight values)."""
+    cache = {}
+
+    def get(variant):
+        if variant not in cache:
+            path = tiny_model_dir(VARIANTS[variant][0])
+            llm16 = LLM(str(path), dtype="bfloat16", block_size=BLOCK,
+                        num_gpu_blocks_override=64)
+            llm32 = LLM(str(path), dtype="float32", block_size=BLOCK,
+                        num_gpu_blocks_override=64)
+            params16 = dict(_runner(llm16).model.named_parameters())
+            with torch.no_grad():
+                for name, p in _runner(llm32).model.named_parameters():
+                    p.copy_(params16[name].float())  # bf16 values, exact in fp32
+            cache[variant] = llm16, llm32
+        return cache[variant]
+
+    return get
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "mistral_window"])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("first_layer", [True, False])
+def test_bf16_fused_decode_layer_is_the_fp32_layer_over_the_same_values(
+        bf16_pairs, variant, rows, first_layer):
+    llm16, llm32 = bf16_pairs(variant)
+    layer16 = _runner(llm16).model.model.layers[1]
+    layer32 = _runner(llm32).model.model.layers[1]
+    assert layer16.fused_decode is not None, "a bf16 model on CPU takes the fused layer too"
+    meta, kv, hidden, residual = _decode_batch(_runner(llm16), rows, seed=rows)
+    kv16 = kv.bfloat16()
+    # the first layer gets the embedding (bf16); later ones the fp32 stream of the one before
+    hidden_in = hidden.bfloat16() if first_layer else hidden
+    res = None if first_layer else residual
+
+    fused, layer32.fused_decode = layer32.fused_decode, None
+    kv32 = kv16.float()
+    with torch.inference_mode():
+        try:
+            want = layer32(hidden_in.float(), None if res is None else res.clone(), meta, kv32)
+        finally:
+            layer32.fused_decode = fused
+        kv_fused = kv16.clone()
+        got = layer16(hidden_in.clone(), None if res is None else res.clone(), meta, kv_fused)
+    assert got[0].dtype == got[1].dtype == torch.float32
+    # K and V come from the same kernels on the same values: equal once rounded to bf16
+    assert torch.equal(kv_fused, kv32.bfloat16()), "K/V written into the bf16 cache"
+    # the one difference: attention reads this token's K/V rounded to bf16 (the cache's)
+    torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[1], want[1], rtol=2e-2, atol=2e-2)
+
+
+def test_a_bf16_engine_decodes_through_the_fused_layer_and_returns_bf16(bf16_pairs,
+                                                                        monkeypatch):
+    llm16, _ = bf16_pairs("llama_gqa")
+    runner = _runner(llm16)
+    max_rows = runner.model.model.layers[0].fused_decode_max_rows
+    assert 1 <= max_rows < 16, "bf16: only the smallest batches (oneDNN's matmuls beyond)"
+    calls, dtypes = [], []
+    fused = LlamaDecoderLayer._fused_decode
+    forward = type(runner.model.model).forward
+
+    def spy(self, hidden, *args):
+        calls.append(hidden.shape[0])
+        return fused(self, hidden, *args)
+
+    def spy_model(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        dtypes.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(LlamaDecoderLayer, "_fused_decode", spy)
+    monkeypatch.setattr(type(runner.model.model), "forward", spy_model)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out16 = llm16.generate(prompts, params, use_tqdm=False)
+    assert set(calls) == {2} and len(calls) == 5 * runner.spec.num_layers
+    assert set(dtypes) == {torch.bfloat16}, "the LM head gets the model's dtype"
+    assert all(len(o.outputs[0].token_ids) == 6 for o in out16)

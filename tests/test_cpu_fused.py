@@ -33,6 +33,18 @@ def test_fused_rms_norm_matches_the_reference(ops, dtype, rows, size):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+def test_fused_rms_norm_of_fp32_rows_with_a_bf16_weight(ops):
+    """A bf16 model's final norm after its fused decode layers: fp32 rows, bf16 weight (the
+    weight's values widened, as if it were fp32)."""
+    g = torch.Generator().manual_seed(0)
+    x, res = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
+    w = torch.randn(40, generator=g).bfloat16()
+    res32 = res.clone()
+    want = ops.rms_norm(x, w.float(), 1e-6, res32)
+    got = ops.rms_norm(x, w, 1e-6, res)
+    assert got.dtype == torch.float32 and torch.equal(got, want) and torch.equal(res, res32)
+
+
 def test_rms_norm_module_gives_the_same_pair_with_the_fused_op(ops):
     norm = RMSNorm(16, 1e-6, torch.float32)
     norm.weight.data.normal_()

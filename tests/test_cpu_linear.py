@@ -12,8 +12,11 @@ import torch.nn.functional as F
 
 from kvray.models.layers import (
     WEIGHT_MAJOR_MAX_ROWS,
+    ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
+    packed_weights_supported,
+    use_packed_weights,
     use_small_m_kernel,
 )
 from kvray.parallel import ParallelContext
@@ -57,8 +60,25 @@ def test_small_m_linear_rejects_what_it_cannot_do(ops):
     w = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="1 <= M <= 32"):
         ops.linear_small_m(torch.randn(33, 8), w, None)
-    with pytest.raises(RuntimeError, match="fp32 x with fp32 or bf16 w only"):
-        ops.linear_small_m(torch.randn(2, 8, dtype=torch.bfloat16), w.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="fp32 x with fp32 or bf16 w"):
+        ops.linear_small_m(torch.randn(2, 8, dtype=torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match="fp32 x with fp32 or bf16 w"):
+        ops.linear_small_m(torch.randn(2, 8, dtype=torch.float16), w.half(), None)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_m_linear_of_a_bf16_model_is_fp32_math_rounded_once(ops, rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 203, generator=gen).bfloat16()
+    w = torch.randn(97, 203, generator=gen).bfloat16()
+    b = torch.randn(97, generator=gen).bfloat16() if with_bias else None
+    got = ops.linear_small_m(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 97)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    # the fp32 sums agree to ~1e-6; rounding them to bf16 may differ by one step (2^-8)
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-4)
+    assert (got.float() - want.bfloat16().float()).abs().le(want.abs() * 2 ** -7).all()
 
 
 @pytest.mark.parametrize("rows", [1, 65, 255, 256, 257, 700])
@@ -183,3 +203,54 @@ def test_bf16_copies_only_where_bf16_holds_the_weights_exactly(ops):
     x = torch.randn(2, 16)
     for layer in (exact, inexact):
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
+
+
+needs_packed = pytest.mark.skipif(not packed_weights_supported(),
+                                  reason="this PyTorch build has no oneDNN bf16 matmul")
+
+
+@needs_packed
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_bf16_weights_give_f_linears_result_at_any_row_count(with_bias):
+    layer = ColumnParallelLinear(ParallelContext(), 72, 40, with_bias, torch.bfloat16)
+    torch.nn.init.normal_(layer.weight)
+    if with_bias:
+        torch.nn.init.normal_(layer.bias)
+    head = ParallelLMHead(ParallelContext(), 50, 72, torch.bfloat16)
+    torch.nn.init.normal_(head.weight)
+    model = torch.nn.ModuleList([layer, head])
+    assert use_packed_weights(model) == (40 * 72 + 50 * 72) * 2
+    assert layer.packed_weight is not None and head.packed_weight is not None
+    for rows in (1, 5, 64, 300):
+        x = torch.randn(rows, 72).bfloat16()
+        # oneDNN's kernel either way, fp32 accumulation: equal up to the last bf16 rounding
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias),
+                                   rtol=2 ** -7, atol=0.05)
+        torch.testing.assert_close(head.compute_logits(x), F.linear(x, head.weight),
+                                   rtol=2 ** -7, atol=0.05)
+    x32 = torch.randn(3, 72)  # not bf16: the plain weight's path, which rejects the mix
+    with pytest.raises(RuntimeError):
+        layer(x32)
+
+
+@needs_packed
+def test_packing_leaves_fp32_layers_alone():
+    layer = ColumnParallelLinear(ParallelContext(), 16, 8, False, torch.float32)
+    assert use_packed_weights(torch.nn.ModuleList([layer])) == 0
+    assert layer.packed_weight is None
+
+
+@needs_packed
+def test_a_bf16_engine_packs_its_weights_and_keeps_the_small_m_kernel_off(ops,
+                                                                          tiny_model_dir):
+    from kvray import LLM
+
+    llm = LLM(str(tiny_model_dir("llama_gqa")), dtype="bfloat16", num_gpu_blocks_override=32)
+    try:
+        runner = llm.llm_engine.executor.worker.runner
+        layers = [m for m in runner.model.modules() if hasattr(m, "packed_weight")]
+        assert layers and all(m.packed_weight is not None for m in layers)
+        # bf16 decode batches past the fused layer's rows go to oneDNN, not the small-M kernel
+        assert all(m.small_m_kernel is None for m in layers)
+    finally:
+        llm.shutdown()

@@ -115,6 +115,10 @@ class LlamaDecoderLayer(nn.Module):
                 and meta.num_decodes == hidden.shape[0] <= self.fused_decode_max_rows \
                 and hidden.is_contiguous() and (residual is None or residual.is_contiguous()):
             return self._fused_decode(hidden, residual, meta, kv_cache)
+        dtype = self.input_layernorm.weight.dtype
+        if hidden.dtype != dtype:  # fp32 from a fused layer before (a bf16 model)
+            hidden = hidden.to(dtype)
+            residual = None if residual is None else residual.to(dtype)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -133,13 +137,18 @@ class LlamaDecoderLayer(nn.Module):
             qkv, o = attn.qkv_proj, attn.o_proj
             gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
             none = torch.empty(0)  # an empty weight: the model has no q/k norms
-            weights = [norm.weight, qkv.kernel_weight,
-                       attn.q_norm.weight if attn.q_norm is not None else none,
-                       attn.k_norm.weight if attn.k_norm is not None else none,
-                       o.kernel_weight, self.post_attention_layernorm.weight,
+
+            def f32(t: torch.Tensor | None) -> torch.Tensor | None:
+                # norms and biases in fp32, the layer's activations (a bf16 model's once)
+                return None if t is None else t.detach().float()
+
+            weights = [f32(norm.weight), qkv.kernel_weight,
+                       f32(attn.q_norm.weight) if attn.q_norm is not None else none,
+                       f32(attn.k_norm.weight) if attn.k_norm is not None else none,
+                       o.kernel_weight, f32(self.post_attention_layernorm.weight),
                        gate_up.kernel_weight, down.kernel_weight]
             self._decode_args = (
-                weights, [qkv.bias, o.bias, gate_up.bias, down.bias],
+                weights, [f32(qkv.bias), f32(o.bias), f32(gate_up.bias), f32(down.bias)],
                 [attn.num_heads, attn.num_kv_heads, attn.head_dim], norm.eps,
                 attn.scale, attn.sliding_window or -1)
         weights, biases, dims, eps, scale, window = self._decode_args
@@ -158,6 +167,7 @@ class LlamaModel(nn.Module):
                  max_positions: int) -> None:
         super().__init__()
         self.ctx = ctx
+        self.dtype = dtype
         self.start_layer, self.end_layer = pp_layer_range(spec.num_layers, ctx.pp_rank,
                                                           ctx.pp_size)
         rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_positions)
@@ -182,10 +192,12 @@ class LlamaModel(nn.Module):
         for i in range(self.start_layer, self.end_layer):
             cache = kv_caches[i] if kv_caches is not None else None
             hidden, residual = self.layers[i](hidden, residual, meta, cache)
+        # A bf16 model's fused decode layers leave fp32 activations: the next stage and
+        # the LM head get the model's dtype.
         if not self.ctx.is_last_stage:
-            return hidden, residual
+            return hidden.to(self.dtype), residual.to(self.dtype)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden.to(self.dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -218,9 +230,11 @@ def use_fused_decode_layer(model: nn.Module, kernel: Callable[..., tuple], max_r
                            ) -> None:
     """Run each decoder layer of decode batches of at most ``max_rows`` rows as one call of
     ``kernel`` (``decode_layer`` of :mod:`kvray.kernels.cpu_ops`' extension, which computes
-    exactly what :meth:`LlamaDecoderLayer.forward` does with the same kernels). Only for one
-    tensor-parallel rank (a TP layer all-reduces mid-layer, in Python) and the CPU kernels'
-    paged cache; inputs that are not contiguous take the Python layer."""
+    exactly what :meth:`LlamaDecoderLayer.forward` does with the same kernels in fp32; a
+    bf16 model's layers compute there on fp32 activations: more precise than its bf16 path,
+    and the small-M kernel's input). Only for one tensor-parallel rank (a TP layer
+    all-reduces mid-layer, in Python) and the CPU kernels' paged cache; inputs that are not
+    contiguous take the Python layer."""
     for module in model.modules():
         if isinstance(module, LlamaDecoderLayer):
             module.fused_decode, module.fused_decode_max_rows = kernel, max_rows

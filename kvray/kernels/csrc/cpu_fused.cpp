@@ -24,9 +24,11 @@ inline int64_t row_grain(int64_t row_len) {
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps,
                     c10::optional<at::Tensor> residual) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() &&
-              weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "rms_norm: contiguous x [T, H] and weight [H] of the same dtype expected");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.numel() == x.size(1),
+              "rms_norm: contiguous x [T, H] and weight [H] expected");
+  // fp32 activations of a bf16 model (its fused decode layers): the weight in x's dtype.
+  if (weight.scalar_type() != x.scalar_type()) weight = weight.to(x.scalar_type());
+  weight = weight.contiguous();
   const bool has_res = residual.has_value() && residual->defined();
   if (has_res)
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&

@@ -5,10 +5,12 @@
 // views, the K/V scatter's index_copy_, metadata): ~6 ms of a ~25 ms step on a 2-core AVX2
 // EPYC. Here the same kernels run back to back with nothing between them: the fused norms,
 // the small-M linear, in-place rotary, a direct K/V write and the paged decode attention.
-// fp32 activations only (the small-M kernel's input); weights fp32 or bf16 copies.
+// fp32 activations (the small-M kernel's input); weights fp32 or bf16 (a bf16 model's own,
+// or the copies of an fp32 run of a bf16 checkpoint); the cache fp32, bf16 or fp16.
 #include "ops.h"
 
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -16,25 +18,40 @@ at::Tensor opt(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? *t : at::Tensor();
 }
 
-// Write rows of K and V ([T, Hk, D] views with unit stride in D) into their cache slots.
-void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv,
-              const at::Tensor& slots) {
-  const int64_t T = k.size(0), Hk = k.size(1), D = k.size(2);
+// Write rows of K and V (fp32 [T, Hk, D] views with unit stride in D) into their cache
+// slots; a bf16/fp16 cache gets them rounded to its dtype.
+template <typename T>
+void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv,
+                   const at::Tensor& slots) {
+  const int64_t T_ = k.size(0), Hk = k.size(1), D = k.size(2);
   const int64_t num_slots = kv.size(2) * kv.size(3);
   const int64_t* sp = slots.data_ptr<int64_t>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  float* cache = kv.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
+  T* cache = kv.data_ptr<T>();
+  for (int64_t t = 0; t < T_; ++t) {
     const int64_t s = sp[t];
     TORCH_CHECK(s >= 0 && s < num_slots, "decode_layer: slot ", s, " outside the cache");
     for (int64_t h = 0; h < Hk; ++h) {
-      std::memcpy(cache + ((0 * Hk + h) * num_slots + s) * D,
-                  kp + t * k.stride(0) + h * k.stride(1), D * sizeof(float));
-      std::memcpy(cache + ((1 * Hk + h) * num_slots + s) * D,
-                  vp + t * v.stride(0) + h * v.stride(1), D * sizeof(float));
+      const float* src[2] = {kp + t * k.stride(0) + h * k.stride(1),
+                             vp + t * v.stride(0) + h * v.stride(1)};
+      for (int64_t which = 0; which < 2; ++which) {
+        T* dst = cache + ((which * Hk + h) * num_slots + s) * D;
+        if constexpr (std::is_same_v<T, float>) {
+          std::memcpy(dst, src[which], D * sizeof(float));
+        } else {
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[which][d]);
+        }
+      }
     }
   }
+}
+
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv,
+              const at::Tensor& slots) {
+  if (kv.scalar_type() == at::kFloat) write_kv_impl<float>(k, v, kv, slots);
+  else if (kv.scalar_type() == at::kBFloat16) write_kv_impl<c10::BFloat16>(k, v, kv, slots);
+  else write_kv_impl<c10::Half>(k, v, kv, slots);
 }
 
 }  // namespace
@@ -48,9 +65,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
               "decode_layer: weights [in_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, "
               "down], biases [qkv, o, gate_up, down] and dims [Hq, Hk, D] expected");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() &&
-              hidden.scalar_type() == at::kFloat, "decode_layer: fp32 hidden [T, H]");
-  TORCH_CHECK(kv.is_contiguous() && kv.dim() == 5 && kv.scalar_type() == at::kFloat,
-              "decode_layer: fp32 paged cache [2, Hk, blocks, block_size, D]");
+              (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == kv.scalar_type()),
+              "decode_layer: hidden [T, H], fp32 or of the cache's dtype");
+  TORCH_CHECK(kv.is_contiguous() && kv.dim() == 5 &&
+              (kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kBFloat16 ||
+               kv.scalar_type() == at::kHalf),
+              "decode_layer: fp32/bf16/fp16 paged cache [2, Hk, blocks, block_size, D]");
+  // A bf16/fp16 model's layers run here on fp32 activations (its first layer gets the
+  // embedding in the model's dtype): exact products with its weights, one rounding per
+  // output instead of one per op, and K/V rounded to the cache's dtype as they are written.
+  if (hidden.scalar_type() != at::kFloat) hidden = hidden.to(at::kFloat);
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
               slots.numel() == hidden.size(0), "decode_layer: int64 slots [T]");
   const int64_t T = hidden.size(0), Hq = dims[0], Hk = dims[1], D = dims[2];

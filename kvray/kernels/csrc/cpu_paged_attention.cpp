@@ -1,6 +1,8 @@
 // CPU paged decode attention for kvray (built by kvray/kernels/cpu_ops.py).
 // Reads K/V straight from the paged cache [2, Hk, num_blocks, block_size, D]: one pass over
-// K for the scores, one over V for the output, parallel over (sequence, kv head).
+// K for the scores, one over V for the output, parallel over (sequence, kv head). q is the
+// cache's dtype, or fp32 over a bf16/fp16 cache (the fused decode layer of a bf16 model keeps
+// its activations in fp32); the output has q's dtype.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -71,19 +73,19 @@ static inline void softmax_rows(float* s, int64_t G, int64_t n) {
   }
 }
 
-template <typename T, int64_t DK>
+template <typename TQ, typename T, int64_t DK>
 static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
                         const at::Tensor& seq_lens, double scale, int64_t window,
                         at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hk = kv.size(1), NB = kv.size(2), BS = kv.size(3);
   const int64_t G = Hq / Hk, max_blocks = tables.size(1);
-  const T* qp = q.data_ptr<T>();
+  const TQ* qp = q.data_ptr<TQ>();
   const T* kp = kv.data_ptr<T>();
   const T* vp = kp + Hk * NB * BS * D;
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
+  TQ* op = out.data_ptr<TQ>();
   at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), buf(BS * D), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
@@ -115,9 +117,20 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
       }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
-          op[(b * Hq + h * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
+          op[(b * Hq + h * G + g) * D + d] = static_cast<TQ>(acc[g * D + d]);
     }
   });
+}
+
+// decode_impl specialised for the common head sizes.
+template <typename TQ, typename T>
+static void decode_any_d(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
+                         const at::Tensor& seq_lens, double scale, int64_t window,
+                         at::Tensor& out) {
+  const int64_t d = q.size(2);
+  if (d == 64) decode_impl<TQ, T, 64>(q, kv, tables, seq_lens, scale, window, out);
+  else if (d == 128) decode_impl<TQ, T, 128>(q, kv, tables, seq_lens, scale, window, out);
+  else decode_impl<TQ, T, 0>(q, kv, tables, seq_lens, scale, window, out);
 }
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
@@ -125,14 +138,14 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tens
   TORCH_CHECK(kv.size(3) <= 256, "paged_decode: block_size must be <= 256");
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && tables.is_contiguous() &&
               seq_lens.is_contiguous(), "paged_decode: inputs must be contiguous");
-  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "paged_decode: q and kv dtypes differ");
+  const bool fp32_q = q.scalar_type() == at::kFloat;
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type() || fp32_q,
+              "paged_decode: q must have the cache's dtype or be fp32");
   auto out = at::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode",
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv.scalar_type(), "paged_decode",
       [&] {
-        const int64_t d = q.size(2);
-        if (d == 64) decode_impl<scalar_t, 64>(q, kv, tables, seq_lens, scale, window, out);
-        else if (d == 128) decode_impl<scalar_t, 128>(q, kv, tables, seq_lens, scale, window, out);
-        else decode_impl<scalar_t, 0>(q, kv, tables, seq_lens, scale, window, out);
+        if (fp32_q) decode_any_d<float, scalar_t>(q, kv, tables, seq_lens, scale, window, out);
+        else decode_any_d<scalar_t, scalar_t>(q, kv, tables, seq_lens, scale, window, out);
       });
   return out;
 }
