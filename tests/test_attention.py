@@ -132,6 +132,42 @@ def test_cpu_decode_kernel_reads_a_bf16_cache_for_an_fp32_query(kernel, head_dim
         kernel(q.bfloat16(), cache.float(), tables, lens, 0.2, -1)
 
 
+@pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 3), (128, 16, 4), (64, 32, 1),
+                                                     (64, 4, 2), (128, 8, 3)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [-1, 13])
+def test_cpu_decode_kernel_vector_paths_match_a_float64_reference(
+        kernel, head_dim, block_size, group, cache_dtype, window):
+    """Head sizes of 64 and 128 take the kernel's vector code (eight keys at a time, then a
+    scalar tail): context lengths on both sides of 8 and of a block, any block order."""
+    g = torch.Generator().manual_seed(head_dim + block_size + group)
+    lens = [1, 5, 8, 9, 16, 17, 31, 100]
+    hk, blocks = 2, 160
+    cache = torch.randn(2, hk, blocks, block_size, head_dim, generator=g).to(cache_dtype)
+    width = max(-(-n // block_size) for n in lens)
+    order = torch.randperm(blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in lens:
+        nb = -(-n // block_size)
+        tables.append(order[used:used + nb] + [0] * (width - nb))
+        used += nb
+    tables_t = torch.tensor(tables)
+    q = torch.randn(len(lens), hk * group, head_dim, generator=g)
+    scale = head_dim ** -0.5
+    got = kernel(q.to(cache_dtype) if cache_dtype == torch.float32 else q, cache, tables_t,
+                 torch.tensor(lens), scale, window)
+    for b, n in enumerate(lens):
+        slots = [tables[b][t // block_size] * block_size + t % block_size for t in range(n)]
+        k = cache[0].reshape(hk, -1, head_dim)[:, slots].double()  # [hk, n, D]
+        v = cache[1].reshape(hk, -1, head_dim)[:, slots].double()
+        start = max(0, n - window) if window > 0 else 0
+        for h in range(hk * group):
+            kv_h = h // group
+            scores = (k[kv_h, start:] @ q[b, h].double()) * scale
+            want = torch.softmax(scores, 0) @ v[kv_h, start:]
+            torch.testing.assert_close(got[b, h].double(), want, rtol=1e-4, atol=1e-5)
+
+
 def test_cpu_decode_kernel_handles_unusual_head_dim(kernel):
     g = torch.Generator().manual_seed(3)
     cache = torch.randn(2, 1, 8, 4, 24, generator=g)

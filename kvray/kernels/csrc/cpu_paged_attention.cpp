@@ -2,13 +2,20 @@
 // Reads K/V straight from the paged cache [2, Hk, num_blocks, block_size, D]: one pass over
 // K for the scores, one over V for the output, parallel over (sequence, kv head). q is the
 // cache's dtype, or fp32 over a bf16/fp16 cache (the fused decode layer of a bf16 model keeps
-// its activations in fp32); the output has q's dtype.
+// its activations in fp32); the output has q's dtype. Head sizes of 64 and 128 run AVX2
+// code for the scores and the weighted sum of V, and each next block is prefetched (blocks
+// lie anywhere in the cache): together 1.3x the plain loops in a 64-sequence bf16 decode
+// step on a 2-core AMX Xeon (attention 11.6-11.9 -> 8.7-9.4 ms of a ~50 ms step).
 #include "ops.h"
 
 #include <ATen/Parallel.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 static inline float to_f(float x) { return x; }
@@ -26,7 +33,33 @@ template <typename T, int64_t DK>
 static inline void to_float_block(const T* __restrict__ src, int64_t n, int64_t D_,
                                   float* __restrict__ dst) {
   const int64_t total = n * (DK > 0 ? DK : D_);
-  for (int64_t i = 0; i < total; ++i) dst[i] = to_f(src[i]);
+  int64_t i = 0;
+#ifdef __AVX2__
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // widen 8 at a time: the top halves
+    for (; i + 8 <= total; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      _mm256_storeu_ps(dst + i,
+                       _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+  }
+#endif
+  for (; i < total; ++i) dst[i] = to_f(src[i]);
+}
+
+static inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+// One block as fp32: an fp32 cache's own memory, else converted into `buf`.
+template <typename T, int64_t DK>
+static inline const float* as_float_block(const T* src, int64_t n, int64_t D_, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    to_float_block<T, DK>(src, n, D_, buf);
+    return buf;
+  }
 }
 
 // Scores of G query rows against one block's n_t keys (fp32 [n_t, D]), to s[g * stride + t].
@@ -45,6 +78,84 @@ static inline void block_scores(const float* __restrict__ qf, const float* __res
     }
   }
 }
+
+#ifdef __AVX2__
+// The 8 horizontal sums of a0..a7, as one vector [sum(a0), ..., sum(a7)].
+static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                          __m256 a6, __m256 a7) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                       _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+// block_scores for head sizes of 64 and 128: eight keys at a time per query row, eight
+// accumulators (named: GCC keeps them in registers), one combined horizontal sum instead of
+// one per key.
+template <int64_t DK>
+static inline void block_scores_avx2(const float* __restrict__ qf,
+                                     const float* __restrict__ kb, int64_t n_t, int64_t G,
+                                     float* __restrict__ s, int64_t stride) {
+  static_assert(DK % 8 == 0, "head size in vectors of 8");
+  int64_t t = 0;
+  for (; t + 8 <= n_t; t += 8) {
+    const float* k = kb + t * DK;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * DK;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0,
+             a6 = a0, a7 = a0;
+      for (int64_t d = 0; d < DK; d += 8) {
+        const __m256 q = _mm256_loadu_ps(qg + d);
+        a0 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 0 * DK + d), a0);
+        a1 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 1 * DK + d), a1);
+        a2 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 2 * DK + d), a2);
+        a3 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 3 * DK + d), a3);
+        a4 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 4 * DK + d), a4);
+        a5 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 5 * DK + d), a5);
+        a6 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 6 * DK + d), a6);
+        a7 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 7 * DK + d), a7);
+      }
+      _mm256_storeu_ps(s + g * stride + t, sum8(a0, a1, a2, a3, a4, a5, a6, a7));
+    }
+  }
+  if (t < n_t) block_scores<DK>(qf, kb + t * DK, n_t - t, G, DK, s + t, stride);
+}
+
+// block_values for a head size that is a multiple of 64: each query row's output kept in 8
+// registers per 64 dims over the block's tokens (loaded and stored once per block).
+template <int64_t DK>
+static inline void block_values_avx2(const float* __restrict__ p,
+                                     const float* __restrict__ vb, int64_t n_t, int64_t G,
+                                     float* __restrict__ acc, int64_t stride) {
+  static_assert(DK % 64 == 0, "head size in chunks of 64");
+  for (int64_t g = 0; g < G; ++g) {
+    const float* pg = p + g * stride;
+    for (int64_t d = 0; d < DK; d += 64) {
+      float* a = acc + g * DK + d;
+      __m256 c0 = _mm256_loadu_ps(a), c1 = _mm256_loadu_ps(a + 8),
+             c2 = _mm256_loadu_ps(a + 16), c3 = _mm256_loadu_ps(a + 24),
+             c4 = _mm256_loadu_ps(a + 32), c5 = _mm256_loadu_ps(a + 40),
+             c6 = _mm256_loadu_ps(a + 48), c7 = _mm256_loadu_ps(a + 56);
+      for (int64_t t = 0; t < n_t; ++t) {
+        const __m256 w = _mm256_broadcast_ss(pg + t);
+        const float* v = vb + t * DK + d;
+        c0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), c0);
+        c1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), c1);
+        c2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), c2);
+        c3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), c3);
+        c4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), c4);
+        c5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), c5);
+        c6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), c6);
+        c7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), c7);
+      }
+      _mm256_storeu_ps(a, c0); _mm256_storeu_ps(a + 8, c1);
+      _mm256_storeu_ps(a + 16, c2); _mm256_storeu_ps(a + 24, c3);
+      _mm256_storeu_ps(a + 32, c4); _mm256_storeu_ps(a + 40, c5);
+      _mm256_storeu_ps(a + 48, c6); _mm256_storeu_ps(a + 56, c7);
+    }
+  }
+}
+#endif
 
 template <int64_t DK>
 static inline void block_values(const float* __restrict__ p, const float* __restrict__ vb,
@@ -98,11 +209,26 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = to_f(qp[(b * Hq + h * G + g) * D + d]) * static_cast<float>(scale);
+      // Blocks sit anywhere in the cache: each is fetched ahead while the one before is
+      // being worked on (the hardware prefetcher does not cross into the next block).
+      const auto block_at = [&](const T* base, int64_t i) {
+        return base + ((h * NB + tp[b * max_blocks + i]) * BS) * D;
+      };
+      const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(T));
+      prefetch_block(block_at(kp, first), block_bytes);
       for (int64_t i = first; i < last; ++i) {
-        const T* kb = kp + ((h * NB + tp[b * max_blocks + i]) * BS) * D;
+        const T* kb = block_at(kp, i);
+        prefetch_block(i + 1 < last ? block_at(kp, i + 1) : block_at(vp, first), block_bytes);
         const int64_t n_t = std::min(BS, len - i * BS);
-        to_float_block<T, DK>(kb, n_t, D, buf.data());
-        block_scores<DK>(qf.data(), buf.data(), n_t, G, D, scores.data() + (i - first) * BS, n);
+        const float* kf = as_float_block<T, DK>(kb, n_t, D, buf.data());
+        float* s_blk = scores.data() + (i - first) * BS;
+#ifdef __AVX2__
+        if constexpr (DK > 0 && DK % 64 == 0) {
+          block_scores_avx2<DK>(qf.data(), kf, n_t, G, s_blk, n);
+          continue;
+        }
+#endif
+        block_scores<DK>(qf.data(), kf, n_t, G, D, s_blk, n);
       }
       for (int64_t g = 0; g < G; ++g)  // the window's start may fall inside a block
         for (int64_t t = first * BS; t < start; ++t) scores[g * n + t - first * BS] =
@@ -110,10 +236,18 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
       softmax_rows(scores.data(), G, n);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t i = first; i < last; ++i) {
-        const T* vb = vp + ((h * NB + tp[b * max_blocks + i]) * BS) * D;
+        const T* vb = block_at(vp, i);
+        if (i + 1 < last) prefetch_block(block_at(vp, i + 1), block_bytes);
         const int64_t n_t = std::min(BS, len - i * BS);
-        to_float_block<T, DK>(vb, n_t, D, buf.data());
-        block_values<DK>(scores.data() + (i - first) * BS, buf.data(), n_t, G, D, acc.data(), n);
+        const float* vf = as_float_block<T, DK>(vb, n_t, D, buf.data());
+        const float* p_blk = scores.data() + (i - first) * BS;
+#ifdef __AVX2__
+        if constexpr (DK > 0 && DK % 64 == 0) {
+          block_values_avx2<DK>(p_blk, vf, n_t, G, acc.data(), n);
+          continue;
+        }
+#endif
+        block_values<DK>(p_blk, vf, n_t, G, D, acc.data(), n);
       }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
