@@ -168,6 +168,28 @@ def test_cpu_decode_kernel_vector_paths_match_a_float64_reference(
             torch.testing.assert_close(got[b, h].double(), want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("k_dtype,cache_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
+def test_cpu_kv_write_equals_the_reference_scatter(cpu_kernels, k_dtype, cache_dtype):
+    """The CPU backend's K/V write: the same cache as write_kv_cache's index_copy_, from
+    strided views of a QKV output; fp32 K/V into a bf16 cache are rounded to it."""
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (4 + 2 * HK) * D, generator=g).to(k_dtype)
+    k = qkv[:, 4 * D:(4 + HK) * D].view(5, HK, D)
+    v = qkv[:, (4 + HK) * D:].view(5, HK, D)
+    slots = torch.tensor([7, 0, 63, 200, NUM_BLOCKS * BS - 1])
+    want = torch.randn(2, HK, NUM_BLOCKS, BS, D, generator=g).to(cache_dtype)
+    got = want.clone()
+    write_kv_cache(k.to(cache_dtype), v.to(cache_dtype), want, slots)
+    cpu_kernels.write_kv(k, v, got, slots)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.write_kv(k, v, got, torch.tensor([0, 1, 2, 3, NUM_BLOCKS * BS]))
+    with pytest.raises(RuntimeError, match="the cache's dtype or fp32"):
+        cpu_kernels.write_kv(k.half(), v.half(), got, slots)
+
+
 def test_cpu_decode_kernel_handles_unusual_head_dim(kernel):
     g = torch.Generator().manual_seed(3)
     cache = torch.randn(2, 1, 8, 4, 24, generator=g)

@@ -166,7 +166,7 @@ class ModelRunner:
                     f"attention_backend='cpu' needs kvray's C++ kernels on a CPU device "
                     f"(device here: {self.device.type}; kernels built: "
                     f"{cpu_ops.load_ops() is not None}); use 'auto' or 'torch'")
-            self.decode_kernel = cpu_ops.paged_decode
+            self.decode_kernel, self.write_kernel = cpu_ops.paged_decode, cpu_ops.write_kv
         elif backend == "triton":
             if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
                 raise ValueError(

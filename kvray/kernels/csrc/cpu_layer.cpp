@@ -18,43 +18,53 @@ at::Tensor opt(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? *t : at::Tensor();
 }
 
-// Write rows of K and V (fp32 [T, Hk, D] views with unit stride in D) into their cache
-// slots; a bf16/fp16 cache gets them rounded to its dtype.
-template <typename T>
+// Write rows of K and V ([T, Hk, D] views with unit stride in D) into their cache slots,
+// rounded to the cache's dtype when it is narrower than theirs.
+template <typename TS, typename TC>
 void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv,
                    const at::Tensor& slots) {
   const int64_t T_ = k.size(0), Hk = k.size(1), D = k.size(2);
   const int64_t num_slots = kv.size(2) * kv.size(3);
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  T* cache = kv.data_ptr<T>();
+  const TS* kp = k.data_ptr<TS>();
+  const TS* vp = v.data_ptr<TS>();
+  TC* cache = kv.data_ptr<TC>();
   for (int64_t t = 0; t < T_; ++t) {
     const int64_t s = sp[t];
-    TORCH_CHECK(s >= 0 && s < num_slots, "decode_layer: slot ", s, " outside the cache");
+    TORCH_CHECK(s >= 0 && s < num_slots, "write_kv: slot ", s, " outside the cache");
     for (int64_t h = 0; h < Hk; ++h) {
-      const float* src[2] = {kp + t * k.stride(0) + h * k.stride(1),
-                             vp + t * v.stride(0) + h * v.stride(1)};
+      const TS* src[2] = {kp + t * k.stride(0) + h * k.stride(1),
+                          vp + t * v.stride(0) + h * v.stride(1)};
       for (int64_t which = 0; which < 2; ++which) {
-        T* dst = cache + ((which * Hk + h) * num_slots + s) * D;
-        if constexpr (std::is_same_v<T, float>) {
-          std::memcpy(dst, src[which], D * sizeof(float));
+        TC* dst = cache + ((which * Hk + h) * num_slots + s) * D;
+        if constexpr (std::is_same_v<TS, TC>) {
+          std::memcpy(dst, src[which], D * sizeof(TC));
         } else {
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[which][d]);
+          for (int64_t d = 0; d < D; ++d)
+            dst[d] = static_cast<TC>(static_cast<float>(src[which][d]));
         }
       }
     }
   }
 }
 
-void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv,
-              const at::Tensor& slots) {
-  if (kv.scalar_type() == at::kFloat) write_kv_impl<float>(k, v, kv, slots);
-  else if (kv.scalar_type() == at::kBFloat16) write_kv_impl<c10::BFloat16>(k, v, kv, slots);
-  else write_kv_impl<c10::Half>(k, v, kv, slots);
-}
-
 }  // namespace
+
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor kv, at::Tensor slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 &&
+              v.stride(2) == 1 && k.scalar_type() == v.scalar_type(),
+              "write_kv: k and v [T, Hk, D] of one dtype, unit stride in D");
+  TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous() && kv.size(1) == k.size(1) &&
+              kv.size(4) == k.size(2), "write_kv: paged cache [2, Hk, blocks, block_size, D]");
+  TORCH_CHECK(k.scalar_type() == kv.scalar_type() || k.scalar_type() == at::kFloat,
+              "write_kv: k/v of the cache's dtype or fp32");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+              slots.numel() == k.size(0), "write_kv: int64 slots [T]");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv.scalar_type(), "write_kv", [&] {
+    if (k.scalar_type() == kv.scalar_type()) write_kv_impl<scalar_t, scalar_t>(k, v, kv, slots);
+    else write_kv_impl<float, scalar_t>(k, v, kv, slots);
+  });
+}
 
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     at::Tensor hidden, c10::optional<at::Tensor> residual_in, std::vector<at::Tensor> w,
@@ -75,8 +85,6 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   // embedding in the model's dtype): exact products with its weights, one rounding per
   // output instead of one per op, and K/V rounded to the cache's dtype as they are written.
   if (hidden.scalar_type() != at::kFloat) hidden = hidden.to(at::kFloat);
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
-              slots.numel() == hidden.size(0), "decode_layer: int64 slots [T]");
   const int64_t T = hidden.size(0), Hq = dims[0], Hk = dims[1], D = dims[2];
   TORCH_CHECK(kv.size(1) == Hk && kv.size(4) == D, "decode_layer: cache shape");
   const at::Tensor &in_norm = w[0], &qkv_w = w[1], &q_norm = w[2], &k_norm = w[3],

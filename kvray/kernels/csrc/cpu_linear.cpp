@@ -91,6 +91,57 @@ static void rows(const float* __restrict__ x, const W* __restrict__ w,
   }
 }
 
+#if defined(__AVX512F__) && !defined(KVRAY_NO_AVX512)
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// rows() with 16-wide vectors, where the CPU has AVX-512: half the instructions per byte
+// of weights streamed, a prefetch per cache line. On a 2-core AMX Xeon, every linear of the
+// built-in model's bf16 weights once: 1.14-1.19x the AVX2 rows() at 1 row (18-19 -> 21 GB/s),
+// 1.03-1.06x at 2-4, 1.16x at 8 (alternating runs).
+template <int M, int U, typename W>
+static void rows512(const float* __restrict__ x, const W* __restrict__ w,
+                    const float* __restrict__ b, float* __restrict__ y, int64_t K, int64_t N,
+                    int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* row = w + n * K;
+    __m512 a[M][U];
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < U; ++u) a[m][u] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 * U <= K; k += 16 * U) {
+      for (int64_t off = 0; off < 16 * U * static_cast<int64_t>(sizeof(W)); off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes + off,
+                     _MM_HINT_T0);
+      for (int u = 0; u < U; ++u) {
+        const __m512 wv = load16(row + k + 16 * u);
+        for (int m = 0; m < M; ++m)
+          a[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k + 16 * u), a[m][u]);
+      }
+    }
+    for (; k + 16 <= K; k += 16) {
+      const __m512 wv = load16(row + k);
+      for (int m = 0; m < M; ++m)
+        a[m][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), a[m][0]);
+    }
+    float acc[M];
+    for (int m = 0; m < M; ++m) {
+      for (int u = 1; u < U; ++u) a[m][0] = _mm512_add_ps(a[m][0], a[m][u]);
+      acc[m] = _mm512_reduce_add_ps(a[m][0]);
+    }
+    for (; k < K; ++k)
+      for (int m = 0; m < M; ++m) acc[m] += widen(row[k]) * x[m * K + k];
+    for (int m = 0; m < M; ++m) y[m * N + n] = acc[m] + (b ? b[n] : 0.f);
+  }
+}
+#define KVRAY_ROWS rows512
+#else
+#define KVRAY_ROWS rows
+#endif
+
 // Rows [n0, n1) of w against M rows of x, a tile of weight rows at a time: the tile stays
 // in L2 while groups of up to 4 x rows pass over it, so w is read from memory once.
 template <typename W>
@@ -101,11 +152,11 @@ static void tile_rows(const float* x, const W* w, const float* b, float* y, int6
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) rows<4, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1);
+    for (; m + 4 <= M; m += 4) KVRAY_ROWS<4, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1);
     switch (M - m) {
-      case 3: rows<3, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
-      case 2: rows<2, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
-      case 1: rows<1, 4, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
+      case 3: KVRAY_ROWS<3, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
+      case 2: KVRAY_ROWS<2, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
+      case 1: KVRAY_ROWS<1, 4, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
       default: break;
     }
   }

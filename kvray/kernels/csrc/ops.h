@@ -25,6 +25,10 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps,
 // Rotary embedding ("rotate half") of x [T, H, D] in place; cos/sin: fp32 [max_pos, D/2].
 void rotary_inplace(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin);
 
+// Write this step's K and V ([T, Hk, D], unit stride in D; the cache's dtype or fp32) into
+// the paged cache at `slots` (int64 [T]); a slot outside the cache is an error.
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor kv, at::Tensor slots);
+
 // silu(gate) * up for gate_up = [gate | up] of shape [T, 2 * I] -> [T, I].
 at::Tensor silu_and_mul(at::Tensor gate_up);
 
