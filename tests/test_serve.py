@@ -346,6 +346,25 @@ def test_tokenize_detokenize_version(server, model_name):
     assert httpx.get(f"{server}/version").json()["version"]
 
 
+def test_the_engine_is_built_on_the_thread_that_steps_it(model_dir):
+    """Its kernels' OpenMP team then is the only one in the process (a second one, the
+    builder's, made every decode step sleep-and-wake its threads: ~2x slower in Serve)."""
+    import threading
+
+    from kvray.config import config_from_flat
+    from kvray.engine.async_engine import AsyncLLM
+
+    engine = AsyncLLM(config_from_flat(dict(model=str(model_dir), dtype="float32",
+                                            block_size=4, max_model_len=256)))
+    try:
+        assert engine.built_on == engine._thread.ident != threading.get_ident()
+    finally:
+        engine.shutdown()
+    with pytest.raises(Exception, match="max_model_len"):  # a build error reaches the caller
+        AsyncLLM(config_from_flat(dict(model=str(model_dir), dtype="float32",
+                                       max_model_len=10**9)))
+
+
 def test_full_waiting_queue_gets_503_with_retry_after(model_dir):
     """In-process app over a real engine whose waiting limit is zero."""
     from fastapi.testclient import TestClient
