@@ -29,30 +29,61 @@ static inline float widen(c10::BFloat16 v) {
 #ifdef __AVX2__
 #include <immintrin.h>
 
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+// The vector width the small-M kernel runs at: 8 floats with AVX2, 16 with AVX-512 (half
+// the instructions per byte of weights; on a 2-core AMX Xeon, every linear of the built-in
+// model's bf16 weights once: 1.14-1.19x the AVX2 width at 1 row, 18-19 -> 21 GB/s,
+// 1.03-1.06x at 2-4 rows, 1.16x at 8, alternating runs). bf16 weights are widened exactly
+// (bf16 is the top half of an fp32).
+struct Vec8 {
+  using T = __m256;
+  static constexpr int kWidth = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load(const c10::BFloat16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static float sum(T v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
 
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+#ifdef __AVX512F__
+struct Vec16 {
+  using T = __m512;
+  static constexpr int kWidth = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load(const c10::BFloat16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static float sum(T v) { return _mm512_reduce_add_ps(v); }
+};
+using Vec = Vec16;
+#else
+using Vec = Vec8;
+#endif
 #endif
 
 // Bytes ahead of the current load that each weight row stream prefetches: software
 // prefetch this far ahead lifted the M = 1 kernel from ~14 to ~16-18 GB/s on an AVX2 EPYC
-// (256 and 512 bytes gained less).
+// (256 and 512 bytes gained less; on an AMX Xeon 1-4 KiB made no difference).
 constexpr int kPrefetchBytes = 1024;
 
 // Rows [n0, n1) of y^T for M <= 4 rows of x: y[m * N + n] = dot(x[m], w[n]) (+ b[n]).
 // One weight row at a time, read front to back: each thread reads one sequential stream,
-// which the hardware prefetcher follows. Interleaving 2-4 weight rows (4 streams per
-// thread) read at only 9-11 GB/s where one stream reads 16-18 (AVX2 EPYC, measured).
-// U independent accumulators per x row keep the FMA latency hidden.
+// which the hardware prefetcher follows (and a software prefetch per cache line). Interleaving
+// 2-4 weight rows (4 streams per thread) read at only 9-11 GB/s where one stream reads
+// 16-18 (AVX2 EPYC, measured). U independent accumulators per x row keep the FMA latency
+// hidden.
 template <int M, int U, typename W>
 static void rows(const float* __restrict__ x, const W* __restrict__ w,
                  const float* __restrict__ b, float* __restrict__ y, int64_t K, int64_t N,
@@ -62,25 +93,28 @@ static void rows(const float* __restrict__ x, const W* __restrict__ w,
     float acc[M];
     int64_t k = 0;
 #ifdef __AVX2__
-    __m256 a[M][U];
+    constexpr int V = Vec::kWidth;
+    constexpr int64_t kStepBytes = V * U * static_cast<int64_t>(sizeof(W));
+    typename Vec::T a[M][U];
     for (int m = 0; m < M; ++m)
-      for (int u = 0; u < U; ++u) a[m][u] = _mm256_setzero_ps();
-    for (; k + 8 * U <= K; k += 8 * U) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
+      for (int u = 0; u < U; ++u) a[m][u] = Vec::zero();
+    for (; k + V * U <= K; k += V * U) {
+      for (int64_t off = 0; off < kStepBytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes + off,
+                     _MM_HINT_T0);
       for (int u = 0; u < U; ++u) {
-        const __m256 wv = load8(row + k + 8 * u);
+        const auto wv = Vec::load(row + k + V * u);
         for (int m = 0; m < M; ++m)
-          a[m][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k + 8 * u), a[m][u]);
+          a[m][u] = Vec::fma(wv, Vec::load(x + m * K + k + V * u), a[m][u]);
       }
     }
-    for (; k + 8 <= K; k += 8) {
-      const __m256 wv = load8(row + k);
-      for (int m = 0; m < M; ++m)
-        a[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), a[m][0]);
+    for (; k + V <= K; k += V) {
+      const auto wv = Vec::load(row + k);
+      for (int m = 0; m < M; ++m) a[m][0] = Vec::fma(wv, Vec::load(x + m * K + k), a[m][0]);
     }
     for (int m = 0; m < M; ++m) {
-      for (int u = 1; u < U; ++u) a[m][0] = _mm256_add_ps(a[m][0], a[m][u]);
-      acc[m] = hsum(a[m][0]);
+      for (int u = 1; u < U; ++u) a[m][0] = Vec::add(a[m][0], a[m][u]);
+      acc[m] = Vec::sum(a[m][0]);
     }
 #else
     for (int m = 0; m < M; ++m) acc[m] = 0.f;
@@ -90,57 +124,6 @@ static void rows(const float* __restrict__ x, const W* __restrict__ w,
     for (int m = 0; m < M; ++m) y[m * N + n] = acc[m] + (b ? b[n] : 0.f);
   }
 }
-
-#if defined(__AVX512F__) && !defined(KVRAY_NO_AVX512)
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// rows() with 16-wide vectors, where the CPU has AVX-512: half the instructions per byte
-// of weights streamed, a prefetch per cache line. On a 2-core AMX Xeon, every linear of the
-// built-in model's bf16 weights once: 1.14-1.19x the AVX2 rows() at 1 row (18-19 -> 21 GB/s),
-// 1.03-1.06x at 2-4, 1.16x at 8 (alternating runs).
-template <int M, int U, typename W>
-static void rows512(const float* __restrict__ x, const W* __restrict__ w,
-                    const float* __restrict__ b, float* __restrict__ y, int64_t K, int64_t N,
-                    int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const W* row = w + n * K;
-    __m512 a[M][U];
-    for (int m = 0; m < M; ++m)
-      for (int u = 0; u < U; ++u) a[m][u] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 * U <= K; k += 16 * U) {
-      for (int64_t off = 0; off < 16 * U * static_cast<int64_t>(sizeof(W)); off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes + off,
-                     _MM_HINT_T0);
-      for (int u = 0; u < U; ++u) {
-        const __m512 wv = load16(row + k + 16 * u);
-        for (int m = 0; m < M; ++m)
-          a[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k + 16 * u), a[m][u]);
-      }
-    }
-    for (; k + 16 <= K; k += 16) {
-      const __m512 wv = load16(row + k);
-      for (int m = 0; m < M; ++m)
-        a[m][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), a[m][0]);
-    }
-    float acc[M];
-    for (int m = 0; m < M; ++m) {
-      for (int u = 1; u < U; ++u) a[m][0] = _mm512_add_ps(a[m][0], a[m][u]);
-      acc[m] = _mm512_reduce_add_ps(a[m][0]);
-    }
-    for (; k < K; ++k)
-      for (int m = 0; m < M; ++m) acc[m] += widen(row[k]) * x[m * K + k];
-    for (int m = 0; m < M; ++m) y[m * N + n] = acc[m] + (b ? b[n] : 0.f);
-  }
-}
-#define KVRAY_ROWS rows512
-#else
-#define KVRAY_ROWS rows
-#endif
 
 // Rows [n0, n1) of w against M rows of x, a tile of weight rows at a time: the tile stays
 // in L2 while groups of up to 4 x rows pass over it, so w is read from memory once.
@@ -152,11 +135,11 @@ static void tile_rows(const float* x, const W* w, const float* b, float* y, int6
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) KVRAY_ROWS<4, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1);
+    for (; m + 4 <= M; m += 4) rows<4, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1);
     switch (M - m) {
-      case 3: KVRAY_ROWS<3, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
-      case 2: KVRAY_ROWS<2, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
-      case 1: KVRAY_ROWS<1, 4, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
+      case 3: rows<3, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
+      case 2: rows<2, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
+      case 1: rows<1, 4, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
       default: break;
     }
   }
