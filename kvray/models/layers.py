@@ -81,8 +81,8 @@ def use_small_m_kernel(model: nn.Module, kernel: SmallMKernel, max_rows: int,
     input has at most ``max_rows`` rows, and inputs of up to :data:`WEIGHT_MAJOR_MAX_ROWS`
     rows (any number for the LM head: 1.4-1.8x at 48-128 rows) through the weight-major
     GEMM (W x^T)^T, which MKL's fp32 sgemm runs faster than F.linear at those sizes (fp32
-    weights only); more
-    rows than that through ``large_m_kernel`` (F.linear's signature) when given.
+    weights only); more rows than that through ``large_m_kernel`` (F.linear's signature)
+    when given.
     With ``bf16_weights``, give the kernel a bf16 copy of each weight that bf16 holds exactly
     (a bf16 checkpoint run in fp32). Returns the bytes those copies take."""
     extra = 0
