@@ -22,8 +22,12 @@ from tiny_models import VOCAB_SIZE, make_tiny_model
 
 WORKER_TIMEOUT_S = 5
 DRAIN_TIMEOUT_S = 10
+LONG_TOKENS = 30_000  # a request that outlasts the drain deadline (~10 ms a token at best)
+CONTEXT = LONG_TOKENS + 64
 FLAGS = ["--distributed-executor-backend", "ray", "--worker-timeout-s", str(WORKER_TIMEOUT_S),
-         "--drain-timeout-s", str(DRAIN_TIMEOUT_S), "--enable-docs"]
+         "--drain-timeout-s", str(DRAIN_TIMEOUT_S), "--enable-docs",
+         # (after test_serve's ENGINE_FLAGS: these win) room for the long request
+         "--max-model-len", str(CONTEXT), "--num-gpu-blocks-override", "9000"]
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 LEAKS = re.compile(r"Traceback|File \"|pid=|actor_id|ActorID|\b\d{1,3}(\.\d{1,3}){3}\b|"
                    r"/tmp/|/work/|site-packages|\.py\b|ray::")
@@ -31,7 +35,10 @@ LEAKS = re.compile(r"Traceback|File \"|pid=|actor_id|ActorID|\b\d{1,3}(\.\d{1,3}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    model = make_tiny_model("llama_gqa", tmp_path_factory.mktemp("faults") / "tiny-llama")
+    # Room for a request that cannot finish within the drain deadline however fast the
+    # engine gets: 1,000 tokens used to outlast it and no longer do.
+    model = make_tiny_model("llama_gqa", tmp_path_factory.mktemp("faults") / "tiny-llama",
+                            max_position_embeddings=CONTEXT)
     with launch_server(model, FLAGS) as base:
         yield base, model.name
 
@@ -151,7 +158,7 @@ def _recovers(base: str, model: str, bound_s: float) -> float:
     ({"prompt": [VOCAB_SIZE + 5]}, "prompt"),
     ({"prompt": "x", "stop_token_ids": [VOCAB_SIZE]}, "stop_token_ids"),
     ({"prompt": "x", "logit_bias": {str(VOCAB_SIZE + 1): 5}}, "logit_bias"),
-    ({"prompt": [5] * 1020, "max_tokens": 10}, "max_tokens"),
+    ({"prompt": [5] * (CONTEXT - 4), "max_tokens": 10}, "max_tokens"),
 ])
 def test_errors_raised_in_the_engine_replica_reach_clients_without_internals(served, body,
                                                                               param):
@@ -301,7 +308,7 @@ def test_sigterm_drains_then_aborts_and_leaves_no_process(served):
     process exits 0 and every process of its Ray cluster is gone."""
     base, model = served
     short = Stream(base, model, max_tokens=40).start()
-    long = Stream(base, model, max_tokens=1000).start()
+    long = Stream(base, model, max_tokens=LONG_TOKENS).start()
     assert short.first_chunk.wait(60) and long.first_chunk.wait(60)
     server = _server_process(base)
     family = server.children(recursive=True)
