@@ -63,6 +63,15 @@ def _decode_batch(runner, rows: int, seed: int):
     return meta, kv, hidden, residual
 
 
+def _python_layer(layer, hidden, residual, meta, kv):
+    """The layer's output through its Python path (the fused call switched off for it)."""
+    fused, layer.fused_decode = layer.fused_decode, None
+    try:
+        return layer(hidden, residual, meta, kv)
+    finally:
+        layer.fused_decode = fused
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("first_layer", [True, False])
@@ -74,12 +83,9 @@ def test_fused_decode_layer_equals_the_python_layer(llms, variant, rows, first_l
     res = None if first_layer else residual
 
     kv_py, kv_fused = kv.clone(), kv.clone()
-    fused, layer.fused_decode = layer.fused_decode, None
     with torch.inference_mode():
-        try:
-            want = layer(hidden.clone(), None if res is None else res.clone(), meta, kv_py)
-        finally:
-            layer.fused_decode = fused
+        want = _python_layer(layer, hidden.clone(), None if res is None else res.clone(), meta,
+                             kv_py)
         hidden_in = hidden.clone()
         got = layer(hidden_in, None if res is None else res.clone(), meta, kv_fused)
     assert torch.equal(got[0], want[0]), "layer output"
@@ -173,13 +179,10 @@ def test_bf16_fused_decode_layer_is_the_fp32_layer_over_the_same_values(
     hidden_in = hidden.bfloat16() if first_layer else hidden
     res = None if first_layer else residual
 
-    fused, layer32.fused_decode = layer32.fused_decode, None
     kv32 = kv16.float()
     with torch.inference_mode():
-        try:
-            want = layer32(hidden_in.float(), None if res is None else res.clone(), meta, kv32)
-        finally:
-            layer32.fused_decode = fused
+        want = _python_layer(layer32, hidden_in.float(), None if res is None else res.clone(),
+                             meta, kv32)
         kv_fused = kv16.clone()
         got = layer16(hidden_in.clone(), None if res is None else res.clone(), meta, kv_fused)
     assert got[0].dtype == got[1].dtype == torch.float32

@@ -60,25 +60,8 @@ def test_small_m_linear_rejects_what_it_cannot_do(ops):
     w = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="1 <= M <= 32"):
         ops.linear_small_m(torch.randn(33, 8), w, None)
-    with pytest.raises(RuntimeError, match="fp32 x with fp32 or bf16 w"):
-        ops.linear_small_m(torch.randn(2, 8, dtype=torch.bfloat16), w, None)
-    with pytest.raises(RuntimeError, match="fp32 x with fp32 or bf16 w"):
-        ops.linear_small_m(torch.randn(2, 8, dtype=torch.float16), w.half(), None)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_small_m_linear_of_a_bf16_model_is_fp32_math_rounded_once(ops, rows, with_bias):
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 203, generator=gen).bfloat16()
-    w = torch.randn(97, 203, generator=gen).bfloat16()
-    b = torch.randn(97, generator=gen).bfloat16() if with_bias else None
-    got = ops.linear_small_m(x, w, b)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 97)
-    want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    # the fp32 sums agree to ~1e-6; rounding them to bf16 may differ by one step (2^-8)
-    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-4)
-    assert (got.float() - want.bfloat16().float()).abs().le(want.abs() * 2 ** -7).all()
+    with pytest.raises(RuntimeError, match="fp32 x with fp32 or bf16 w only"):
+        ops.linear_small_m(torch.randn(2, 8, dtype=torch.bfloat16), w.bfloat16(), None)
 
 
 @pytest.mark.parametrize("rows", [1, 65, 255, 256, 257, 700])

@@ -115,10 +115,6 @@ class LlamaDecoderLayer(nn.Module):
                 and meta.num_decodes == hidden.shape[0] <= self.fused_decode_max_rows \
                 and hidden.is_contiguous() and (residual is None or residual.is_contiguous()):
             return self._fused_decode(hidden, residual, meta, kv_cache)
-        dtype = self.input_layernorm.weight.dtype
-        if hidden.dtype != dtype:  # fp32 from a fused layer before (a bf16 model)
-            hidden = hidden.to(dtype)
-            residual = None if residual is None else residual.to(dtype)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:

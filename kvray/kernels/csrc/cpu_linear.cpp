@@ -178,16 +178,9 @@ static void run(const float* x, const W* w, const float* b, float* y, int64_t M,
 at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "linear_small_m: x [M, K] and w [N, K] expected");
-  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
-    // A bf16 model: the same fp32 arithmetic on the widened rows of x (exact), the result
-    // rounded to bf16 once, as a bf16 GEMM accumulating in fp32 does.
-    c10::optional<at::Tensor> b32;
-    if (bias.has_value() && bias->defined()) b32 = bias->to(at::kFloat).contiguous();
-    return linear_small_m(x.to(at::kFloat).contiguous(), w, b32).to(at::kBFloat16);
-  }
   TORCH_CHECK(x.scalar_type() == at::kFloat &&
               (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "linear_small_m: fp32 x with fp32 or bf16 w, or bf16 x with bf16 w only");
+              "linear_small_m: fp32 x with fp32 or bf16 w only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "linear_small_m: contiguous inputs");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(M >= 1 && M <= 32, "linear_small_m: 1 <= M <= 32");
