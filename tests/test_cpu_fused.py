@@ -19,7 +19,7 @@ def ops(cpu_kernels):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,size", [(1, 576), (7, 64), (33, 24)])
+@pytest.mark.parametrize("rows,size", [(1, 576), (7, 64), (33, 24), (3, 1003)])
 def test_fused_rms_norm_matches_the_reference(ops, dtype, rows, size):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, size, generator=gen).to(dtype)
@@ -89,3 +89,36 @@ def test_fused_silu_and_mul_matches_the_reference(ops, dtype):
     gate_up = torch.randn(9, 2 * 37).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, **TOL[dtype])
+
+
+def test_fused_silu_and_mul_is_exact_to_a_few_ulp_over_the_whole_range(ops):
+    """The vector exp behind the fp32 op: gates from -120 to 120 (past where e^-g
+    overflows fp32 and where silu's value vanishes) within 4 ulp of float64 math down to
+    |silu| of 1e-36 (below, e^g is a denormal with fewer bits), never NaN, and off by no
+    more than the smallest normal fp32 beyond."""
+    gate = torch.linspace(-120, 120, 4096).double()  # fp32 values, float64 math
+    gate_up = torch.cat([gate, torch.ones_like(gate)]).view(1, -1)
+    got = ops.silu_and_mul(gate_up.float())[0].double()
+    want = gate / (1 + torch.exp(-gate))
+    f32 = torch.finfo(torch.float32)
+    normal = want.abs() >= 1e-36
+    err = (got - want).abs()
+    assert (err[normal] <= 4 * f32.eps * want[normal].abs()).all()
+    assert (err[~normal] <= f32.tiny).all() and not got.isnan().any()
+
+
+def test_fused_bf16_residual_add_rounds_as_torch_does_specials_included(ops):
+    """The vector bf16 store: sums rounded to nearest even like torch's, NaN, infinities
+    and bf16 denormals too, in the vector body and the scalar tail alike."""
+    x = torch.randn(4, 40, generator=torch.Generator().manual_seed(5)).bfloat16()
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-39, -3e-40, 0.0,
+                             -0.0, 3.3e38], dtype=torch.bfloat16)
+    x[0, :8] = specials
+    x[1, 32:] = specials  # the tail of a 40-wide row
+    residual = torch.randn(4, 40, generator=torch.Generator().manual_seed(6)).bfloat16()
+    residual[:2] = torch.tensor(1e-39, dtype=torch.bfloat16)
+    want = x + residual
+    ops.rms_norm(x, torch.ones(40, dtype=torch.bfloat16), 1e-5, residual)
+    nan = want.isnan()
+    assert torch.equal(residual.isnan(), nan)  # torch's own NaN bits vary with its path
+    assert torch.equal(residual[~nan].view(torch.int16), want[~nan].view(torch.int16))

@@ -88,6 +88,35 @@ def test_row_argmax_is_argmax_with_ties_nan_and_inf(dtype):
     assert torch.equal(row_argmax(big), big.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 7, 16, 31, 32, 33, 1000, 49_153])
+def test_row_argmax_kernel_agrees_with_argmax_on_every_row_shape(dtype, vocab):
+    """The CPU kernel (vector body, lane merge, scalar tail) against ``argmax``: ties in
+    different lanes and in the tail, a NaN in the body or only in the tail, all -inf rows,
+    and a column slice (rows not contiguous with each other)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab + 1, generator=g).to(dtype)
+    x[1] = (x[1] * 2).round().clamp(-1, 1)  # many ties of the maximum
+    x[2] = float("-inf")
+    x[3, -1] = float("nan")  # in the tail (or the body, for short rows)
+    x[4, vocab // 2] = float("nan")
+    x[4, vocab // 3] = float("nan")
+    x[5, :] = 0.0
+    x[5, -1] = x[5, vocab // 2] = 1.0
+    x[6, 0] = float("inf")
+    x[6, -1] = float("inf")
+    for view in (x, x[:, 1:], x[::2]):
+        assert torch.equal(row_argmax(view), view.argmax(dim=-1)), view.shape
+
+
+def test_greedy_sampling_of_bf16_logits_picks_what_fp32_picks():
+    """Plain greedy rows are argmaxed in the logits' own dtype: the same tokens as the
+    fp32 copy the other paths use (bf16 -> fp32 is exact)."""
+    logits = torch.randn(16, 1000, generator=torch.Generator().manual_seed(3)).bfloat16()
+    out = sample(logits, repeat(SamplingParams(temperature=0.0), 16))
+    assert torch.equal(out.token_ids, logits.float().argmax(dim=-1)) and out.logprobs is None
+
+
 def test_mixed_batch_greedy_rows_argmax_random_rows_sample():
     logits = torch.zeros(64, VOCAB)
     logits[:, 5] = 0.5  # argmax, but a random row rarely picks it

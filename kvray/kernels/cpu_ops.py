@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("cpu_paged_attention.cpp", "cpu_linear.cpp", "cpu_fused.cpp", "cpu_layer.cpp",
-            "bindings.cpp")
+            "cpu_sampling.cpp", "bindings.cpp")
+_HEADERS = ("ops.h", "vec.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # linear_small_m takes 1..32 rows; the engine uses it up to 16: past that MKL catches up
 # (measured on an AVX2 EPYC: 1.1-2.7x MKL at 8-16 rows, 0.9-1.3x at 24-32).
@@ -78,7 +79,7 @@ def _build_tag() -> str:
     except OSError:
         flags = ""
     digest = hashlib.sha1(flags.encode())
-    for name in (*_SOURCES, "ops.h"):
+    for name in (*_SOURCES, *_HEADERS):
         digest.update((_CSRC / name).read_bytes())
     return digest.hexdigest()[:12]
 
@@ -144,3 +145,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     ext = load_ops()
     assert ext is not None, "call load_ops() first and check it is available"
     return ext.silu_and_mul(gate_up.contiguous())
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for 2-D fp32/bf16/fp16 ``x`` with unit stride along its rows,
+    read once in its own dtype (no fp32 copy of bf16 logits)."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    return ext.argmax_rows(x)

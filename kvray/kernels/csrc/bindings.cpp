@@ -18,6 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, nogil(), "rotary embedding of x [T, H, D] in place");
   m.def("silu_and_mul", &silu_and_mul, nogil(), "silu(gate) * up of [T, 2I] -> [T, I]");
   m.def("write_kv", &write_kv, nogil(), "K/V of this step into their paged cache slots");
+  m.def("argmax_rows", &argmax_rows, nogil(), "first index of each row's largest value");
   m.def("decode_layer", &decode_layer, nogil(),
         "one decoder layer for a decode batch (fp32 activations)");
 }

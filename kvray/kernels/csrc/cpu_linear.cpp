@@ -18,59 +18,15 @@
 #include <cstring>
 #include <vector>
 
-static inline float widen(float v) { return v; }
-static inline float widen(c10::BFloat16 v) {
-  uint32_t u = static_cast<uint32_t>(v.x) << 16;  // bf16 is the top half of an fp32
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
+#include "vec.h"
 
+using kvray::widen;
 #ifdef __AVX2__
-#include <immintrin.h>
-
-// The vector width the small-M kernel runs at: 8 floats with AVX2, 16 with AVX-512 (half
-// the instructions per byte of weights; on a 2-core AMX Xeon, every linear of the built-in
+// The small-M kernel runs at the vector width of vec.h: 16 floats with AVX-512 (half the
+// instructions per byte of weights; on a 2-core AMX Xeon, every linear of the built-in
 // model's bf16 weights once: 1.14-1.19x the AVX2 width at 1 row, 18-19 -> 21 GB/s,
-// 1.03-1.06x at 2-4 rows, 1.16x at 8, alternating runs). bf16 weights are widened exactly
-// (bf16 is the top half of an fp32).
-struct Vec8 {
-  using T = __m256;
-  static constexpr int kWidth = 8;
-  static T zero() { return _mm256_setzero_ps(); }
-  static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static T load(const c10::BFloat16* p) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static T add(T a, T b) { return _mm256_add_ps(a, b); }
-  static float sum(T v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
-};
-
-#ifdef __AVX512F__
-struct Vec16 {
-  using T = __m512;
-  static constexpr int kWidth = 16;
-  static T zero() { return _mm512_setzero_ps(); }
-  static T load(const float* p) { return _mm512_loadu_ps(p); }
-  static T load(const c10::BFloat16* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static T add(T a, T b) { return _mm512_add_ps(a, b); }
-  static float sum(T v) { return _mm512_reduce_add_ps(v); }
-};
-using Vec = Vec16;
-#else
-using Vec = Vec8;
-#endif
+// 1.03-1.06x at 2-4 rows, 1.16x at 8, alternating runs), else 8.
+using kvray::Vec;
 #endif
 
 // Bytes ahead of the current load that each weight row stream prefetches: software

@@ -43,3 +43,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     std::vector<c10::optional<at::Tensor>> bias, std::vector<int64_t> dims, double eps,
     at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor tables,
     at::Tensor seq_lens, at::Tensor slots, double scale, int64_t window);
+
+// Index of each row's largest value of x [B, V] (fp32/bf16/fp16, unit stride along V), as
+// torch.argmax(dim=-1) picks it: the first of equal maxima; a NaN beats everything.
+at::Tensor argmax_rows(at::Tensor x);
