@@ -44,10 +44,22 @@ inline int64_t first_nan(const T* v, int64_t n) {
   return -1;
 }
 
+// After the vector body over v[0, i): merge its per-lane maxima (equal maxima: the lane
+// holding the smaller index), then the scalar tail v[i, n) (a NaN there wins).
+template <typename T>
+inline int64_t finish(const float* vals, const int32_t* ids, int lanes, const T* v, int64_t i,
+                      int64_t n) {
+  float best = vals[0];
+  int64_t at = ids[0];
+  for (int l = 1; l < lanes; ++l)
+    if (vals[l] > best || (vals[l] == best && ids[l] < at)) { best = vals[l]; at = ids[l]; }
+  for (int64_t j = i; j < n; ++j)
+    if (is_nan_bits(static_cast<float>(v[j]))) return j;
+  return scan(v, i, n, best, at);
+}
+
 template <typename T>
 int64_t argmax_row(const T* v, int64_t n) {
-  int64_t i = 0, at = 0;
-  float best = static_cast<float>(v[0]);
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     using V = kvray::Vec16;
@@ -58,7 +70,8 @@ int64_t argmax_row(const T* v, int64_t n) {
       __m512i cur = idx;
       const __m512i step = _mm512_set1_epi32(V::kWidth);
       __mmask16 nan = _mm512_cmp_ps_mask(mx, mx, _CMP_UNORD_Q);
-      for (i = V::kWidth; i + V::kWidth <= n; i += V::kWidth) {
+      int64_t i = V::kWidth;
+      for (; i + V::kWidth <= n; i += V::kWidth) {
         cur = _mm512_add_epi32(cur, step);
         const __m512 x = V::load(v + i);
         nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
@@ -71,13 +84,7 @@ int64_t argmax_row(const T* v, int64_t n) {
       alignas(64) int32_t ids[16];
       _mm512_store_ps(vals, mx);
       _mm512_store_si512(ids, idx);
-      best = vals[0];
-      at = ids[0];
-      for (int l = 1; l < 16; ++l)  // equal maxima: the lane holding the smaller index
-        if (vals[l] > best || (vals[l] == best && ids[l] < at)) { best = vals[l]; at = ids[l]; }
-      for (int64_t j = i; j < n; ++j)
-        if (is_nan_bits(static_cast<float>(v[j]))) return j;
-      return scan(v, i, n, best, at);
+      return finish(vals, ids, 16, v, i, n);
     }
   }
 #elif defined(__AVX2__)
@@ -89,7 +96,8 @@ int64_t argmax_row(const T* v, int64_t n) {
       __m256i cur = idx;
       const __m256i step = _mm256_set1_epi32(V::kWidth);
       __m256 nan = _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q);
-      for (i = V::kWidth; i + V::kWidth <= n; i += V::kWidth) {
+      int64_t i = V::kWidth;
+      for (; i + V::kWidth <= n; i += V::kWidth) {
         cur = _mm256_add_epi32(cur, step);
         const __m256 x = V::load(v + i);
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
@@ -102,19 +110,13 @@ int64_t argmax_row(const T* v, int64_t n) {
       alignas(32) int32_t ids[8];
       _mm256_store_ps(vals, mx);
       _mm256_store_si256(reinterpret_cast<__m256i*>(ids), idx);
-      best = vals[0];
-      at = ids[0];
-      for (int l = 1; l < 8; ++l)
-        if (vals[l] > best || (vals[l] == best && ids[l] < at)) { best = vals[l]; at = ids[l]; }
-      for (int64_t j = i; j < n; ++j)
-        if (is_nan_bits(static_cast<float>(v[j]))) return j;
-      return scan(v, i, n, best, at);
+      return finish(vals, ids, 8, v, i, n);
     }
   }
 #endif
   const int64_t nan_at = first_nan(v, n);
   if (nan_at >= 0) return nan_at;
-  return scan(v, 1, n, best, 0);
+  return scan(v, 1, n, static_cast<float>(v[0]), 0);
 }
 
 }  // namespace
