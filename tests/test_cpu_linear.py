@@ -64,12 +64,13 @@ def test_small_m_linear_rejects_what_it_cannot_do(ops):
         ops.linear_small_m(torch.randn(2, 8, dtype=torch.bfloat16), w.bfloat16(), None)
 
 
-@pytest.mark.parametrize("rows", [1, 65, 255, 256, 257, 700])
+@pytest.mark.parametrize("rows", [1, 17, 33, 65, 255, 256, 257, 700])
 @pytest.mark.parametrize("out_features,in_features", [(1, 3), (127, 64), (129, 577), (700, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tiled_linear_matches_f_linear(ops, rows, out_features, in_features, with_bias):
-    # Row counts on both sides of the 16-row panels and 256-row tiles, column counts on both
-    # sides of the 6-row weight groups and 96-column tiles (remainder groups of 1-5 rows).
+    # Row counts on both sides of the 16-row (AVX2) or 32-row (AVX-512) panels and 256-row
+    # tiles, column counts on both sides of the 6-row weight groups and 96-column tiles
+    # (remainder groups of 1-5 rows).
     _check_against_f_linear(ops.linear_tiled, rows, out_features, in_features, with_bias)
 
 
@@ -172,6 +173,38 @@ def test_the_lm_head_stays_weight_major_at_any_row_count(ops, monkeypatch):
     x = torch.randn(300, 16)
     torch.testing.assert_close(head.compute_logits(x), F.linear(x, head.weight))
     assert weight_major == [300]
+
+
+def test_the_lm_head_goes_tiled_past_its_weight_major_limit(ops, monkeypatch):
+    head = ParallelLMHead(ParallelContext(), 40, 16, torch.float32)
+    torch.nn.init.normal_(head.weight)
+    tiled = []
+
+    def counting_tiled(x, w, b):
+        tiled.append(x.shape[0])
+        return ops.linear_tiled(x, w, b)
+
+    use_small_m_kernel(head, ops.linear_small_m, max_rows=4, large_m_kernel=counting_tiled,
+                       lm_head_weight_major_max_rows=32)
+    weight_major = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: weight_major.append(b.shape[1]) or mm(a, b))
+    for rows in (32, 33, 300):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(head.compute_logits(x), F.linear(x, head.weight))
+    assert weight_major == [32] and tiled == [33, 300]
+
+
+def test_the_runner_picks_the_lm_head_route_by_the_kernels_vector_width(ops, monkeypatch):
+    from kvray.actors import model_runner
+
+    for lanes, limit in ((16, model_runner.LM_HEAD_WEIGHT_MAJOR_MAX_ROWS_AVX512),
+                         (8, 1 << 62)):
+        head = ParallelLMHead(ParallelContext(), 40, 16, torch.float32)
+        monkeypatch.setattr(model_runner.cpu_ops, "vector_lanes", lambda n=lanes: n)
+        model_runner._use_cpu_linear_kernels(head)
+        assert head.weight_major_max_rows == limit
+    assert ops.vector_lanes() in (1, 8, 16)
 
 
 def test_bf16_copies_only_where_bf16_holds_the_weights_exactly(ops):

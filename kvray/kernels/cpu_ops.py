@@ -9,7 +9,8 @@
 - ``linear_tiled``: ``x @ w.T`` for many rows (prefill chunks, mixed steps) as tiles that
   the threads take one at a time (a thread whose core another process borrows for a while
   no longer holds up the others at the end of a static split); fp32 tiles run a
-  register-blocked AVX2 kernel over repacked operands, other dtypes a single-threaded sgemm.
+  register-blocked kernel (AVX-512 or AVX2) over repacked operands, other dtypes a
+  single-threaded sgemm.
 - ``rms_norm``, ``rotary_inplace``, ``silu_and_mul``: a decoder layer's elementwise work,
   one call each.
 - ``decode_layer`` (the extension's, used by :func:`kvray.models.llama.use_fused_decode_layer`):
@@ -108,6 +109,13 @@ def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ext = load_ops()
     assert ext is not None, "call load_ops() first and check it is available"
     return ext.linear_tiled(x, weight, bias)
+
+
+def vector_lanes() -> int:
+    """fp32 lanes of the built kernels' vectors: 16 (AVX-512), 8 (AVX2), 1 (none) or 0 (no
+    extension)."""
+    ext = load_ops()
+    return 0 if ext is None else int(ext.vector_lanes())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

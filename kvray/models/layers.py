@@ -76,13 +76,14 @@ WEIGHT_MAJOR_MAX_ROWS = 64
 
 def use_small_m_kernel(model: nn.Module, kernel: SmallMKernel, max_rows: int,
                        bf16_weights: bool = False,
-                       large_m_kernel: SmallMKernel | None = None) -> int:
+                       large_m_kernel: SmallMKernel | None = None,
+                       lm_head_weight_major_max_rows: int = 1 << 62) -> int:
     """Route every linear layer (and the LM head) of ``model`` through ``kernel`` when the
     input has at most ``max_rows`` rows, and inputs of up to :data:`WEIGHT_MAJOR_MAX_ROWS`
-    rows (any number for the LM head: 1.4-1.8x at 48-128 rows) through the weight-major
-    GEMM (W x^T)^T, which MKL's fp32 sgemm runs faster than F.linear at those sizes (fp32
-    weights only); more rows than that through ``large_m_kernel`` (F.linear's signature)
-    when given.
+    rows (``lm_head_weight_major_max_rows`` for the LM head: by default any number, 1.4-1.8x
+    at 48-128 rows on an AVX2 EPYC) through the weight-major GEMM (W x^T)^T, which MKL's
+    fp32 sgemm runs faster than F.linear at those sizes (fp32 weights only); more rows than
+    that through ``large_m_kernel`` (F.linear's signature) when given.
     With ``bf16_weights``, give the kernel a bf16 copy of each weight that bf16 holds exactly
     (a bf16 checkpoint run in fp32). Returns the bytes those copies take."""
     extra = 0
@@ -91,7 +92,8 @@ def use_small_m_kernel(model: nn.Module, kernel: SmallMKernel, max_rows: int,
             module.small_m_kernel, module.small_m_max_rows = kernel, max_rows
             if module.weight.dtype == torch.float32:  # (MKL's sgemm; not for bf16)
                 module.weight_major_max_rows = (
-                    1 << 62 if isinstance(module, ParallelLMHead) else WEIGHT_MAJOR_MAX_ROWS)
+                    lm_head_weight_major_max_rows if isinstance(module, ParallelLMHead)
+                    else WEIGHT_MAJOR_MAX_ROWS)
             module.large_m_kernel = large_m_kernel
             if bf16_weights:
                 copy = module.weight.to(torch.bfloat16)

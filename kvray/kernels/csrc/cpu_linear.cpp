@@ -166,21 +166,24 @@ constexpr int64_t kTileRows = 256;
 constexpr int64_t kTileCols = 96;  // 16 groups of kGroup weight rows
 
 #ifdef __AVX2__
-// The kernel computes each 16 x 6 block of y (16 rows of x, 6 rows of w) in 12 AVX2
-// registers over the whole K: per k, two 8-wide loads of x and 6 broadcasts of w feed 12
-// FMAs, so it runs at the FMA units' pace. Both operands are repacked so that each is read
-// as one sequential stream: x into panels of 16 rows, k-major (xp[k * 16 + j], once per
-// call, shared by every tile), and each tile's weight rows into groups of 6, k-major (per
-// tile, ~1/500 of its arithmetic). On an AVX2 EPYC (87 GFLOP/s FMA peak per core), one
-// thread, the decoder's shapes at 256 rows: 70-80 GFLOP/s alone, MKL's sgemm 57-71; on
-// the shared machine, alternating with F.linear, 0.8-1.5x per shape (about even at two
-// threads), and the offline concurrency-16 serving workload 1.05x the sgemm-per-tile
-// path (no difference with 20 % of the CPU taken by other processes).
-constexpr int64_t kPanel = 16;
+// The kernel computes each kPanel x 6 block of y (kPanel = two vectors of x rows: 32 with
+// AVX-512, 16 with AVX2; 6 rows of w) in 12 vector registers over the whole K: per k, two
+// vector loads of x and 6 broadcasts of w feed 12 FMAs, so it runs at the FMA units' pace.
+// Both operands are repacked so that each is read as one sequential stream: x into panels
+// of kPanel rows, k-major (xp[k * kPanel + j], once per call, shared by every tile), and
+// each tile's weight rows into groups of 6, k-major (per tile, ~1/500 of its arithmetic).
+// On an AVX2 EPYC (87 GFLOP/s FMA peak per core), one thread, the decoder's shapes at 256
+// rows: 70-80 GFLOP/s alone, MKL's sgemm 57-71; on the shared machine, alternating with
+// F.linear, 0.8-1.5x per shape (about even at two threads), and the offline concurrency-16
+// serving workload 1.05x the sgemm-per-tile path (no difference with 20 % of the CPU taken
+// by other processes). On an AVX-512 Xeon (two threads, 256 rows) 16 lanes run the
+// decoder's shapes at 245-275 GFLOP/s, 8 lanes at 150-160, MKL's sgemm at 285-315; 12
+// weight rows per block (24 accumulators) and K split into L1-sized depths were no faster.
+constexpr int64_t kPanel = 2 * Vec::kWidth;
 constexpr int kGroup = 6;
 
-// Rows [m0, m0 + 16) of x (row stride ldx) into xp[k * 16 + j]; rows past M are zeros.
-// Eight k at a time for all 16 rows: the writes stay within 512 bytes.
+// Rows [m0, m0 + kPanel) of x (row stride ldx) into xp[k * kPanel + j]; rows past M are
+// zeros. Eight k at a time for all kPanel rows: the writes stay within 8 * kPanel floats.
 static void pack_x_panel(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t m0,
                          float* xp) {
   const int64_t rows = std::min<int64_t>(kPanel, M - m0);
@@ -213,21 +216,23 @@ static void pack_w_group(const float* w, int64_t K, int64_t rows, float* wp) {
 // y[j, i] = sum_k xp[k, j] * wp[k, i] (+ bias[i]) for the block's `rows` valid x rows and
 // `cols` valid weight rows; y has row stride ldy. The twelve accumulators are named
 // variables: kept in an array, GCC stored them to the stack on every k (3x slower).
-static void block_16x6(const float* __restrict__ xp, const float* __restrict__ wp, int64_t K,
-                       const float* __restrict__ bias, float* __restrict__ y, int64_t ldy,
-                       int64_t rows, int64_t cols) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+static void block_panel_x6(const float* __restrict__ xp, const float* __restrict__ wp,
+                           int64_t K, const float* __restrict__ bias, float* __restrict__ y,
+                           int64_t ldy, int64_t rows, int64_t cols) {
+  constexpr int W = Vec::kWidth;
+  using R = Vec::T;
+  R c00 = Vec::zero(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  R c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
 // One weight row i of the group: its broadcast times both halves of the x panel's column.
-#define KVRAY_FMA_ROW(i, lo, hi)               \
-  b = _mm256_broadcast_ss(a + (i));            \
-  lo = _mm256_fmadd_ps(b, x0, lo);             \
-  hi = _mm256_fmadd_ps(b, x1, hi);
+#define KVRAY_FMA_ROW(i, lo, hi)   \
+  b = Vec::set1(a[i]);             \
+  lo = Vec::fma(b, x0, lo);        \
+  hi = Vec::fma(b, x1, hi);
   for (int64_t k = 0; k < K; ++k) {
-    const __m256 x0 = _mm256_load_ps(xp + k * kPanel);
-    const __m256 x1 = _mm256_load_ps(xp + k * kPanel + 8);
+    const R x0 = Vec::load(xp + k * kPanel);
+    const R x1 = Vec::load(xp + k * kPanel + W);
     const float* a = wp + k * kGroup;
-    __m256 b;
+    R b;
     KVRAY_FMA_ROW(0, c00, c01)
     KVRAY_FMA_ROW(1, c10, c11)
     KVRAY_FMA_ROW(2, c20, c21)
@@ -236,19 +241,19 @@ static void block_16x6(const float* __restrict__ xp, const float* __restrict__ w
     KVRAY_FMA_ROW(5, c50, c51)
   }
 #undef KVRAY_FMA_ROW
-  alignas(32) float out[kGroup][kPanel];
-  const __m256 acc[kGroup][2] = {{c00, c01}, {c10, c11}, {c20, c21},
-                                 {c30, c31}, {c40, c41}, {c50, c51}};
+  alignas(64) float out[kGroup][kPanel];
+  const R acc[kGroup][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                            {c30, c31}, {c40, c41}, {c50, c51}};
   for (int i = 0; i < kGroup; ++i) {
-    _mm256_store_ps(out[i], acc[i][0]);
-    _mm256_store_ps(out[i] + 8, acc[i][1]);
+    Vec::store(out[i], acc[i][0]);
+    Vec::store(out[i] + W, acc[i][1]);
   }
   for (int64_t j = 0; j < rows; ++j)
     for (int64_t i = 0; i < cols; ++i) y[j * ldy + i] = out[i][j] + (bias ? bias[i] : 0.f);
 }
 
 // The tile y[m0:m1, n0:n1]: its weight rows packed into groups of 6 (the last one padded
-// with zero rows), then panel by panel of x, each 16-row panel (K x 64 bytes, in L1/L2)
+// with zero rows), then panel by panel of x, each panel (K x kPanel floats, in L1/L2)
 // meeting every group of the tile (in L2) before the next panel is read.
 static void tile_fp32(const float* xp, const float* w, const float* bias, float* y, int64_t M,
                       int64_t K, int64_t N, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
@@ -262,14 +267,15 @@ static void tile_fp32(const float* xp, const float* w, const float* bias, float*
     const int64_t rows = std::min<int64_t>(kPanel, M - p);
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t n = n0 + g * kGroup;
-      block_16x6(xp + p * K, wp + g * kGroup * K, K, bias ? bias + n : nullptr, y + p * N + n,
-                 N, rows, std::min<int64_t>(kGroup, n1 - n));
+      block_panel_x6(xp + p * K, wp + g * kGroup * K, K, bias ? bias + n : nullptr,
+                     y + p * N + n, N, rows, std::min<int64_t>(kGroup, n1 - n));
     }
   }
 }
 
 static void linear_tiled_fp32(const at::Tensor& x, const at::Tensor& w, const float* bias,
                               at::Tensor& y) {
+  static_assert(kTileRows % kPanel == 0, "a tile holds whole panels");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldx = x.stride(0);
   const int64_t panels = (M + kPanel - 1) / kPanel;
   // 64-byte aligned (the CPU allocator's alignment), and each panel a multiple of 64 bytes.
@@ -295,6 +301,14 @@ static void linear_tiled_fp32(const at::Tensor& x, const at::Tensor& w, const fl
   });
 }
 #endif
+
+int64_t vector_lanes() {
+#ifdef __AVX2__
+  return Vec::kWidth;
+#else
+  return 1;
+#endif
+}
 
 at::Tensor linear_tiled(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),

@@ -14,8 +14,11 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> 
 
 // y = x w^T (+ bias) for many rows: tiles taken by the threads one at a time (a thread that
 // loses its core for a while does not stall the others); fp32 tiles run a register-blocked
-// AVX2 kernel, other dtypes one single-threaded sgemm each.
+// kernel at vector_lanes() width, other dtypes one single-threaded sgemm each.
 at::Tensor linear_tiled(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+
+// fp32 lanes of the vector kernels this build runs: 16 (AVX-512), 8 (AVX2) or 1 (none).
+int64_t vector_lanes();
 
 // RMSNorm of each row (fp32 math); with residual: residual += x in place first, and the
 // sum is normalised (the fused residual add of a decoder layer).
