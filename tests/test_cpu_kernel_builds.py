@@ -1,0 +1,55 @@
+"""The CPU kernels at each vector width they have: the build of this CPU (``native``) is what
+the rest of the suite tests; on an AVX-512 machine the AVX2 code paths (the only ones an AVX2
+CPU runs) are built with KVRAY_CPU_MARCH=haswell and put through the kernel tests too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvray.hardware import parse_cpuinfo
+from kvray.kernels import cpu_ops
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_TESTS = ["tests/test_cpu_linear.py", "tests/test_cpu_fused.py",
+                "tests/test_cpu_decode_layer.py", "tests/test_attention.py",
+                "tests/test_sampling.py"]
+
+
+def _flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(parse_cpuinfo(f.read(), 0).flags)
+
+
+def test_the_build_runs_the_vector_width_its_instruction_set_gives(cpu_kernels):
+    flags, march = _flags(), os.environ.get(cpu_ops.MARCH_ENV, "native")
+    if march == "haswell":
+        expected = 8
+    elif march != "native":
+        pytest.skip(f"no expectation for {cpu_ops.MARCH_ENV}={march}")
+    else:
+        expected = 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 1
+    assert cpu_kernels.vector_lanes() == expected
+
+
+@pytest.mark.skipif(os.environ.get(cpu_ops.MARCH_ENV) is not None,
+                    reason="already a build for a chosen instruction set")
+def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_machine(cpu_kernels):
+    if "avx512f" not in _flags():
+        pytest.skip("no AVX-512 here: the native build is the AVX2 (or scalar) one")
+    env = {**os.environ, cpu_ops.MARCH_ENV: "haswell"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/test_cpu_kernel_builds.py", *KERNEL_TESTS],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert run.returncode == 0 and " passed" in run.stdout, \
+        run.stdout[-6000:] + run.stderr[-2000:]
+
+
+def test_a_malformed_march_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(cpu_ops.MARCH_ENV, "native -fplugin=x")
+    with pytest.raises(ValueError, match="KVRAY_CPU_MARCH"):
+        cpu_ops._march()
