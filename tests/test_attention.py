@@ -133,13 +133,16 @@ def test_cpu_decode_kernel_reads_a_bf16_cache_for_an_fp32_query(kernel, head_dim
 
 
 @pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 3), (128, 16, 4), (64, 32, 1),
-                                                     (64, 4, 2), (128, 8, 3)])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+                                                     (64, 4, 2), (128, 8, 3), (96, 16, 2),
+                                                     (32, 16, 3)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [-1, 13])
 def test_cpu_decode_kernel_vector_paths_match_a_float64_reference(
         kernel, head_dim, block_size, group, cache_dtype, window):
-    """Head sizes of 64 and 128 take the kernel's vector code (eight keys at a time, then a
-    scalar tail): context lengths on both sides of 8 and of a block, any block order."""
+    """Head sizes of four vectors take the kernel's vector code (64 and 128 with AVX-512, 32
+    and 96 too with AVX2; eight keys at a time, then one at a time), reading fp32 and bf16
+    blocks in place and fp16 ones converted: context lengths on both sides of 8 and of a
+    block, any block order."""
     g = torch.Generator().manual_seed(head_dim + block_size + group)
     lens = [1, 5, 8, 9, 16, 17, 31, 100]
     hk, blocks = 2, 160

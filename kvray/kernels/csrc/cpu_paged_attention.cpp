@@ -2,10 +2,14 @@
 // Reads K/V straight from the paged cache [2, Hk, num_blocks, block_size, D]: one pass over
 // K for the scores, one over V for the output, parallel over (sequence, kv head). q is the
 // cache's dtype, or fp32 over a bf16/fp16 cache (the fused decode layer of a bf16 model keeps
-// its activations in fp32); the output has q's dtype. Head sizes of 64 and 128 run AVX2
-// code for the scores and the weighted sum of V, and each next block is prefetched (blocks
-// lie anywhere in the cache): together 1.3x the plain loops in a 64-sequence bf16 decode
-// step on a 2-core AMX Xeon (attention 11.6-11.9 -> 8.7-9.4 ms of a ~50 ms step).
+// its activations in fp32); the output has q's dtype. Head sizes that are a multiple of
+// four vectors (64 and 128 at 16 lanes; multiples of 32 at 8) run vector code (vec.h: 16
+// lanes with AVX-512, 8 with AVX2) for the scores and the weighted sum of V, reading fp32
+// and bf16 blocks where they lie (bf16 widened in registers; fp16 goes through a converted
+// copy), and each next block is prefetched (blocks lie anywhere in the cache). History: AVX2
+// code with every bf16 block converted into a buffer was 1.3x the plain loops in a
+// 64-sequence bf16 decode step on a 2-core AMX Xeon (11.6-11.9 -> 8.7-9.4 ms of ~50 ms);
+// the numbers for the current code are in benchmarks/RESULTS.md.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -17,6 +21,8 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "vec.h"
 
 static inline float to_f(float x) { return x; }
 static inline float to_f(c10::Half x) { return static_cast<float>(x); }
@@ -45,6 +51,11 @@ static inline void to_float_block(const T* __restrict__ src, int64_t n, int64_t 
 #endif
   for (; i < total; ++i) dst[i] = to_f(src[i]);
 }
+
+// How far ahead of its use each K/V block is prefetched. Decode attention waits on memory
+// (blocks of 2-4 KiB scattered over the cache): on a 2-core AVX-512 Xeon, without software
+// prefetch it ran 1.15-1.4x slower; 4 KiB ahead and 16 KiB ahead were about even.
+constexpr int64_t kPrefetchAhead = 16384;
 
 static inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -80,6 +91,26 @@ static inline void block_scores(const float* __restrict__ qf, const float* __res
 }
 
 #ifdef __AVX2__
+using kvray::Vec;
+
+// K or V blocks the vector code reads in place: fp32, or bf16 widened in registers.
+template <typename T>
+constexpr bool kReadsInPlace = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+// Head sizes the vector code takes: whole chunks of four vectors.
+template <int64_t DK>
+constexpr bool kVectorHead = DK > 0 && DK % (4 * Vec::kWidth) == 0;
+
+// The lanes of v summed pairwise down to 8 (one AVX2 register).
+static inline __m256 to8(Vec::T v) {
+#ifdef __AVX512F__
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+#else
+  return v;
+#endif
+}
+
 // The 8 horizontal sums of a0..a7, as one vector [sum(a0), ..., sum(a7)].
 static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
                           __m256 a6, __m256 a7) {
@@ -89,70 +120,96 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
                        _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 
-// block_scores for head sizes of 64 and 128: eight keys at a time per query row, eight
-// accumulators (named: GCC keeps them in registers), one combined horizontal sum instead of
-// one per key.
-template <int64_t DK>
-static inline void block_scores_avx2(const float* __restrict__ qf,
-                                     const float* __restrict__ kb, int64_t n_t, int64_t G,
-                                     float* __restrict__ s, int64_t stride) {
-  static_assert(DK % 8 == 0, "head size in vectors of 8");
+// Scores of G query rows (fp32) against n_t keys of head size DK (T: fp32 or bf16): eight
+// keys at a time per query row, eight accumulators (named: GCC keeps them in registers),
+// one combined horizontal sum instead of one per key.
+template <int64_t DK, typename T>
+static inline void block_scores_vec(const float* __restrict__ qf, const T* __restrict__ kb,
+                                    int64_t n_t, int64_t G, float* __restrict__ s,
+                                    int64_t stride) {
+  constexpr int W = Vec::kWidth;
   int64_t t = 0;
   for (; t + 8 <= n_t; t += 8) {
-    const float* k = kb + t * DK;
+    const T* k = kb + t * DK;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf + g * DK;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0,
-             a6 = a0, a7 = a0;
-      for (int64_t d = 0; d < DK; d += 8) {
-        const __m256 q = _mm256_loadu_ps(qg + d);
-        a0 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 0 * DK + d), a0);
-        a1 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 1 * DK + d), a1);
-        a2 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 2 * DK + d), a2);
-        a3 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 3 * DK + d), a3);
-        a4 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 4 * DK + d), a4);
-        a5 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 5 * DK + d), a5);
-        a6 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 6 * DK + d), a6);
-        a7 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 7 * DK + d), a7);
+      Vec::T a0 = Vec::zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      for (int64_t d = 0; d < DK; d += W) {
+        const Vec::T q = Vec::load(qg + d);
+        a0 = Vec::fma(q, Vec::load(k + 0 * DK + d), a0);
+        a1 = Vec::fma(q, Vec::load(k + 1 * DK + d), a1);
+        a2 = Vec::fma(q, Vec::load(k + 2 * DK + d), a2);
+        a3 = Vec::fma(q, Vec::load(k + 3 * DK + d), a3);
+        a4 = Vec::fma(q, Vec::load(k + 4 * DK + d), a4);
+        a5 = Vec::fma(q, Vec::load(k + 5 * DK + d), a5);
+        a6 = Vec::fma(q, Vec::load(k + 6 * DK + d), a6);
+        a7 = Vec::fma(q, Vec::load(k + 7 * DK + d), a7);
       }
-      _mm256_storeu_ps(s + g * stride + t, sum8(a0, a1, a2, a3, a4, a5, a6, a7));
+      _mm256_storeu_ps(s + g * stride + t, sum8(to8(a0), to8(a1), to8(a2), to8(a3), to8(a4),
+                                                to8(a5), to8(a6), to8(a7)));
     }
   }
-  if (t < n_t) block_scores<DK>(qf, kb + t * DK, n_t - t, G, DK, s + t, stride);
+  for (; t < n_t; ++t) {  // the block's last 1-7 keys, one at a time
+    const T* k = kb + t * DK;
+    for (int64_t g = 0; g < G; ++g) {
+      Vec::T a = Vec::zero();
+      for (int64_t d = 0; d < DK; d += W)
+        a = Vec::fma(Vec::load(qf + g * DK + d), Vec::load(k + d), a);
+      s[g * stride + t] = Vec::sum(a);
+    }
+  }
 }
 
-// block_values for a head size that is a multiple of 64: each query row's output kept in 8
-// registers per 64 dims over the block's tokens (loaded and stored once per block).
-template <int64_t DK>
-static inline void block_values_avx2(const float* __restrict__ p,
-                                     const float* __restrict__ vb, int64_t n_t, int64_t G,
-                                     float* __restrict__ acc, int64_t stride) {
-  static_assert(DK % 64 == 0, "head size in chunks of 64");
-  for (int64_t g = 0; g < G; ++g) {
-    const float* pg = p + g * stride;
-    for (int64_t d = 0; d < DK; d += 64) {
-      float* a = acc + g * DK + d;
-      __m256 c0 = _mm256_loadu_ps(a), c1 = _mm256_loadu_ps(a + 8),
-             c2 = _mm256_loadu_ps(a + 16), c3 = _mm256_loadu_ps(a + 24),
-             c4 = _mm256_loadu_ps(a + 32), c5 = _mm256_loadu_ps(a + 40),
-             c6 = _mm256_loadu_ps(a + 48), c7 = _mm256_loadu_ps(a + 56);
-      for (int64_t t = 0; t < n_t; ++t) {
-        const __m256 w = _mm256_broadcast_ss(pg + t);
-        const float* v = vb + t * DK + d;
-        c0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), c0);
-        c1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), c1);
-        c2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), c2);
-        c3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), c3);
-        c4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), c4);
-        c5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), c5);
-        c6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), c6);
-        c7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), c7);
+// Query rows that block_values_vec takes together: each value vector loaded once feeds
+// kRowsTogether rows' FMAs (3 x 4 accumulators of the 32 AVX-512 registers, 2 x 4 of the 16
+// AVX2 ones) and the rows' accumulator chains hide the FMA latency between tokens.
+constexpr int kRowsTogether = Vec::kWidth == 16 ? 3 : 2;
+
+// acc[g] += sum_t p[g, t] * v[t] for R (1..kRowsTogether) query rows from g0, over n_t
+// values of head size DK (T: fp32 or bf16), per 4 * W dims: the rows' outputs in 4 * R
+// registers, loaded and stored once per block.
+template <int64_t DK, int R, typename T>
+static inline void block_values_rows(const float* __restrict__ p, const T* __restrict__ vb,
+                                     int64_t n_t, float* __restrict__ acc, int64_t stride) {
+  constexpr int W = Vec::kWidth;
+  for (int64_t d = 0; d < DK; d += 4 * W) {
+    Vec::T c[R][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) c[r][u] = Vec::load(acc + r * DK + d + u * W);
+    for (int64_t t = 0; t < n_t; ++t) {
+      const T* v = vb + t * DK + d;
+      const Vec::T v0 = Vec::load(v), v1 = Vec::load(v + W), v2 = Vec::load(v + 2 * W),
+                   v3 = Vec::load(v + 3 * W);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const Vec::T w = Vec::set1(p[r * stride + t]);
+        c[r][0] = Vec::fma(w, v0, c[r][0]);
+        c[r][1] = Vec::fma(w, v1, c[r][1]);
+        c[r][2] = Vec::fma(w, v2, c[r][2]);
+        c[r][3] = Vec::fma(w, v3, c[r][3]);
       }
-      _mm256_storeu_ps(a, c0); _mm256_storeu_ps(a + 8, c1);
-      _mm256_storeu_ps(a + 16, c2); _mm256_storeu_ps(a + 24, c3);
-      _mm256_storeu_ps(a + 32, c4); _mm256_storeu_ps(a + 40, c5);
-      _mm256_storeu_ps(a + 48, c6); _mm256_storeu_ps(a + 56, c7);
     }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) Vec::store(acc + r * DK + d + u * W, c[r][u]);
+  }
+}
+
+// acc[g] += sum_t p[g, t] * v[t] for G query rows over n_t values of head size DK.
+template <int64_t DK, typename T>
+static inline void block_values_vec(const float* __restrict__ p, const T* __restrict__ vb,
+                                    int64_t n_t, int64_t G, float* __restrict__ acc,
+                                    int64_t stride) {
+  int64_t g = 0;
+  for (; g + kRowsTogether <= G; g += kRowsTogether)
+    block_values_rows<DK, kRowsTogether>(p + g * stride, vb, n_t, acc + g * DK, stride);
+  switch (G - g) {
+    case 2: block_values_rows<DK, 2>(p + g * stride, vb, n_t, acc + g * DK, stride); break;
+    case 1: block_values_rows<DK, 1>(p + g * stride, vb, n_t, acc + g * DK, stride); break;
+    default: break;
   }
 }
 #endif
@@ -209,22 +266,39 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = to_f(qp[(b * Hq + h * G + g) * D + d]) * static_cast<float>(scale);
-      // Blocks sit anywhere in the cache: each is fetched ahead while the one before is
-      // being worked on (the hardware prefetcher does not cross into the next block).
+      // Blocks sit anywhere in the cache (the hardware prefetcher does not cross into the
+      // next one): the item's K blocks, then its V blocks, then the next item's first K
+      // blocks are fetched about kPrefetchAhead bytes before they are used.
       const auto block_at = [&](const T* base, int64_t i) {
         return base + ((h * NB + tp[b * max_blocks + i]) * BS) * D;
       };
       const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(T));
-      prefetch_block(block_at(kp, first), block_bytes);
+      const int64_t ahead = std::max<int64_t>(1, kPrefetchAhead / block_bytes);
+      const int64_t nb = last - first;
+      int64_t fetched = std::min(nb, ahead);  // the previous item fetched these
+      if (idx == begin)
+        for (int64_t j = 0; j < fetched; ++j)
+          prefetch_block(block_at(kp, first + j), block_bytes);
+      const auto fetch_until = [&](int64_t j) {  // blocks [fetched, j) of K then V
+        for (j = std::min(j, 2 * nb); fetched < j; ++fetched)
+          prefetch_block(fetched < nb ? block_at(kp, first + fetched)
+                                      : block_at(vp, first + fetched - nb), block_bytes);
+      };
       for (int64_t i = first; i < last; ++i) {
         const T* kb = block_at(kp, i);
-        prefetch_block(i + 1 < last ? block_at(kp, i + 1) : block_at(vp, first), block_bytes);
+        fetch_until(i - first + 1 + ahead);
         const int64_t n_t = std::min(BS, len - i * BS);
-        const float* kf = as_float_block<T, DK>(kb, n_t, D, buf.data());
         float* s_blk = scores.data() + (i - first) * BS;
 #ifdef __AVX2__
-        if constexpr (DK > 0 && DK % 64 == 0) {
-          block_scores_avx2<DK>(qf.data(), kf, n_t, G, s_blk, n);
+        if constexpr (kVectorHead<DK> && kReadsInPlace<T>) {
+          block_scores_vec<DK>(qf.data(), kb, n_t, G, s_blk, n);
+          continue;
+        }
+#endif
+        const float* kf = as_float_block<T, DK>(kb, n_t, D, buf.data());
+#ifdef __AVX2__
+        if constexpr (kVectorHead<DK>) {
+          block_scores_vec<DK>(qf.data(), kf, n_t, G, s_blk, n);
           continue;
         }
 #endif
@@ -237,13 +311,27 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t i = first; i < last; ++i) {
         const T* vb = block_at(vp, i);
-        if (i + 1 < last) prefetch_block(block_at(vp, i + 1), block_bytes);
+        fetch_until(nb + i - first + 1 + ahead);
+        if (i + 1 == last && idx + 1 < end) {  // the next item's first K blocks
+          const int64_t b2 = (idx + 1) / Hk, h2 = (idx + 1) % Hk, len2 = lp[b2];
+          const int64_t first2 = (window > 0 ? std::max<int64_t>(0, len2 - window) : 0) / BS;
+          const int64_t nb2 = (len2 + BS - 1) / BS - first2;
+          for (int64_t j = 0; j < std::min(nb2, ahead); ++j)
+            prefetch_block(kp + ((h2 * NB + tp[b2 * max_blocks + first2 + j]) * BS) * D,
+                           block_bytes);
+        }
         const int64_t n_t = std::min(BS, len - i * BS);
-        const float* vf = as_float_block<T, DK>(vb, n_t, D, buf.data());
         const float* p_blk = scores.data() + (i - first) * BS;
 #ifdef __AVX2__
-        if constexpr (DK > 0 && DK % 64 == 0) {
-          block_values_avx2<DK>(p_blk, vf, n_t, G, acc.data(), n);
+        if constexpr (kVectorHead<DK> && kReadsInPlace<T>) {
+          block_values_vec<DK>(p_blk, vb, n_t, G, acc.data(), n);
+          continue;
+        }
+#endif
+        const float* vf = as_float_block<T, DK>(vb, n_t, D, buf.data());
+#ifdef __AVX2__
+        if constexpr (kVectorHead<DK>) {
+          block_values_vec<DK>(p_blk, vf, n_t, G, acc.data(), n);
           continue;
         }
 #endif
