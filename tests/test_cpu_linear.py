@@ -195,15 +195,19 @@ def test_the_lm_head_goes_tiled_past_its_weight_major_limit(ops, monkeypatch):
     assert weight_major == [32] and tiled == [33, 300]
 
 
-def test_the_runner_picks_the_lm_head_route_by_the_kernels_vector_width(ops, monkeypatch):
+def test_the_runner_picks_routes_by_the_kernels_vector_width(ops, monkeypatch):
     from kvray.actors import model_runner
 
-    for lanes, limit in ((16, model_runner.LM_HEAD_WEIGHT_MAJOR_MAX_ROWS_AVX512),
-                         (8, 1 << 62)):
+    cpu_ops = model_runner.cpu_ops
+    for lanes, limit, small_m in (
+            (16, model_runner.LM_HEAD_WEIGHT_MAJOR_MAX_ROWS_AVX512,
+             cpu_ops.SMALL_M_MAX_ROWS_AVX512),
+            (8, 1 << 62, cpu_ops.SMALL_M_MAX_ROWS)):
         head = ParallelLMHead(ParallelContext(), 40, 16, torch.float32)
-        monkeypatch.setattr(model_runner.cpu_ops, "vector_lanes", lambda n=lanes: n)
+        monkeypatch.setattr(cpu_ops, "vector_lanes", lambda n=lanes: n)
         model_runner._use_cpu_linear_kernels(head)
         assert head.weight_major_max_rows == limit
+        assert head.small_m_max_rows == small_m == cpu_ops.small_m_max_rows()
     assert ops.vector_lanes() in (1, 8, 16)
 
 

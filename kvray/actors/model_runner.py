@@ -85,7 +85,7 @@ def _use_cpu_linear_kernels(model: torch.nn.Module, bf16_weights: bool = False) 
     inputs, the tiled GEMM for prefill-sized ones (see :func:`use_small_m_kernel`)."""
     lm_head_rows = (LM_HEAD_WEIGHT_MAJOR_MAX_ROWS_AVX512 if cpu_ops.vector_lanes() >= 16
                     else 1 << 62)
-    return use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.SMALL_M_MAX_ROWS,
+    return use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.small_m_max_rows(),
                               bf16_weights=bf16_weights, large_m_kernel=cpu_ops.linear_tiled,
                               lm_head_weight_major_max_rows=lm_head_rows)
 
@@ -205,10 +205,10 @@ class ModelRunner:
     @property
     def _fused_decode_max_rows(self) -> int:
         """Decode batches up to this size take the fused layer. fp32: the small-M kernel's
-        range. bf16: past a few rows oneDNN's packed bf16 matmuls (AMX where the CPU has
-        it) beat the small-M kernel by more than the fused layer saves (measured on a
-        2-core AMX Xeon: see :data:`BF16_FUSED_ROWS`)."""
-        return cpu_ops.SMALL_M_MAX_ROWS if self.dtype == torch.float32 else BF16_FUSED_ROWS
+        range (:func:`cpu_ops.small_m_max_rows`). bf16: past a few rows oneDNN's packed
+        bf16 matmuls (AMX where the CPU has it) beat the small-M kernel by more than the
+        fused layer saves (measured on a 2-core AMX Xeon: see :data:`BF16_FUSED_ROWS`)."""
+        return cpu_ops.small_m_max_rows() if self.dtype == torch.float32 else BF16_FUSED_ROWS
 
     @property
     def kernels(self) -> dict:

@@ -43,9 +43,15 @@ _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 # The instruction set the kernels are built for: this CPU's own by default. Tests set
 # KVRAY_CPU_MARCH=haswell on AVX-512 machines to run the AVX2 code paths too.
 MARCH_ENV = "KVRAY_CPU_MARCH"
-# linear_small_m takes 1..32 rows; the engine uses it up to 16: past that MKL catches up
-# (measured on an AVX2 EPYC: 1.1-2.7x MKL at 8-16 rows, 0.9-1.3x at 24-32).
+# linear_small_m takes 1..32 rows; the engine uses it up to 16 with 8-lane (AVX2) kernels:
+# past that MKL catches up (measured on an AVX2 EPYC: 1.1-2.7x MKL at 8-16 rows, 0.9-1.3x
+# at 24-32), and up to 32 with 16-lane (AVX-512) ones. On a 2-core AVX-512 Xeon, the
+# decoder's shapes with cold weights, bf16 copies vs MKL's best fp32 route: 1.32x at 20
+# rows, 1.22x at 24, even at 32 (and 0.9x at 40-64, so no further); whole decode steps,
+# where the range also sets the fused layer's: 1.45x at 20 rows, 1.32x at 24, 1.13-1.2x at
+# 28, 1.05-1.1x at 32.
 SMALL_M_MAX_ROWS = 16
+SMALL_M_MAX_ROWS_AVX512 = 32
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -132,6 +138,12 @@ def vector_lanes() -> int:
     extension)."""
     ext = load_ops()
     return 0 if ext is None else int(ext.vector_lanes())
+
+
+def small_m_max_rows() -> int:
+    """Inputs of up to this many rows go through ``linear_small_m`` (and a decode batch of
+    up to this many through the fused fp32 layer), by the built kernels' vector width."""
+    return SMALL_M_MAX_ROWS_AVX512 if vector_lanes() >= 16 else SMALL_M_MAX_ROWS
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
