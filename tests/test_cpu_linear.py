@@ -195,20 +195,52 @@ def test_the_lm_head_goes_tiled_past_its_weight_major_limit(ops, monkeypatch):
     assert weight_major == [32] and tiled == [33, 300]
 
 
-def test_the_runner_picks_routes_by_the_kernels_vector_width(ops, monkeypatch):
+@pytest.mark.parametrize("lanes", [16, 8])
+def test_the_runner_routes_an_fp32_models_linears_by_the_kernels_vector_width(
+        ops, monkeypatch, lanes):
+    """16 lanes (AVX-512): small-M kernel, then F.linear, the tiled GEMM for layers past 64
+    rows, F.linear for the LM head at any size; 8 lanes (AVX2): small-M kernel, weight-major
+    sgemm up to 64 rows (any number for the LM head), then the tiled GEMM."""
     from kvray.actors import model_runner
 
     cpu_ops = model_runner.cpu_ops
-    for lanes, limit, small_m in (
-            (16, model_runner.LM_HEAD_WEIGHT_MAJOR_MAX_ROWS_AVX512,
-             cpu_ops.SMALL_M_MAX_ROWS_AVX512),
-            (8, 1 << 62, cpu_ops.SMALL_M_MAX_ROWS)):
-        head = ParallelLMHead(ParallelContext(), 40, 16, torch.float32)
-        monkeypatch.setattr(cpu_ops, "vector_lanes", lambda n=lanes: n)
-        model_runner._use_cpu_linear_kernels(head)
-        assert head.weight_major_max_rows == limit
-        assert head.small_m_max_rows == small_m == cpu_ops.small_m_max_rows()
-    assert ops.vector_lanes() in (1, 8, 16)
+    monkeypatch.setattr(cpu_ops, "vector_lanes", lambda: lanes)
+    routes = []
+    small_m, tiled, mm, linear = cpu_ops.linear_small_m, cpu_ops.linear_tiled, torch.mm, F.linear
+    monkeypatch.setattr(cpu_ops, "linear_small_m",
+                        lambda x, w, b: routes.append("small") or small_m(x, w, b))
+    monkeypatch.setattr(cpu_ops, "linear_tiled",
+                        lambda x, w, b: routes.append("tiled") or tiled(x, w, b))
+    layer = RowParallelLinear(ParallelContext(), 16, 8, False, torch.float32)
+    head = ParallelLMHead(ParallelContext(), 40, 16, torch.float32)
+    for module in (layer, head):
+        torch.nn.init.normal_(module.weight)
+        model_runner._use_cpu_linear_kernels(module)
+    monkeypatch.setattr(torch, "mm", lambda a, b: routes.append("weight-major") or mm(a, b))
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: routes.append("F.linear")
+                        or linear(x, w, b))
+    small = cpu_ops.small_m_max_rows()
+    got = {}
+    for name, module, rows in (("layer", layer, (small, small + 1, 64, 65, 300)),
+                               ("head", head, (small, small + 1, 300))):
+        for n in rows:
+            routes.clear()
+            x = torch.randn(n, 16)
+            y = module.compute_logits(x) if module is head else module(x)
+            torch.testing.assert_close(y, linear(x, module.weight), rtol=1e-5, atol=1e-4)
+            got[name, n] = routes[0]
+    if lanes == 16:
+        assert small == cpu_ops.SMALL_M_MAX_ROWS_AVX512
+        assert got == {("layer", small): "small", ("layer", small + 1): "F.linear",
+                       ("layer", 64): "F.linear", ("layer", 65): "tiled",
+                       ("layer", 300): "tiled", ("head", small): "small",
+                       ("head", small + 1): "F.linear", ("head", 300): "F.linear"}
+    else:
+        assert small == cpu_ops.SMALL_M_MAX_ROWS
+        assert got == {("layer", small): "small", ("layer", small + 1): "weight-major",
+                       ("layer", 64): "weight-major", ("layer", 65): "tiled",
+                       ("layer", 300): "tiled", ("head", small): "small",
+                       ("head", small + 1): "weight-major", ("head", 300): "weight-major"}
 
 
 def test_bf16_copies_only_where_bf16_holds_the_weights_exactly(ops):

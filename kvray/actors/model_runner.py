@@ -35,7 +35,12 @@ from kvray.kernels.sampling import (
     sample,
     sample_speculative,
 )
-from kvray.models.layers import packed_weights_supported, use_packed_weights, use_small_m_kernel
+from kvray.models.layers import (
+    WEIGHT_MAJOR_MAX_ROWS,
+    packed_weights_supported,
+    use_packed_weights,
+    use_small_m_kernel,
+)
 from kvray.models.llama import use_fused_decode_layer, use_fused_ops
 from kvray.models.loader import load_model, resolve_max_model_len
 from kvray.parallel import ParallelContext
@@ -73,21 +78,29 @@ class StepInputs:
     token_starts: list[int] = field(default_factory=list)  # per request: its first token
 
 
-# With 16-lane (AVX-512) kernels the tiled GEMM beats the weight-major sgemm on the LM head
-# past this many rows (2-core AVX-512 Xeon, fp32, 576 x 49,152: 170 vs 121 GFLOP/s at 64
-# rows, 188 vs 147 at 256, 122 vs 134 at 32); with 8 lanes the weight-major one wins at
-# any number (AVX2 EPYC: 1.4-1.8x F.linear at 48-128 rows).
-LM_HEAD_WEIGHT_MAJOR_MAX_ROWS_AVX512 = 32
+# How an fp32 model's linears are routed past the small-M kernel's rows with 16-lane
+# (AVX-512) kernels: F.linear (MKL's sgemm, AVX-512 there) up to 64 rows and for the LM
+# head at any size, the tiled GEMM for layers past 64 rows (prefill chunks: it shares the
+# work out tile by tile, see linear_tiled). Measured on a 2-core AVX-512 Xeon, fp32, two
+# threads: the layers at 40 / 64 rows (cold weights) F.linear 53.7 / 73.3 ms per 30 layers,
+# weight-major 59.6 / 81.8, tiled 87.0 / 86.3 (its 32-row panels pad 33-63 rows); the
+# 49,152 x 576 LM head at 32 / 64 / 128 / 256 rows F.linear 11.6 / 20 / 30.7 / 70 ms,
+# tiled 14.9 / 21.7 / 33.4 / 77, weight-major 13.6 / 30 / 52 / 99. With 8 lanes (AVX2
+# EPYC) the weight-major sgemm up to 64 rows and for the LM head at any size (1.4-1.8x
+# F.linear at 48-128 rows), the tiled GEMM past 64 (use_small_m_kernel's defaults).
+AVX512_ROUTES = dict(weight_major_max_rows=0, lm_head_weight_major_max_rows=0,
+                     large_m_min_rows=WEIGHT_MAJOR_MAX_ROWS + 1,
+                     lm_head_large_m_min_rows=1 << 62)
 
 
 def _use_cpu_linear_kernels(model: torch.nn.Module, bf16_weights: bool = False) -> int:
     """The CPU extension's linears for ``model`` (fp32): the small-M kernel for decode-sized
-    inputs, the tiled GEMM for prefill-sized ones (see :func:`use_small_m_kernel`)."""
-    lm_head_rows = (LM_HEAD_WEIGHT_MAJOR_MAX_ROWS_AVX512 if cpu_ops.vector_lanes() >= 16
-                    else 1 << 62)
+    inputs, the tiled GEMM for prefill-sized ones (see :func:`use_small_m_kernel`), the
+    routes between by the kernels' vector width."""
+    routes = AVX512_ROUTES if cpu_ops.vector_lanes() >= 16 else {}
     return use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.small_m_max_rows(),
                               bf16_weights=bf16_weights, large_m_kernel=cpu_ops.linear_tiled,
-                              lm_head_weight_major_max_rows=lm_head_rows)
+                              **routes)
 
 
 # A bf16 model's decode batches of up to this many rows take the fused C++ layer (the

@@ -45,6 +45,7 @@ class SmallMMatmul:
     small_m_weight: torch.Tensor | None = None
     weight_major_max_rows: int = 0  # inputs of at most this many rows go as (W x^T)^T
     large_m_kernel: SmallMKernel | None = None  # F.linear's stand-in past those rows
+    large_m_min_rows: int = 0  # ... from this many rows on (F.linear below)
     packed_weight: torch.Tensor | None = None  # oneDNN's layout (use_packed_weights)
 
     @property
@@ -62,7 +63,7 @@ class SmallMMatmul:
         if rows <= self.weight_major_max_rows:  # MKL's fp32 sgemm is faster this way round
             y = torch.mm(self.weight, x.t()).t().contiguous()
             return y if bias is None else y.add_(bias)
-        if self.large_m_kernel is not None and x.dim() == 2:
+        if self.large_m_kernel is not None and x.dim() == 2 and rows >= self.large_m_min_rows:
             return self.large_m_kernel(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
@@ -77,24 +78,28 @@ WEIGHT_MAJOR_MAX_ROWS = 64
 def use_small_m_kernel(model: nn.Module, kernel: SmallMKernel, max_rows: int,
                        bf16_weights: bool = False,
                        large_m_kernel: SmallMKernel | None = None,
-                       lm_head_weight_major_max_rows: int = 1 << 62) -> int:
+                       weight_major_max_rows: int = WEIGHT_MAJOR_MAX_ROWS,
+                       lm_head_weight_major_max_rows: int = 1 << 62,
+                       large_m_min_rows: int = 0, lm_head_large_m_min_rows: int = 0) -> int:
     """Route every linear layer (and the LM head) of ``model`` through ``kernel`` when the
-    input has at most ``max_rows`` rows, and inputs of up to :data:`WEIGHT_MAJOR_MAX_ROWS`
-    rows (``lm_head_weight_major_max_rows`` for the LM head: by default any number, 1.4-1.8x
-    at 48-128 rows on an AVX2 EPYC) through the weight-major GEMM (W x^T)^T, which MKL's
-    fp32 sgemm runs faster than F.linear at those sizes (fp32 weights only); more rows than
-    that through ``large_m_kernel`` (F.linear's signature) when given.
+    input has at most ``max_rows`` rows, and inputs of up to ``weight_major_max_rows`` rows
+    (``lm_head_weight_major_max_rows`` for the LM head: by default any number, 1.4-1.8x at
+    48-128 rows on an AVX2 EPYC) through the weight-major GEMM (W x^T)^T, which MKL's fp32
+    sgemm runs faster than F.linear at those sizes on that CPU (fp32 weights only); inputs
+    of at least ``large_m_min_rows`` (``lm_head_large_m_min_rows``) rows past those through
+    ``large_m_kernel`` (F.linear's signature) when given; the rest through F.linear.
     With ``bf16_weights``, give the kernel a bf16 copy of each weight that bf16 holds exactly
     (a bf16 checkpoint run in fp32). Returns the bytes those copies take."""
     extra = 0
     for module in model.modules():
         if isinstance(module, SmallMMatmul):
             module.small_m_kernel, module.small_m_max_rows = kernel, max_rows
+            head = isinstance(module, ParallelLMHead)
             if module.weight.dtype == torch.float32:  # (MKL's sgemm; not for bf16)
                 module.weight_major_max_rows = (
-                    lm_head_weight_major_max_rows if isinstance(module, ParallelLMHead)
-                    else WEIGHT_MAJOR_MAX_ROWS)
+                    lm_head_weight_major_max_rows if head else weight_major_max_rows)
             module.large_m_kernel = large_m_kernel
+            module.large_m_min_rows = lm_head_large_m_min_rows if head else large_m_min_rows
             if bf16_weights:
                 copy = module.weight.to(torch.bfloat16)
                 if torch.equal(copy.to(module.weight.dtype), module.weight):
