@@ -6,10 +6,10 @@
 // four vectors (64 and 128 at 16 lanes; multiples of 32 at 8) run vector code (vec.h: 16
 // lanes with AVX-512, 8 with AVX2) for the scores and the weighted sum of V, reading fp32
 // and bf16 blocks where they lie (bf16 widened in registers; fp16 goes through a converted
-// copy), and each next block is prefetched (blocks lie anywhere in the cache). History: AVX2
-// code with every bf16 block converted into a buffer was 1.3x the plain loops in a
-// 64-sequence bf16 decode step on a 2-core AMX Xeon (11.6-11.9 -> 8.7-9.4 ms of ~50 ms);
-// the numbers for the current code are in benchmarks/RESULTS.md.
+// copy), and the blocks (they lie anywhere in the cache) are prefetched ~16 KiB ahead. AVX2
+// code with each bf16 block converted into a buffer, one block prefetched ahead, was 1.3x
+// the plain loops in a 64-sequence bf16 decode step on a 2-core AMX Xeon (11.6-11.9 ->
+// 8.7-9.4 ms of ~50 ms); the numbers for the current code are in benchmarks/RESULTS.md.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
