@@ -27,11 +27,12 @@ def ops(cpu_kernels):
     return cpu_kernels
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 31, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 15, 16, 17, 24, 31, 32])
 @pytest.mark.parametrize("out_features,in_features", [(1, 1), (7, 13), (96, 64), (301, 577)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_m_linear_matches_f_linear(ops, rows, out_features, in_features, with_bias):
-    # Odd sizes: the 8-wide vector loop's tail and the 4/2-row weight groups' remainders.
+    # Odd sizes: the vector loop's tail, and every mix of the 8-row (AVX-512), 4-row and
+    # 3/2/1-row passes over a weight tile.
     _check_against_f_linear(ops.linear_small_m, rows, out_features, in_features, with_bias)
 
 

@@ -34,7 +34,7 @@ using kvray::Vec;
 // (256 and 512 bytes gained less; on an AMX Xeon 1-4 KiB made no difference).
 constexpr int kPrefetchBytes = 1024;
 
-// Rows [n0, n1) of y^T for M <= 4 rows of x: y[m * N + n] = dot(x[m], w[n]) (+ b[n]).
+// Rows [n0, n1) of y^T for M <= 8 rows of x: y[m * N + n] = dot(x[m], w[n]) (+ b[n]).
 // One weight row at a time, read front to back: each thread reads one sequential stream,
 // which the hardware prefetcher follows (and a software prefetch per cache line). Interleaving
 // 2-4 weight rows (4 streams per thread) read at only 9-11 GB/s where one stream reads
@@ -81,16 +81,28 @@ static void rows(const float* __restrict__ x, const W* __restrict__ w,
   }
 }
 
+// x rows per pass over a weight tile: 8 with AVX-512's 32 vector registers (8
+// accumulators, one per row: the weight tile is read from L2 and, for bf16, widened half as
+// often as with 4), 4 with AVX2's 16 (4 rows x 2 accumulators). On a 2-core AVX-512 Xeon,
+// the decoder's linears (bf16 copies, cold) at 8-32 rows: 1.1-1.3x the 4-row passes; 12 or
+// 16 rows per pass, or 2 accumulators per row, were no faster.
+#if defined(__AVX2__)
+constexpr int64_t kRowGroup = Vec::kWidth == 16 ? 8 : 4;
+#else
+constexpr int64_t kRowGroup = 4;
+#endif
+
 // Rows [n0, n1) of w against M rows of x, a tile of weight rows at a time: the tile stays
-// in L2 while groups of up to 4 x rows pass over it, so w is read from memory once.
+// in L2 while groups of kRowGroup x rows pass over it, so w is read from memory once.
 template <typename W>
 static void tile_rows(const float* x, const W* w, const float* b, float* y, int64_t M,
                       int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  // 4 x rows * 2 accumulators = 8 registers (+ weights and x loads) of the 16.
   const int64_t tile = std::max<int64_t>(4, (32768 / std::max<int64_t>(K, 1)) / 4 * 4);
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
     int64_t m = 0;
+    if constexpr (kRowGroup == 8)
+      for (; m + 8 <= M; m += 8) rows<8, 1, W>(x + m * K, w, b, y + m * N, K, N, t0, t1);
     for (; m + 4 <= M; m += 4) rows<4, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1);
     switch (M - m) {
       case 3: rows<3, 2, W>(x + m * K, w, b, y + m * N, K, N, t0, t1); break;
@@ -99,24 +111,6 @@ static void tile_rows(const float* x, const W* w, const float* b, float* y, int6
       default: break;
     }
   }
-}
-
-// fn(begin, end) over [0, n) in chunks of `chunk`, which the threads take one at a time
-// (an atomic counter; at::parallel_for's OpenMP split is static). When another process
-// takes a core for a few ms, the thread left with it would otherwise hold up the step.
-template <typename F>
-static void parallel_dynamic(int64_t n, int64_t chunk, const F& fn) {
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
-  if (threads <= 1) {
-    fn(0, n);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
-      fn(c * chunk, std::min(n, (c + 1) * chunk));
-  });
 }
 
 template <typename W>

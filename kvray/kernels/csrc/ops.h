@@ -1,9 +1,31 @@
 // The CPU ops of kvray's extension (bound to Python in bindings.cpp).
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <tuple>
 #include <vector>
+
+// fn(begin, end) over [0, n) in chunks of `chunk`, which the threads take one at a time
+// (an atomic counter; at::parallel_for's OpenMP split is static). When another process
+// takes a core for a few ms (the Serve ingress streaming tokens, Ray), the thread left
+// with it would otherwise hold up the whole step.
+template <typename F>
+inline void parallel_dynamic(int64_t n, int64_t chunk, const F& fn) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (threads <= 1) {
+    if (n > 0) fn(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
+      fn(c * chunk, std::min(n, (c + 1) * chunk));
+  });
+}
 
 // Paged decode attention: q [B, Hq, D] against the paged cache [2, Hk, blocks, bs, D].
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
