@@ -13,7 +13,7 @@ in the environment (see benchmarks/RESULTS.md for the trade-off).
 
 Usage:
     python benchmarks/decode_step.py [--batches 1,4,8,16,64] [--steps 48] [--dtype auto]
-        [--neighbour]
+        [--neighbour] [--prompt-len 64]
 """
 
 from __future__ import annotations
@@ -110,6 +110,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--neighbour", action="store_true", help="a busy process on one core")
+    ap.add_argument("--prompt-len", type=int, default=64,
+                    help="prompt tokens per request: the context each step attends over "
+                    "grows from here by one per step")
     args = ap.parse_args()
 
     from kvray.config import config_from_flat
@@ -139,12 +142,14 @@ def main() -> None:
           f"{spec.num_layers} layers)")
 
     print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; busy neighbour: "
-          f"{'yes' if args.neighbour else 'no'}")
+          f"{'yes' if args.neighbour else 'no'}; context {args.prompt_len}.."
+          f"{args.prompt_len + args.steps} tokens")
     print("\n| batch | step ms (median) | tok/s | step / floor | GFLOP/s | % of matmul peak |")
     print("|---|---|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
         with busy_neighbour(args.neighbour):
-            step = statistics.median(decode_steps(engine, batch, args.steps))
+            step = statistics.median(decode_steps(engine, batch, args.steps,
+                                                  args.prompt_len))
         flops = batch * flops_per_token / step
         print(f"| {batch} | {step * 1e3:.1f} | {batch / step:.1f} | {step / floor:.2f}x | "
               f"{flops / 1e9:.1f} | {100 * flops / peak:.0f} % |", flush=True)
