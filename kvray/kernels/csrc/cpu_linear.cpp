@@ -31,8 +31,12 @@ using kvray::Vec;
 
 // Bytes ahead of the current load that each weight row stream prefetches: software
 // prefetch this far ahead lifted the M = 1 kernel from ~14 to ~16-18 GB/s on an AVX2 EPYC
-// (256 and 512 bytes gained less; on an AMX Xeon 1-4 KiB made no difference).
-constexpr int kPrefetchBytes = 1024;
+// (256 and 512 bytes gained less; on an AMX Xeon 1-4 KiB made no difference). On a 2-core
+// AVX-512 Xeon without AMX, 2 KiB ahead: every linear of a decode step once (bf16 copies,
+// interleaved runs) 1.05-1.1x faster than 1 KiB at 1-8 rows; 3-4 KiB no better than 2.
+#ifdef __AVX2__
+constexpr int kPrefetchBytes = Vec::kWidth == 16 ? 2048 : 1024;
+#endif
 
 // Rows [n0, n1) of y^T for M <= 8 rows of x: y[m * N + n] = dot(x[m], w[n]) (+ b[n]).
 // One weight row at a time, read front to back: each thread reads one sequential stream,
