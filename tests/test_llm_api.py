@@ -266,6 +266,7 @@ def test_decode_step_time_counts_the_step_itself(llm):
     decode efficiency of 500,000 % of the matmul peak)."""
     engine = llm.llm_engine
     before_time, before_tokens = engine.stats.decode_time_s, engine.stats.decode_tokens
+    before_steps, before_busy = engine.stats.num_decode_steps, engine.stats.step_time_s
     engine.add_request("timed", {"prompt_token_ids": _ids(12, 3)},
                        SamplingParams(max_tokens=6, ignore_eos=True))
     wall = 0.0
@@ -276,6 +277,9 @@ def test_decode_step_time_counts_the_step_itself(llm):
     decode_time = engine.stats.decode_time_s - before_time
     assert engine.stats.decode_tokens - before_tokens == 5  # 6 tokens: 1 prefill, 5 decode
     assert 0.3 * wall < decode_time <= wall
+    assert engine.stats.num_decode_steps - before_steps == 5
+    busy = engine.stats.step_time_s - before_busy  # the prefill step too
+    assert decode_time < busy <= wall
 
 
 def test_request_metrics_are_filled(llm):

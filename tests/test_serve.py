@@ -250,9 +250,28 @@ def test_metrics_have_vllm_names(server, client, model_name):
                  "kvray:generation_tokens_total", "kvray:request_success_total",
                  "kvray:time_to_first_token_seconds", "kvray:inter_token_latency_seconds",
                  "kvray:e2e_request_latency_seconds", "kvray:request_queue_time_seconds",
-                 "kvray:request_prompt_tokens", "kvray:request_generation_tokens"):
+                 "kvray:request_prompt_tokens", "kvray:request_generation_tokens",
+                 "kvray:engine_step_seconds_total", "kvray:engine_decode_step_seconds_total",
+                 "kvray:engine_decode_steps_total", "kvray:engine_decode_tokens_total"):
         assert name in text, name
     assert f'model_name="{model_name}"' in text
+
+
+def test_metrics_carry_the_engines_step_times(server, client, model_name):
+    before = _metric(server, "kvray:engine_decode_steps_total")
+    client.completions.create(model=model_name, prompt="Count:", max_tokens=6,
+                              extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 10  # replicas publish their stats every 0.5 s
+    while _metric(server, "kvray:engine_decode_steps_total") < before + 5:
+        assert time.monotonic() < deadline, "no decode steps in /metrics"
+        time.sleep(0.25)
+    text = httpx.get(f"{server}/metrics").text
+    steps = _metric(server, "kvray:engine_decode_steps_total", text)
+    decode_s = _metric(server, "kvray:engine_decode_step_seconds_total", text)
+    busy_s = _metric(server, "kvray:engine_step_seconds_total", text)
+    assert 0 < decode_s < busy_s  # the prefill steps count as busy, not as decode
+    assert decode_s / steps < 5.0  # seconds, not milliseconds
+    assert _metric(server, "kvray:engine_decode_tokens_total", text) >= steps
 
 
 def _post(server, path, json=None, content=None, key=API_KEY):

@@ -329,6 +329,7 @@ class LLMEngine:
         s.num_steps += 1
         if out.is_empty:
             return
+        s.step_time_s += elapsed
         reqs = self.scheduler.requests
         pure_decode = all(n == 1 and reqs[r].num_computed_tokens >= reqs[r].num_prompt_tokens
                           for r, n in out.num_scheduled_tokens.items())
@@ -337,6 +338,7 @@ class LLMEngine:
             for r, n in out.num_scheduled_tokens.items())
         s.prompt_tokens_total += prompt_tokens
         if pure_decode:
+            s.num_decode_steps += 1
             s.decode_time_s += elapsed
             s.decode_tokens += len(out.num_scheduled_tokens)
             s.decode_context_tokens += sum(reqs[r].num_computed_tokens + 1

@@ -29,7 +29,9 @@ class EngineStats:
     generation_tokens_total: int = 0
     num_steps: int = 0
     num_overlapped_steps: int = 0  # submitted while another step was in flight (PP)
+    step_time_s: float = 0.0  # in model steps (not empty ones): the engine's busy time
     # pure-decode steps (every scheduled request advanced one generated token)
+    num_decode_steps: int = 0
     decode_time_s: float = 0.0
     decode_tokens: int = 0
     decode_context_tokens: int = 0  # sum of context lengths attended in those steps

@@ -40,6 +40,19 @@ class ServerMetrics:
         self.spec_accepted = Gauge("kvray:spec_decode_num_accepted_tokens_total",
                                    "Speculative decoding: draft tokens accepted.", mr,
                                    registry=r)
+        # Step times: the busy fraction (rate of the first), the mean decode step (rate of
+        # the second over the third) and decode batch (fourth over third). A decode step
+        # far above what benchmarks/decode_step.py gives for that batch on the same machine
+        # means something else takes the engine's cores (Serve's processes, a neighbour).
+        self.step_seconds = Gauge("kvray:engine_step_seconds_total",
+                                  "Seconds the engine spent in model steps.", mr, registry=r)
+        self.decode_seconds = Gauge("kvray:engine_decode_step_seconds_total",
+                                    "Seconds in pure-decode steps.", mr, registry=r)
+        self.decode_steps = Gauge("kvray:engine_decode_steps_total", "Pure-decode steps.",
+                                  mr, registry=r)
+        self.decode_tokens = Gauge("kvray:engine_decode_tokens_total",
+                                   "Tokens generated in pure-decode steps (one per running "
+                                   "request per step).", mr, registry=r)
         self.prompt_tokens = Counter("kvray:prompt_tokens", "Prompt tokens processed.", m,
                                      registry=r)
         self.generation_tokens = Counter("kvray:generation_tokens", "Tokens generated.", m,
@@ -87,6 +100,10 @@ class ServerMetrics:
         self.swap_objects.labels(*labels).set(stats.get("num_swap_objects", 0))
         self.spec_drafts.labels(*labels).set(stats.get("spec_decode_num_draft_tokens", 0))
         self.spec_accepted.labels(*labels).set(stats.get("spec_decode_num_accepted_tokens", 0))
+        self.step_seconds.labels(*labels).set(stats.get("step_time_s", 0.0))
+        self.decode_seconds.labels(*labels).set(stats.get("decode_time_s", 0.0))
+        self.decode_steps.labels(*labels).set(stats.get("num_decode_steps", 0))
+        self.decode_tokens.labels(*labels).set(stats.get("decode_tokens", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
