@@ -11,7 +11,10 @@ against any other OpenAI-compatible server (e.g. llama.cpp's llama-server, see
 benchmarks/peer_llamacpp.sh), back to back, with a kvray / peer ratio table.
 
 Every load (and the warm-up) sends prompts of its own, the same to every server: servers
-that cache prompts must not answer one load from the KV of another.
+that cache prompts must not answer one load from the KV of another. The prompts follow from
+`--seed` and the load's label, so against a server that stays up (`--base-url`) give each
+run a new `--seed`: a repeated run is answered from the prefix cache (at concurrency 16 on
+a 2-core Xeon: 176 instead of 124 output tok/s).
 
 Usage:
     python benchmarks/serve.py [--rates 1,2,4,inf] [--concurrency N[,N...]] [--num-requests 64]
