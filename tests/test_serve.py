@@ -262,7 +262,7 @@ def test_metrics_carry_the_engines_step_times(server, client, model_name):
     client.completions.create(model=model_name, prompt="Count:", max_tokens=6,
                               extra_body={"ignore_eos": True})
     deadline = time.monotonic() + 10  # replicas publish their stats every 0.5 s
-    while _metric(server, "kvray:engine_decode_steps_total") < before + 5:
+    while _metric(server, "kvray:engine_decode_steps_total") <= before:
         assert time.monotonic() < deadline, "no decode steps in /metrics"
         time.sleep(0.25)
     text = httpx.get(f"{server}/metrics").text
