@@ -123,7 +123,7 @@ static void run(const float* x, const W* w, const float* b, float* y, int64_t M,
   // At least ~64 KiB of weights per chunk (amortises the hand-out), about 4 chunks per
   // thread (balance when a thread loses its core for a while).
   const int64_t grain = std::max<int64_t>(4, 16384 / std::max<int64_t>(K, 1) / 4 * 4);
-  const int64_t per = N / (4 * std::max(at::get_num_threads(), 1)) / 4 * 4;
+  const int64_t per = chunk_for_threads(N) / 4 * 4;
   parallel_dynamic(N, std::max(grain, per), [&](int64_t n0, int64_t n1) {
     tile_rows<W>(x, w, b, y, M, K, N, n0, n1);
   });

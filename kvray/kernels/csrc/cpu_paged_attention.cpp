@@ -254,11 +254,10 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
   TQ* op = out.data_ptr<TQ>();
-  // (sequence, kv head) items in chunks the threads take one at a time, about four per
-  // thread: a static split would leave the step waiting for a thread that lost its core.
+  // (sequence, kv head) items in chunks the threads take one at a time: a static split
+  // would leave the step waiting for a thread that lost its core.
   const int64_t items = B * Hk;
-  const int64_t chunk = std::max<int64_t>(1, items / (4 * std::max(at::get_num_threads(), 1)));
-  parallel_dynamic(items, chunk, [&](int64_t begin, int64_t end) {
+  parallel_dynamic(items, chunk_for_threads(items), [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), buf(BS * D), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / Hk, h = idx % Hk, len = lp[b];

@@ -27,6 +27,13 @@ inline void parallel_dynamic(int64_t n, int64_t chunk, const F& fn) {
   });
 }
 
+// A chunk size for parallel_dynamic giving each thread about `per_thread` of the n items
+// (at least one item per chunk): enough chunks to rebalance when a thread loses its core,
+// few enough that handing them out stays cheap.
+inline int64_t chunk_for_threads(int64_t n, int64_t per_thread = 4) {
+  return std::max<int64_t>(1, n / (per_thread * std::max(at::get_num_threads(), 1)));
+}
+
 // Paged decode attention: q [B, Hq, D] against the paged cache [2, Hk, blocks, bs, D].
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
                         double scale, int64_t window);
