@@ -272,6 +272,10 @@ def main() -> None:
                     "requests against, after kvray at each concurrency")
     ap.add_argument("--peer-name", default="peer")
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--ingress", default="serve",
+                    help="the kvray front ends to launch, comma-separated: serve (Ray Serve, "
+                    "the default) and/or process (`kvray serve --ingress process`); each "
+                    "gets a fresh server per load in peer mode")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
                     default="auto", help="dtype of the launched server and the offline run "
                     "(default auto: kvray's choice for this CPU)")
@@ -286,26 +290,49 @@ def main() -> None:
     from benchmarks.common import benchmark_dtype
 
     dtype = benchmark_dtype(args.dtype)  # what both sides run on this CPU
-    proc = None
-    base = args.base_url
-    if base is None:
-        proc, base = launch_server(["--dtype", dtype])
-    try:
-        model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-        if peer is None:
-            rows = run_loads(base, args.num_requests, rates, concurrencies, args.seed,
-                             prompt_len, output_len)
-        else:  # one load at a time on each server, back to back, so both see the same noise
-            rows, ours, theirs = [], [], []
-            for conc in concurrencies:
-                ours += run_loads(base, args.num_requests, [], [conc], args.seed, prompt_len,
-                                  output_len, "kvray ")
-                theirs += run_loads(peer, args.num_requests, [], [conc], args.seed, prompt_len,
-                                    output_len, f"{args.peer_name} ")
-                rows += [ours[-1], theirs[-1]]
-    finally:
-        if proc is not None:
+    ingresses = [i for i in args.ingress.split(",") if i]
+    if not ingresses or set(ingresses) - {"serve", "process"}:
+        ap.error(f"--ingress {args.ingress!r}: serve and/or process")
+
+    def loads(base: str, label: str, concs: list[int], load_rates: list[str]) -> list[dict]:
+        return run_loads(base, args.num_requests, load_rates, concs, args.seed, prompt_len,
+                         output_len, label)
+
+    def on_fresh_server(ingress: str, label: str, concs: list[int],
+                        load_rates: list[str]) -> list[dict]:
+        proc, base = launch_server(["--dtype", dtype, "--ingress", ingress])
+        try:
+            return loads(base, label, concs, load_rates)
+        finally:
             stop_server(proc)
+
+    if args.base_url is not None:
+        ingresses = ["running"]
+    ours: dict[str, list[dict]] = {i: [] for i in ingresses}
+    rows, theirs = [], []
+    if peer is None:
+        for ingress in ingresses:
+            label = "" if len(ingresses) == 1 else f"kvray ({ingress}) "
+            ours[ingress] = (loads(args.base_url, label, concurrencies, rates)
+                             if args.base_url else
+                             on_fresh_server(ingress, label, concurrencies, rates))
+            rows += ours[ingress]
+    else:  # one load at a time on each server, back to back, so both see the same noise
+        for conc in concurrencies:
+            for ingress in ingresses:
+                label = "kvray " if len(ingresses) == 1 else f"kvray ({ingress}) "
+                ours[ingress] += (loads(args.base_url, label, [conc], [])
+                                  if args.base_url else
+                                  on_fresh_server(ingress, label, [conc], []))
+                rows.append(ours[ingress][-1])
+            theirs += loads(peer, f"{args.peer_name} ", [conc], [])
+            rows.append(theirs[-1])
+    if args.base_url:
+        model = httpx.get(f"{args.base_url}/v1/models").json()["data"][0]["id"]
+    else:
+        from kvray.default_model import default_model_dir
+
+        model = default_model_dir().name
     print(f"\n{args.num_requests} requests, prompts {prompt_len[0]}..{prompt_len[1]}, outputs "
           f"{output_len[0]}..{output_len[1]} tokens (ignore_eos), model {model}")
     server_dtype = dtype if args.base_url is None else "the running server's own"
@@ -313,7 +340,10 @@ def main() -> None:
     print(f"dtype: {server_dtype} (server){offline_dtype}\n")
     print_table(rows)
     if peer is not None:
-        print_peer_ratios(ours, theirs, concurrencies, args.peer_name)
+        for ingress, mine in ours.items():
+            if len(ours) > 1:
+                print(f"\nkvray serve --ingress {ingress}:")
+            print_peer_ratios(mine, theirs, concurrencies, args.peer_name)
     elif not args.skip_offline:
         best = max(r["out_tok_s"] for r in rows)
         off = offline(load_workload(args.num_requests, args.seed, "offline", prompt_len,

@@ -147,6 +147,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               "reach this address can use the model. Set KVRAY_API_KEY or --api-key-file "
               "(see docs/security.md).", file=sys.stderr, flush=True)
     world = config.parallel.world_size
+    if args.ingress == "process":
+        if args.num_replicas != 1:
+            raise ConfigError(f"--num-replicas {args.num_replicas}: --ingress process serves "
+                              "one replica; use --ingress serve for data parallelism")
+        return _serve_in_process(args, config, model_path, name, api_key)
     started = ensure_ray(args.address, num_cpus=max(8, args.num_replicas * (world + 1) + 2),
                          log_to_driver=True)
     flat = {k: v for k, v in config.to_flat().items() if v is not None}
@@ -190,6 +195,31 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     return 0
+
+
+def _serve_in_process(args: argparse.Namespace, config, model_path, name: str,
+                      api_key: str | None) -> int:
+    """``--ingress process``: uvicorn and the engine here; a Ray cluster only for TP x PP
+    workers (joined with --address / RAY_ADDRESS, else a private one, stopped at exit)."""
+    import os
+
+    from kvray.actors.ray_executor import ensure_ray, stop_ray
+    from kvray.serve.process import serve_in_process
+
+    config = config.model_copy(update={"model": config.model.model_copy(
+        update={"model": str(model_path)})})
+    world = config.parallel.world_size
+    started = False
+    if world > 1 or args.address or os.environ.get("RAY_ADDRESS"):
+        started = ensure_ray(args.address, num_cpus=max(4, world + 2), log_to_driver=True)
+    try:
+        return serve_in_process(config, name, args.host, args.port, api_key)
+    except KeyboardInterrupt:
+        print("kvray: stopped during start-up", flush=True)
+        return 0
+    finally:
+        if started:
+            _bounded(stop_ray, 30, "ray shutdown")
 
 
 def _bounded(fn, timeout_s: float, what: str) -> None:

@@ -55,6 +55,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read the API key from the first line of FILE")
     parser.add_argument("--num-replicas", type=_positive_int, default=1,
                         help="model replicas (data parallelism)")
+    parser.add_argument("--ingress", choices=("serve", "process"), default="serve",
+                        help="serve (default): Ray Serve (HTTP proxy -> OpenAI ingress -> model "
+                             "replicas; --num-replicas, autoscaling, KubeRay); process: the "
+                             "OpenAI app and the engine core in this process (uvicorn), Ray "
+                             "only for TP x PP workers: one replica, no Ray hop per token "
+                             "(the faster choice for one replica on a small host)")
     parser.add_argument("--address", default=None,
                         help="Ray cluster address, e.g. 'auto' for the cluster `ray start` runs "
                              "here (default: RAY_ADDRESS, else a new private cluster on "

@@ -117,6 +117,17 @@ def test_server_limits_are_flags_and_bad_values_name_the_field(capsys):
     assert rc == 2 and "max_stop" in capsys.readouterr().err
 
 
+def test_the_in_process_front_end_refuses_several_replicas_before_starting_anything(
+        capsys):
+    rc = main(["serve", "--ingress", "process", "--num-replicas", "2"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--num-replicas 2" in err and "--ingress serve" in err
+    with pytest.raises(SystemExit):
+        main(["serve", "--ingress", "threads"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("host,where", [("0.0.0.0", "EveryNode"), ("::", "EveryNode"),
                                         ("10.0.0.7", "HeadOnly"), ("127.0.0.1", "HeadOnly"),
                                         ("my-head.internal", "HeadOnly")])

@@ -302,17 +302,14 @@ def test_metrics_survive_the_death_of_the_stats_actor(served):
     pytest.fail("engine gauges on /metrics stayed frozen after the stats actor died")
 
 
-def test_sigterm_drains_then_aborts_and_leaves_no_process(served):
-    """Last in this module: it stops the server. A short request finishes; a long one is
-    ended with an error at the drain deadline; new requests get 503 + Retry-After; the
-    process exits 0 and every process of its Ray cluster is gone."""
-    base, model = served
+def sigterm_drains_then_aborts(base: str, model: str,
+                               server: psutil.Process) -> httpx.Response:
+    """With a short and a long stream running, SIGTERM ``server``: new requests get 503 +
+    Retry-After, the short one finishes, the long one ends with a 503 error event at the
+    drain deadline, the process exits 0. Returns the first refusal."""
     short = Stream(base, model, max_tokens=40).start()
     long = Stream(base, model, max_tokens=LONG_TOKENS).start()
     assert short.first_chunk.wait(60) and long.first_chunk.wait(60)
-    server = _server_process(base)
-    family = server.children(recursive=True)
-    assert any("raylet" in " ".join(p.cmdline()) for p in family)
     start = time.monotonic()
     server.send_signal(signal.SIGTERM)
     refused = None
@@ -329,6 +326,18 @@ def test_sigterm_drains_then_aborts_and_leaves_no_process(served):
     _wait_ended([long], start, bound_s=DRAIN_TIMEOUT_S + 20)
     assert long.errors and long.errors[0]["code"] == 503, "the long request was not aborted"
     assert server.wait(timeout=60) == 0
+    return refused
+
+
+def test_sigterm_drains_then_aborts_and_leaves_no_process(served):
+    """Last in this module: it stops the server. A short request finishes; a long one is
+    ended with an error at the drain deadline; new requests get 503 + Retry-After; the
+    process exits 0 and every process of its Ray cluster is gone."""
+    base, model = served
+    server = _server_process(base)
+    family = server.children(recursive=True)
+    assert any("raylet" in " ".join(p.cmdline()) for p in family)
+    sigterm_drains_then_aborts(base, model, server)
     time.sleep(1)
     left = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [" ".join(p.cmdline())[:80] for p in left]
