@@ -6,9 +6,13 @@ each load, stops the server, then runs the same workload through the offline `LL
 compare throughput (target: server >= 0.85x offline). Both run the dtype kvray's `auto`
 picks for this CPU (bf16 only where it is native, else fp32) unless `--dtype` says otherwise.
 
-Peer mode (`--peer URL`): the same requests, at each `--concurrency`, against kvray and then
-against any other OpenAI-compatible server (e.g. llama.cpp's llama-server, see
-benchmarks/peer_llamacpp.sh), back to back, with a kvray / peer ratio table.
+`--ingress serve,process` runs each of kvray's front ends in turn (Ray Serve's, and
+`kvray serve --ingress process`: the OpenAI app and the engine in one process).
+
+Peer mode (`--peer URL`): the same requests, at each `--concurrency`, against kvray (a fresh
+server per front end and load) and then against any other OpenAI-compatible server (e.g.
+llama.cpp's llama-server, see benchmarks/peer_llamacpp.sh), back to back, with a kvray /
+peer ratio table per front end.
 
 Every load (and the warm-up) sends prompts of its own, the same to every server: servers
 that cache prompts must not answer one load from the KV of another. The prompts follow from
@@ -19,7 +23,7 @@ a 2-core Xeon: 176 instead of 124 output tok/s).
 Usage:
     python benchmarks/serve.py [--rates 1,2,4,inf] [--concurrency N[,N...]] [--num-requests 64]
         [--base-url http://127.0.0.1:8000] [--skip-offline] [--dtype D]
-        [--prompt-len 32,256] [--output-len 32,128]
+        [--prompt-len 32,256] [--output-len 32,128] [--ingress serve,process]
     python benchmarks/serve.py --peer http://127.0.0.1:8080 [--peer-name NAME]
         (defaults then: --concurrency 1,8,16, prompts 64..256, outputs 64..128, no rates)
 """
