@@ -132,7 +132,7 @@ def main() -> None:
     bandwidth = read_bandwidth()
     peak = matmul_peak(dtype)
     weight_bytes = weight_bytes_per_decode_step(model)
-    flops_per_token = 2 * sum(m.weight.numel() for m in model.modules()
+    flops_per_token = 2 * sum(m.kernel_weight.numel() for m in model.modules()
                               if isinstance(m, SmallMMatmul))
     floor = weight_bytes / bandwidth
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; weights read per decode step "
