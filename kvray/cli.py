@@ -203,6 +203,7 @@ def _serve_in_process(args: argparse.Namespace, config, model_path, name: str,
     workers (joined with --address / RAY_ADDRESS, else a private one, stopped at exit)."""
     import os
 
+    from kvray.actors.executor import executor_backend
     from kvray.actors.ray_executor import ensure_ray, stop_ray
     from kvray.serve.process import serve_in_process
 
@@ -210,7 +211,7 @@ def _serve_in_process(args: argparse.Namespace, config, model_path, name: str,
         update={"model": str(model_path)})})
     world = config.parallel.world_size
     started = False
-    if world > 1 or args.address or os.environ.get("RAY_ADDRESS"):
+    if executor_backend(config) == "ray" or args.address or os.environ.get("RAY_ADDRESS"):
         started = ensure_ray(args.address, num_cpus=max(4, world + 2), log_to_driver=True)
     try:
         return serve_in_process(config, name, args.host, args.port, api_key)
