@@ -15,9 +15,7 @@ from kvray.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
-    VocabParallelEmbedding,
     packed_weights_supported,
-    release_plain_weights,
     use_packed_weights,
     use_small_m_kernel,
 )
@@ -198,23 +196,17 @@ def test_the_lm_head_goes_tiled_past_its_weight_major_limit(ops, monkeypatch):
     assert weight_major == [32] and tiled == [33, 300]
 
 
-@pytest.mark.parametrize("lanes,packed", [(16, True), (16, False), (8, True)])
+@pytest.mark.parametrize("lanes", [16, 8])
 def test_the_runner_routes_an_fp32_models_linears_by_the_kernels_vector_width(
-        ops, monkeypatch, lanes, packed):
-    """16 lanes (AVX-512): small-M kernel, then oneDNN's packed weights at any size (without
-    oneDNN: F.linear, the tiled GEMM for layers past 64 rows, F.linear for the LM head at
-    any size); 8 lanes (AVX2): small-M kernel, weight-major sgemm up to 64 rows (any number
-    for the LM head), then the tiled GEMM."""
+        ops, monkeypatch, lanes):
+    """16 lanes (AVX-512): small-M kernel, then F.linear, the tiled GEMM for layers past 64
+    rows, F.linear for the LM head at any size; 8 lanes (AVX2): small-M kernel, weight-major
+    sgemm up to 64 rows (any number for the LM head), then the tiled GEMM."""
     from kvray.actors import model_runner
-    from kvray.models import layers
 
     cpu_ops = model_runner.cpu_ops
     monkeypatch.setattr(cpu_ops, "vector_lanes", lambda: lanes)
-    monkeypatch.setattr(model_runner, "AVX512_PACKED", packed)
     routes = []
-    packed_linear = layers.packed_linear
-    monkeypatch.setattr(layers, "packed_linear", lambda x, w, b: routes.append("packed")
-                        or packed_linear(x, w, b))
     small_m, tiled, mm, linear = cpu_ops.linear_small_m, cpu_ops.linear_tiled, torch.mm, F.linear
     monkeypatch.setattr(cpu_ops, "linear_small_m",
                         lambda x, w, b: routes.append("small") or small_m(x, w, b))
@@ -238,13 +230,7 @@ def test_the_runner_routes_an_fp32_models_linears_by_the_kernels_vector_width(
             y = module.compute_logits(x) if module is head else module(x)
             torch.testing.assert_close(y, linear(x, module.weight), rtol=1e-5, atol=1e-4)
             got[name, n] = routes[0]
-    if lanes == 16 and packed and packed_weights_supported(torch.float32):
-        assert small == cpu_ops.SMALL_M_MAX_ROWS_AVX512
-        assert got == {("layer", small): "small", ("layer", small + 1): "packed",
-                       ("layer", 64): "packed", ("layer", 65): "packed",
-                       ("layer", 300): "packed", ("head", small): "small",
-                       ("head", small + 1): "packed", ("head", 300): "packed"}
-    elif lanes == 16:
+    if lanes == 16:
         assert small == cpu_ops.SMALL_M_MAX_ROWS_AVX512
         assert got == {("layer", small): "small", ("layer", small + 1): "F.linear",
                        ("layer", 64): "F.linear", ("layer", 65): "tiled",
@@ -321,82 +307,3 @@ def test_a_bf16_engine_packs_its_weights_and_keeps_the_small_m_kernel_off(ops,
         assert all(m.small_m_kernel is None for m in layers)
     finally:
         llm.shutdown()
-
-
-needs_fp32_packed = pytest.mark.skipif(not packed_weights_supported(torch.float32),
-                                       reason="this PyTorch build has no oneDNN")
-
-
-@needs_fp32_packed
-def test_plain_fp32_weights_are_released_only_where_nothing_reads_them(ops):
-    """Released: a layer whose small-M inputs read an exact bf16 copy and larger ones the
-    packed copy. Kept: a layer without a bf16 copy, and a head tied to the embedding. Every
-    layer still computes x W^T at every row count."""
-    ctx = ParallelContext()
-    exact = RowParallelLinear(ctx, 16, 8, False, torch.float32)
-    inexact = RowParallelLinear(ctx, 16, 8, False, torch.float32)
-    head = ParallelLMHead(ctx, 40, 16, torch.float32)
-    embed = VocabParallelEmbedding(ctx, 40, 16, torch.float32)
-    for layer in (exact, inexact, head):
-        torch.nn.init.normal_(layer.weight)
-    exact.weight.data = exact.weight.data.bfloat16().float()  # a bf16 checkpoint in fp32
-    head.weight.data = head.weight.data.bfloat16().float()
-    head.weight = embed.weight = torch.nn.Parameter(head.weight.data, requires_grad=False)
-    model = torch.nn.ModuleList([exact, inexact, head, embed])
-    want = {name: layer.weight.detach().clone()
-            for name, layer in (("exact", exact), ("inexact", inexact), ("head", head))}
-    use_small_m_kernel(model, ops.linear_small_m, 8, bf16_weights=True)
-    assert use_packed_weights(model, torch.float32) == (8 * 16 * 2 + 40 * 16) * 4
-    assert release_plain_weights(model) == 8 * 16 * 4
-    assert exact.weight.numel() == 0
-    assert inexact.weight.shape == (8, 16) and head.weight is embed.weight
-    assert head.weight.shape == (40, 16)
-    for rows in (0, 1, 8, 9, 300):
-        x = torch.randn(rows, 16)
-        for name, y in (("exact", exact(x)), ("inexact", inexact(x)),
-                        ("head", head.compute_logits(x))):
-            torch.testing.assert_close(y, F.linear(x, want[name]), rtol=1e-5, atol=1e-4)
-
-
-@needs_fp32_packed
-def test_an_fp32_run_of_a_bf16_checkpoint_on_avx512_keeps_two_copies_and_transformers_tokens(
-        ops, tmp_path):
-    """With 16-lane kernels, a bf16 checkpoint run in fp32 holds bf16 copies (decode) and
-    packed fp32 copies (prefill, larger batches) of its linears, not also the plain fp32
-    ones; greedy tokens equal transformers' fp32 run of the same checkpoint, through
-    prefill and decode batches on both sides of the small-M kernel's rows."""
-    from kvray.actors.model_runner import cpu_ops
-    if cpu_ops.vector_lanes() < 16:
-        pytest.skip("the packed route is for 16-lane (AVX-512) kernels")
-    from tiny_models import load_hf, make_tiny_model
-
-    from kvray import LLM, SamplingParams
-
-    path = make_tiny_model("llama_gqa", tmp_path / "fp32")
-    hf = load_hf(path)
-    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    for file in path.iterdir():  # the tokenizer's files
-        if not (tmp_path / "bf16" / file.name).exists():
-            (tmp_path / "bf16" / file.name).write_bytes(file.read_bytes())
-    ref = load_hf(tmp_path / "bf16")
-    prompts = [[(7 * i + 3 * j) % 200 + 5 for j in range(5 + i % 7)] for i in range(40)]
-    llm = LLM(str(tmp_path / "bf16"), dtype="float32", block_size=4, max_model_len=128,
-              num_gpu_blocks_override=600, max_num_seqs=40)
-    try:
-        runner = llm.llm_engine.executor.worker.runner
-        layers = [m for m in runner.model.modules() if hasattr(m, "packed_weight")]
-        assert layers and all(m.packed_weight is not None for m in layers)
-        released = [m for m in layers if m.weight.numel() == 0]
-        assert released and all(m.small_m_weight is not None for m in released)
-        # 40 decode rows (packed), then 20 (the small-M kernel on the bf16 copies)
-        lengths = [4 if i % 2 else 9 for i in range(len(prompts))]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-                             for n in lengths], use_tqdm=False)
-    finally:
-        llm.shutdown()
-    for prompt, n, out in zip(prompts, lengths, outs, strict=True):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                                do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.outputs[0].token_ids == want

@@ -38,7 +38,6 @@ from kvray.kernels.sampling import (
 from kvray.models.layers import (
     WEIGHT_MAJOR_MAX_ROWS,
     packed_weights_supported,
-    release_plain_weights,
     use_packed_weights,
     use_small_m_kernel,
 )
@@ -92,34 +91,16 @@ class StepInputs:
 AVX512_ROUTES = dict(weight_major_max_rows=0, lm_head_weight_major_max_rows=0,
                      large_m_min_rows=WEIGHT_MAJOR_MAX_ROWS + 1,
                      lm_head_large_m_min_rows=1 << 62)
-# With 16 lanes, past the small-M kernel's rows every fp32 linear (the LM head too) runs
-# on a copy of its weight reordered once into oneDNN's blocked layout, instead of the
-# routes above (MKL's sgemm, and the tiled GEMM, repack the weight on every call). Where
-# the small-M kernel reads an exact bf16 copy, the plain fp32 weight is then released
-# (release_plain_weights): memory stays that of today's two copies. Measured on a 2-core
-# AVX-512 Xeon (fp32, two threads), alternating in one process: decode steps at 48 / 64 /
-# 128 / 256 rows 0.99 / 0.91 / 0.87 / 0.90x the time of the routes above; isolated, the
-# decoder's shapes and the LM head at 64 rows 1.0-1.4x F.linear's GFLOP/s.
-AVX512_PACKED = True
 
 
-def _use_cpu_linear_kernels(model: torch.nn.Module,
-                            bf16_weights: bool = False) -> tuple[int, int, int]:
+def _use_cpu_linear_kernels(model: torch.nn.Module, bf16_weights: bool = False) -> int:
     """The CPU extension's linears for ``model`` (fp32): the small-M kernel for decode-sized
     inputs, the tiled GEMM for prefill-sized ones (see :func:`use_small_m_kernel`), the
-    routes between by the kernels' vector width; with 16 lanes, oneDNN's packed weights
-    past the small-M kernel's rows (:data:`AVX512_PACKED`). Returns the bytes of the bf16
-    copies, of the packed copies, and of the plain weights released."""
-    wide = cpu_ops.vector_lanes() >= 16
-    routes = AVX512_ROUTES if wide else {}
-    bf16 = use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.small_m_max_rows(),
+    routes between by the kernels' vector width."""
+    routes = AVX512_ROUTES if cpu_ops.vector_lanes() >= 16 else {}
+    return use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.small_m_max_rows(),
                               bf16_weights=bf16_weights, large_m_kernel=cpu_ops.linear_tiled,
                               **routes)
-    packed = freed = 0
-    if wide and AVX512_PACKED and packed_weights_supported(torch.float32):
-        packed = use_packed_weights(model, torch.float32)
-        freed = release_plain_weights(model)
-    return bf16, packed, freed
 
 
 # A bf16 model's decode batches of up to this many rows take the fused C++ layer (the
@@ -280,14 +261,11 @@ class ModelRunner:
         """Decode-sized matmuls through the CPU kernel, prefill-sized ones through the tiled
         GEMM; a bf16 checkpoint run in fp32 also keeps bf16 copies of its weights for the
         former, halving the bytes each decode step reads."""
-        bf16, packed, freed = _use_cpu_linear_kernels(
-            self.model, bf16_weights=self.spec.torch_dtype == "bfloat16")
-        if bf16 and self.ctx.world_rank == 0:
+        extra = _use_cpu_linear_kernels(self.model,
+                                        bf16_weights=self.spec.torch_dtype == "bfloat16")
+        if extra and self.ctx.world_rank == 0:
             logger.info("kvray: bf16 copies of the weights for decode steps: %.0f MiB",
-                        bf16 / 2**20)
-        if packed and self.ctx.world_rank == 0:
-            logger.info("kvray: fp32 weights reordered for oneDNN's matmuls: %.0f MiB; "
-                        "plain copies released: %.0f MiB", packed / 2**20, freed / 2**20)
+                        extra / 2**20)
 
     # ---- KV cache ---------------------------------------------------------------------
     def _local_kv_shape(self) -> tuple[int, int, int]:

@@ -7,7 +7,6 @@ more than its shard. With ``tp_size == 1`` every slice is the whole tensor.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -59,8 +58,8 @@ class SmallMMatmul:
         if self.small_m_kernel is not None and 0 < rows <= self.small_m_max_rows:
             return self.small_m_kernel(x, self.kernel_weight, bias)
         packed = self.packed_weight
-        if packed is not None and x.dtype == packed.dtype:
-            return packed_linear(x, packed, bias)
+        if packed is not None and x.dtype == packed.dtype and x.dim() == 2:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         if rows <= self.weight_major_max_rows:  # MKL's fp32 sgemm is faster this way round
             y = torch.mm(self.weight, x.t()).t().contiguous()
             return y if bias is None else y.add_(bias)
@@ -109,70 +108,29 @@ def use_small_m_kernel(model: nn.Module, kernel: SmallMKernel, max_rows: int,
     return extra
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W^T (+ b)`` on a weight in oneDNN's blocked layout (any leading dims of x)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def use_packed_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Give every linear layer (and the LM head) of ``model`` whose weight is ``dtype`` a
-    copy of it in oneDNN's blocked layout, which its matmuls then use for inputs of any
-    number of rows past the small-M kernel's.
+def use_packed_weights(model: nn.Module) -> int:
+    """Give every bf16 linear layer (and the LM head) of ``model`` a copy of its weight in
+    oneDNN's blocked layout, which its matmuls then use for inputs of any number of rows.
 
     ``F.linear`` on a plain bf16 weight has oneDNN reorder the whole weight into that layout
     on every call: on a CPU with AMX, the decode step's matmuls ran 1.4-2x slower than with
     the weights reordered once at load time (identical products; fp32 accumulation either
-    way). fp32 on AVX-512 (MKL's sgemm packs its weight operand on every call, too): see
-    ``model_runner.AVX512_ROUTES``. The plain weight stays (the embedding may share it;
-    other paths read it; :func:`release_plain_weights` drops it where nothing does).
-    Returns the bytes the copies take."""
+    way). The plain weight stays (the embedding may share it; other paths read it). Returns
+    the bytes the copies take."""
     extra = 0
     for module in model.modules():
-        if isinstance(module, SmallMMatmul) and module.weight.dtype == dtype:
+        if isinstance(module, SmallMMatmul) and module.weight.dtype == torch.bfloat16:
             weight = module.weight.detach()
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
             extra += weight.numel() * weight.element_size()
     return extra
 
 
-def release_plain_weights(model: nn.Module) -> int:
-    """Drop the plain weight of every linear layer that nothing reads any more: inputs of
-    up to the small-M kernel's rows read its exact bf16 copy, larger ones the packed copy,
-    and no other module shares the weight (a tied embedding does: that one stays). So an
-    fp32 run of a bf16 checkpoint holds bf16 + packed fp32 weights, not three copies.
-    Returns the bytes freed."""
-    holders = Counter(id(p) for m in model.modules() for p in m._parameters.values()
-                      if p is not None)
-    freed = 0
-    for module in model.modules():
-        if (isinstance(module, SmallMMatmul) and module.packed_weight is not None
-                and module.small_m_weight is not None and module.small_m_kernel is not None
-                and holders[id(module.weight)] == 1 and module.weight.numel()):
-            freed += module.weight.numel() * module.weight.element_size()
-            module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
-    if freed:
-        _return_freed_heap()
-    return freed
-
-
-def _return_freed_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them otherwise: the process's
-    RSS then still counts the released weights). A no-op without glibc."""
-    import contextlib
-    import ctypes
-    import ctypes.util
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-
-
-def packed_weights_supported(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether this PyTorch build runs ``dtype`` matmuls on oneDNN's packed weights here."""
+def packed_weights_supported() -> bool:
+    """Whether this PyTorch build runs bf16 matmuls on oneDNN's packed weights here."""
     try:
-        if not torch.backends.mkldnn.is_available():
-            return False
-        return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return bool(torch.backends.mkldnn.is_available()
+                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
 
