@@ -302,8 +302,11 @@ def main() -> None:
         return run_loads(base, args.num_requests, load_rates, concs, args.seed, prompt_len,
                          output_len, label)
 
-    def on_fresh_server(ingress: str, label: str, concs: list[int],
-                        load_rates: list[str]) -> list[dict]:
+    def on_kvray(ingress: str, label: str, concs: list[int],
+                 load_rates: list[str]) -> list[dict]:
+        """The loads on the running server (--base-url), else on a fresh one."""
+        if args.base_url:
+            return loads(args.base_url, label, concs, load_rates)
         proc, base = launch_server(["--dtype", dtype, "--ingress", ingress])
         try:
             return loads(base, label, concs, load_rates)
@@ -317,17 +320,13 @@ def main() -> None:
     if peer is None:
         for ingress in ingresses:
             label = "" if len(ingresses) == 1 else f"kvray ({ingress}) "
-            ours[ingress] = (loads(args.base_url, label, concurrencies, rates)
-                             if args.base_url else
-                             on_fresh_server(ingress, label, concurrencies, rates))
+            ours[ingress] = on_kvray(ingress, label, concurrencies, rates)
             rows += ours[ingress]
     else:  # one load at a time on each server, back to back, so both see the same noise
         for conc in concurrencies:
             for ingress in ingresses:
                 label = "kvray " if len(ingresses) == 1 else f"kvray ({ingress}) "
-                ours[ingress] += (loads(args.base_url, label, [conc], [])
-                                  if args.base_url else
-                                  on_fresh_server(ingress, label, [conc], []))
+                ours[ingress] += on_kvray(ingress, label, [conc], [])
                 rows.append(ours[ingress][-1])
             theirs += loads(peer, f"{args.peer_name} ", [conc], [])
             rows.append(theirs[-1])

@@ -127,9 +127,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # Not when joining a cluster: there the driver must find its node by its own IP.
     if not (args.address or os.environ.get("RAY_ADDRESS")):
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    from ray import serve
-
-    from kvray.actors.ray_executor import ensure_ray, stop_ray
     from kvray.default_model import resolve_model_path
     from kvray.serve.builder import build_app, served_model_name
 
@@ -152,6 +149,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"--num-replicas {args.num_replicas}: --ingress process serves "
                               "one replica; use --ingress serve for data parallelism")
         return _serve_in_process(args, config, model_path, name, api_key)
+    from ray import serve  # (only here: the in-process front end needs no Ray Serve)
+
+    from kvray.actors.ray_executor import ensure_ray, stop_ray
+
     started = ensure_ray(args.address, num_cpus=max(8, args.num_replicas * (world + 1) + 2),
                          log_to_driver=True)
     flat = {k: v for k, v in config.to_flat().items() if v is not None}
@@ -299,9 +300,14 @@ def _log_throughput(name: str, time_mod, period: float = 10.0) -> None:
         running = sum(s.get("num_running", 0) for _, s in snap)
         waiting = sum(s.get("num_waiting", 0) for _, s in snap)
         if last is not None:
-            print(f"kvray: {name}: {(total - last) / period:.1f} generated tok/s, "
-                  f"{running} running, {waiting} waiting", flush=True)
+            print(throughput_line(name, (total - last) / period, running, waiting), flush=True)
         last = total
+
+
+def throughput_line(name: str, tokens_per_s: float, running: int, waiting: int) -> str:
+    """The periodic log line of ``kvray serve`` (either front end)."""
+    return (f"kvray: {name}: {tokens_per_s:.1f} generated tok/s, {running} running, "
+            f"{waiting} waiting")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -338,6 +338,12 @@ def test_sigterm_drains_then_aborts_and_leaves_no_process(served):
     family = server.children(recursive=True)
     assert any("raylet" in " ".join(p.cmdline()) for p in family)
     sigterm_drains_then_aborts(base, model, server)
+    left = processes_left(family)
+    assert not left, left
+
+
+def processes_left(family: list[psutil.Process]) -> list[str]:
+    """The command lines (cut) of the processes in ``family`` still alive a second later."""
     time.sleep(1)
-    left = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not left, [" ".join(p.cmdline())[:80] for p in left]
+    return [" ".join(p.cmdline())[:80] for p in family
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -6,7 +6,6 @@ size 1, worker actors on a private Ray cluster at TP=2, and the SIGTERM drain.""
 from __future__ import annotations
 
 import signal
-import time
 
 import openai
 import psutil
@@ -16,6 +15,7 @@ from test_serve_faults import (
     CONTEXT,
     DRAIN_TIMEOUT_S,
     _server_process,
+    processes_left,
     sigterm_drains_then_aborts,
 )
 from tiny_models import make_tiny_model
@@ -48,12 +48,6 @@ def _stop_with_sigterm(server: psutil.Process) -> list[psutil.Process]:
     return family
 
 
-def _left(family: list[psutil.Process]) -> list[str]:
-    time.sleep(1)
-    return [" ".join(p.cmdline())[:80] for p in family
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-
 def test_sigterm_drains_then_aborts_and_no_ray_runs_at_world_size_1(model_dir):
     """A short request finishes, a long one is ended with a 503 error event at the drain
     deadline, new requests get 503 + Retry-After, the process exits 0; and at TP x PP = 1
@@ -78,7 +72,8 @@ def test_tensor_parallel_workers_run_on_ray_and_stop_with_the_server(model_dir):
                                          temperature=0).choices[0].text for p in prompts]
         assert sum(_is_ray(p) for p in server.children(recursive=True)) >= 2
         family = _stop_with_sigterm(server)
-    assert not _left(family)
+    left = processes_left(family)
+    assert not left, left
     llm = LLM(str(model_dir), dtype="float32", block_size=4, max_model_len=256)
     want = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
     llm.shutdown()

@@ -81,14 +81,16 @@ async def drain(server, engine, timeout_s: float) -> None:
 
 async def _log_throughput(engine, name: str, period: float = STATS_LOG_PERIOD_S) -> None:
     """Every ``period`` seconds, one line with the generation rate and the queue."""
+    from kvray.cli import throughput_line
+
     last = None
     while True:
         await asyncio.sleep(period)
         stats = engine.stats()
         total = stats.generation_tokens_total
         if last is not None:
-            print(f"kvray: {name}: {(total - last) / period:.1f} generated tok/s, "
-                  f"{stats.num_running} running, {stats.num_waiting} waiting", flush=True)
+            print(throughput_line(name, (total - last) / period, stats.num_running,
+                                  stats.num_waiting), flush=True)
         last = total
 
 
