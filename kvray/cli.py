@@ -285,6 +285,7 @@ def _log_throughput(name: str, time_mod, period: float = 10.0) -> None:
     """Every ``period`` seconds, one line with generation throughput over all replicas."""
     import ray
 
+    from kvray.engine.stats import throughput_line
     from kvray.serve.deployment import STATS_NAMESPACE
 
     last = None
@@ -302,12 +303,6 @@ def _log_throughput(name: str, time_mod, period: float = 10.0) -> None:
         if last is not None:
             print(throughput_line(name, (total - last) / period, running, waiting), flush=True)
         last = total
-
-
-def throughput_line(name: str, tokens_per_s: float, running: int, waiting: int) -> str:
-    """The periodic log line of ``kvray serve`` (either front end)."""
-    return (f"kvray: {name}: {tokens_per_s:.1f} generated tok/s, {running} running, "
-            f"{waiting} waiting")
 
 
 def build_parser() -> argparse.ArgumentParser:

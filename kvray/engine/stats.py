@@ -38,3 +38,9 @@ class EngineStats:
     # preemption_mode="auto": the per-unit costs measured at start-up (0.0 otherwise)
     prefill_s_per_token: float = 0.0
     swap_s_per_byte: float = 0.0
+
+
+def throughput_line(name: str, tokens_per_s: float, running: int, waiting: int) -> str:
+    """The periodic log line of ``kvray serve`` (either front end)."""
+    return (f"kvray: {name}: {tokens_per_s:.1f} generated tok/s, {running} running, "
+            f"{waiting} waiting")

@@ -81,7 +81,7 @@ async def drain(server, engine, timeout_s: float) -> None:
 
 async def _log_throughput(engine, name: str, period: float = STATS_LOG_PERIOD_S) -> None:
     """Every ``period`` seconds, one line with the generation rate and the queue."""
-    from kvray.cli import throughput_line
+    from kvray.engine.stats import throughput_line
 
     last = None
     while True:
