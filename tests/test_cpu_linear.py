@@ -15,8 +15,11 @@ from kvray.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
+    VocabParallelEmbedding,
     packed_weights_supported,
+    release_plain_weights,
     use_packed_weights,
+    use_prepacked_weights,
     use_small_m_kernel,
 )
 from kvray.parallel import ParallelContext
@@ -73,6 +76,47 @@ def test_tiled_linear_matches_f_linear(ops, rows, out_features, in_features, wit
     # tiles, column counts on both sides of the 6-row weight groups and 96-column tiles
     # (remainder groups of 1-5 rows).
     _check_against_f_linear(ops.linear_tiled, rows, out_features, in_features, with_bias)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 16, 17, 31, 32, 33, 48, 49, 64, 65, 257, 700])
+@pytest.mark.parametrize("out_features,in_features", [(1, 3), (127, 64), (129, 577), (700, 33)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_on_a_weight_packed_once_matches_f_linear(ops, rows, out_features,
+                                                         in_features, with_bias):
+    # Row counts on both sides of the half panels (8 or 16 rows) and full panels (16 or
+    # 32) and of the 256-row tiles; columns on both sides of the 6-row groups and 96-column
+    # tiles (the packed copy's last group padded with zero rows).
+    def packed_kernel(x, w, b):
+        packed = ops.pack_linear_weight(w)
+        assert packed.dim() == 1 and packed.numel() == -(-w.shape[0] // 6) * 6 * w.shape[1]
+        return ops.linear_packed(x, packed, w.shape[0], b)
+
+    _check_against_f_linear(packed_kernel, rows, out_features, in_features, with_bias)
+
+
+def test_linear_on_a_packed_weight_takes_strided_inputs_and_empty_ones(ops):
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(200, 96, generator=gen)
+    packed = ops.pack_linear_weight(w)
+    x = torch.randn(70, 2, 96, generator=gen)[:, 1]  # rows 192 floats apart
+    torch.testing.assert_close(ops.linear_packed(x, packed, 200, None), F.linear(x, w),
+                               rtol=1e-5, atol=2e-4)
+    xt = torch.randn(96, 40, generator=gen).t()  # columns contiguous, not rows
+    torch.testing.assert_close(ops.linear_packed(xt, packed, 200, None), F.linear(xt, w),
+                               rtol=1e-5, atol=2e-4)
+    assert ops.linear_packed(torch.randn(0, 96), packed, 200, None).shape == (0, 200)
+
+
+def test_linear_on_a_packed_weight_rejects_a_weight_of_another_shape(ops):
+    packed = ops.pack_linear_weight(torch.randn(5, 8))
+    with pytest.raises(RuntimeError, match="does not hold 7 x 8 floats"):
+        ops.linear_packed(torch.randn(4, 8), packed, 7, None)
+    with pytest.raises(RuntimeError, match="does not hold 5 x 9 floats"):
+        ops.linear_packed(torch.randn(4, 9), packed, 5, None)
+    with pytest.raises(RuntimeError, match="fp32 bias \\[N\\]"):
+        ops.linear_packed(torch.randn(4, 8), packed, 5, torch.randn(4))
+    with pytest.raises(RuntimeError, match="fp32 CPU weight"):
+        ops.pack_linear_weight(torch.randn(5, 8, dtype=torch.bfloat16))
 
 
 def test_tiled_linear_takes_strided_inputs(ops):
@@ -307,3 +351,107 @@ def test_a_bf16_engine_packs_its_weights_and_keeps_the_small_m_kernel_off(ops,
         assert all(m.small_m_kernel is None for m in layers)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("lanes", [16, 8])
+def test_the_runner_prepacks_only_bf16_exact_layers_and_only_with_16_lanes(
+        ops, monkeypatch, lanes):
+    """A bf16 checkpoint run in fp32 (exact bf16 copies): with 16 lanes every input past
+    the small-M kernel's rows goes to the tiled kernel on the weight packed once, the LM
+    head's too, and each plain weight nothing else shares is released; with 8 lanes the
+    AVX2 routes stay (unmeasured there) and nothing is released."""
+    from kvray.actors import model_runner
+
+    cpu_ops = model_runner.cpu_ops
+    monkeypatch.setattr(cpu_ops, "vector_lanes", lambda: lanes)
+    routes = []
+    small_m, packed_linear = cpu_ops.linear_small_m, cpu_ops.linear_packed
+    monkeypatch.setattr(cpu_ops, "linear_small_m",
+                        lambda x, w, b: routes.append("small") or small_m(x, w, b))
+    monkeypatch.setattr(cpu_ops, "linear_packed",
+                        lambda x, p, n, b: routes.append("packed") or packed_linear(x, p, n, b))
+    ctx = ParallelContext()
+    layer = RowParallelLinear(ctx, 16, 8, False, torch.float32)
+    head = ParallelLMHead(ctx, 40, 16, torch.float32)
+    embed = VocabParallelEmbedding(ctx, 40, 16, torch.float32)
+    for module in (layer, head):
+        module.weight.data = torch.randn(module.weight.shape).bfloat16().float()
+    head.weight = embed.weight = torch.nn.Parameter(head.weight.data, requires_grad=False)
+    want = {"layer": layer.weight.detach().clone(), "head": head.weight.detach().clone()}
+    model = torch.nn.ModuleList([layer, head, embed])
+    bf16, packed, freed = model_runner._use_cpu_linear_kernels(model, bf16_weights=True)
+    assert bf16 == (8 * 16 + 40 * 16) * 2
+    small = cpu_ops.small_m_max_rows()
+    got = {}
+    for name, module, rows in (("layer", layer, (small, small + 1, 64, 300)),
+                               ("head", head, (small, small + 1, 300))):
+        for n in rows:
+            routes.clear()
+            x = torch.randn(n, 16)
+            y = module.compute_logits(x) if module is head else module(x)
+            torch.testing.assert_close(y, F.linear(x, want[name]), rtol=1e-5, atol=1e-4)
+            got[name, n] = routes[0] if routes else "other"
+    assert head.weight is embed.weight and head.weight.shape == (40, 16)  # tied: kept
+    if lanes == 16:
+        assert (packed, freed) == ((12 * 16 + 42 * 16) * 4, 8 * 16 * 4)
+        assert layer.weight.numel() == 0
+        assert got == {("layer", small): "small", ("layer", small + 1): "packed",
+                       ("layer", 64): "packed", ("layer", 300): "packed",
+                       ("head", small): "small", ("head", small + 1): "packed",
+                       ("head", 300): "packed"}
+    else:
+        assert (packed, freed) == (0, 0) and layer.weight.shape == (8, 16)
+        assert got[("layer", small)] == "small" and got[("layer", small + 1)] != "packed"
+        assert "packed" not in got.values()
+
+
+def test_an_fp32_checkpoint_gets_no_packed_copy(ops):
+    """No bf16 copy, no packed one: its plain weight is what the small-M kernel reads, and
+    a second fp32 copy would double the weights' memory."""
+    layer = RowParallelLinear(ParallelContext(), 16, 8, False, torch.float32)
+    torch.nn.init.normal_(layer.weight)
+    use_small_m_kernel(layer, ops.linear_small_m, 8, bf16_weights=True)
+    assert layer.small_m_weight is None
+    assert use_prepacked_weights(layer, ops.pack_linear_weight, ops.linear_packed) == 0
+    assert release_plain_weights(layer) == 0 and layer.weight.shape == (8, 16)
+
+
+def test_an_fp32_run_of_a_bf16_checkpoint_keeps_transformers_tokens_on_packed_weights(
+        ops, tmp_path):
+    """A bf16 checkpoint run in fp32, on whichever routes this CPU's kernels take (16
+    lanes: packed weights, plain ones released): greedy tokens equal transformers' fp32 run
+    of the same checkpoint, through prefill and decode batches on both sides of the
+    small-M kernel's rows."""
+    from tiny_models import load_hf, make_tiny_model
+
+    from kvray import LLM, SamplingParams
+    from kvray.actors.model_runner import cpu_ops
+
+    path = make_tiny_model("llama_gqa", tmp_path / "fp32")
+    load_hf(path).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    for file in path.iterdir():  # the tokenizer's files
+        if not (tmp_path / "bf16" / file.name).exists():
+            (tmp_path / "bf16" / file.name).write_bytes(file.read_bytes())
+    ref = load_hf(tmp_path / "bf16")
+    prompts = [[(7 * i + 3 * j) % 200 + 5 for j in range(5 + i % 7)] for i in range(40)]
+    llm = LLM(str(tmp_path / "bf16"), dtype="float32", block_size=4, max_model_len=128,
+              num_gpu_blocks_override=600, max_num_seqs=40)
+    try:
+        runner = llm.llm_engine.executor.worker.runner
+        linears = [m for m in runner.model.modules() if hasattr(m, "prepacked_weight")]
+        if cpu_ops.vector_lanes() >= 16:
+            assert linears and all(m.prepacked_weight is not None for m in linears)
+            released = [m for m in linears if m.weight.numel() == 0]
+            assert released and all(m.small_m_weight is not None for m in released)
+        # 40 decode rows (past the small-M kernel's), then 20 (the small-M kernel)
+        lengths = [4 if i % 2 else 9 for i in range(len(prompts))]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                             for n in lengths], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, n, out in zip(prompts, lengths, outs, strict=True):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == want

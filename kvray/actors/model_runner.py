@@ -38,7 +38,9 @@ from kvray.kernels.sampling import (
 from kvray.models.layers import (
     WEIGHT_MAJOR_MAX_ROWS,
     packed_weights_supported,
+    release_plain_weights,
     use_packed_weights,
+    use_prepacked_weights,
     use_small_m_kernel,
 )
 from kvray.models.llama import use_fused_decode_layer, use_fused_ops
@@ -91,16 +93,39 @@ class StepInputs:
 AVX512_ROUTES = dict(weight_major_max_rows=0, lm_head_weight_major_max_rows=0,
                      large_m_min_rows=WEIGHT_MAJOR_MAX_ROWS + 1,
                      lm_head_large_m_min_rows=1 << 62)
+# With 16 lanes, a layer that has an exact bf16 copy for the small-M kernel (a bf16
+# checkpoint run in fp32) takes every input past those rows, the LM head's too, through the
+# tiled kernel on a copy of its fp32 weight packed once at load time (cpu_ops.linear_packed),
+# instead of the routes above; its plain fp32 weight is then released, so the weights take
+# as many bytes as before, plus a packed copy of an LM head tied to the embedding. MKL's
+# sgemm and linear_tiled repack the weight on every call, and at decode-batch sizes the
+# kernel must also prefetch the weight stream to keep its FMAs fed. Measured on a 2-core
+# AVX-512 Xeon (fp32, two threads), the built-in model's decode steps, two engines in one
+# process alternating (median / best of 4 rounds) at 48 / 64 / 128 / 256 rows: 0.86 /
+# 0.79 / 0.80 / 0.92x (0.83 / 0.80 / 0.86 / 0.87x) the time of the routes above. oneDNN's
+# packed fp32 matmul was about as fast but grew memory per row count (design.md). AVX2:
+# the routes above (unmeasured there).
+AVX512_PREPACKED = True
 
 
-def _use_cpu_linear_kernels(model: torch.nn.Module, bf16_weights: bool = False) -> int:
+def _use_cpu_linear_kernels(model: torch.nn.Module,
+                            bf16_weights: bool = False) -> tuple[int, int, int]:
     """The CPU extension's linears for ``model`` (fp32): the small-M kernel for decode-sized
     inputs, the tiled GEMM for prefill-sized ones (see :func:`use_small_m_kernel`), the
-    routes between by the kernels' vector width."""
-    routes = AVX512_ROUTES if cpu_ops.vector_lanes() >= 16 else {}
-    return use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.small_m_max_rows(),
+    routes between by the kernels' vector width; with 16 lanes, weights packed once past
+    the small-M kernel's rows (:data:`AVX512_PREPACKED`). Returns the bytes of the bf16
+    copies, of the packed copies, and of the plain weights released."""
+    wide = cpu_ops.vector_lanes() >= 16
+    routes = AVX512_ROUTES if wide else {}
+    bf16 = use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.small_m_max_rows(),
                               bf16_weights=bf16_weights, large_m_kernel=cpu_ops.linear_tiled,
                               **routes)
+    packed = freed = 0
+    if wide and AVX512_PREPACKED:
+        packed = use_prepacked_weights(model, cpu_ops.pack_linear_weight,
+                                       cpu_ops.linear_packed)
+        freed = release_plain_weights(model)
+    return bf16, packed, freed
 
 
 # A bf16 model's decode batches of up to this many rows take the fused C++ layer (the
@@ -261,11 +286,14 @@ class ModelRunner:
         """Decode-sized matmuls through the CPU kernel, prefill-sized ones through the tiled
         GEMM; a bf16 checkpoint run in fp32 also keeps bf16 copies of its weights for the
         former, halving the bytes each decode step reads."""
-        extra = _use_cpu_linear_kernels(self.model,
-                                        bf16_weights=self.spec.torch_dtype == "bfloat16")
-        if extra and self.ctx.world_rank == 0:
+        bf16, packed, freed = _use_cpu_linear_kernels(
+            self.model, bf16_weights=self.spec.torch_dtype == "bfloat16")
+        if bf16 and self.ctx.world_rank == 0:
             logger.info("kvray: bf16 copies of the weights for decode steps: %.0f MiB",
-                        extra / 2**20)
+                        bf16 / 2**20)
+        if packed and self.ctx.world_rank == 0:
+            logger.info("kvray: fp32 weights packed for larger batches: %.0f MiB; plain "
+                        "copies released: %.0f MiB", packed / 2**20, freed / 2**20)
 
     # ---- KV cache ---------------------------------------------------------------------
     def _local_kv_shape(self) -> tuple[int, int, int]:

@@ -11,6 +11,10 @@
   no longer holds up the others at the end of a static split); fp32 tiles run a
   register-blocked kernel (AVX-512 or AVX2) over repacked operands, other dtypes a
   single-threaded sgemm.
+- ``pack_linear_weight`` / ``linear_packed``: the tiled fp32 kernel on a weight packed once
+  at load time (MKL's sgemm and ``linear_tiled`` repack the weight on every call), its
+  stream prefetched from memory as the first rows of x meet it: past the small-M kernel's
+  rows, decode batches and prefill chunks on AVX-512.
 - ``rms_norm``, ``rotary_inplace``, ``silu_and_mul``: a decoder layer's elementwise work,
   one call each.
 - ``decode_layer`` (the extension's, used by :func:`kvray.models.llama.use_fused_decode_layer`):
@@ -133,6 +137,21 @@ def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ext = load_ops()
     assert ext is not None, "call load_ops() first and check it is available"
     return ext.linear_tiled(x, weight, bias)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight [N, K] in ``linear_packed``'s layout (a 1-D tensor of about N x K)."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    return ext.pack_linear_weight(weight)
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` for 2-D fp32 ``x`` on a weight packed by :func:`pack_linear_weight`."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    return ext.linear_packed(x, packed, out_features, bias)
 
 
 def vector_lanes() -> int:

@@ -7,6 +7,7 @@ more than its shard. With ``tp_size == 1`` every slice is the whole tensor.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -31,6 +32,8 @@ def _split(size: int, parts: int, what: str) -> int:
 
 
 SmallMKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (x, packed weight, out_features, bias) -> x W^T (+ b), e.g. cpu_ops.linear_packed
+PackedKernel = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
 
 
 class SmallMMatmul:
@@ -47,6 +50,9 @@ class SmallMMatmul:
     large_m_kernel: SmallMKernel | None = None  # F.linear's stand-in past those rows
     large_m_min_rows: int = 0  # ... from this many rows on (F.linear below)
     packed_weight: torch.Tensor | None = None  # oneDNN's layout (use_packed_weights)
+    prepacked_weight: torch.Tensor | None = None  # our tiled kernel's (use_prepacked_weights)
+    prepacked_kernel: PackedKernel | None = None
+    out_features: int = 0  # the weight's rows (kept when a released weight has none)
 
     @property
     def kernel_weight(self) -> torch.Tensor:
@@ -57,6 +63,11 @@ class SmallMMatmul:
         rows = x.shape[0]
         if self.small_m_kernel is not None and 0 < rows <= self.small_m_max_rows:
             return self.small_m_kernel(x, self.kernel_weight, bias)
+        prepacked = self.prepacked_weight
+        if prepacked is not None and x.dtype == prepacked.dtype:
+            flat = self.prepacked_kernel(x.reshape(-1, x.shape[-1]), prepacked,
+                                         self.out_features, bias)
+            return flat.view(*x.shape[:-1], self.out_features)
         packed = self.packed_weight
         if packed is not None and x.dtype == packed.dtype and x.dim() == 2:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -124,6 +135,59 @@ def use_packed_weights(model: nn.Module) -> int:
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
             extra += weight.numel() * weight.element_size()
     return extra
+
+
+def use_prepacked_weights(model: nn.Module, pack: Callable[[torch.Tensor], torch.Tensor],
+                          kernel: PackedKernel) -> int:
+    """Give every fp32 linear layer (and the LM head) of ``model`` whose small-M inputs read
+    an exact bf16 copy (see :func:`use_small_m_kernel`) a copy of its weight packed once by
+    ``pack`` for ``kernel``, which then takes every input past the small-M kernel's rows.
+
+    MKL's sgemm (``F.linear``) and ``cpu_ops.linear_tiled`` repack the weight on every call;
+    see ``model_runner.AVX512_ROUTES`` for what packing once gains. Only layers with a bf16
+    copy: their plain weight can then be dropped (:func:`release_plain_weights`), so the
+    process holds as many bytes of weights as before; an fp32 checkpoint keeps its routes
+    rather than a second fp32 copy. Returns the bytes the packed copies take."""
+    extra = 0
+    for module in model.modules():
+        if (isinstance(module, SmallMMatmul) and module.weight.dtype == torch.float32
+                and module.small_m_weight is not None and module.weight.numel()):
+            module.prepacked_weight = pack(module.weight.detach())
+            module.prepacked_kernel = kernel
+            module.out_features = module.weight.shape[0]
+            extra += module.prepacked_weight.numel() * module.prepacked_weight.element_size()
+    return extra
+
+
+def release_plain_weights(model: nn.Module) -> int:
+    """Drop the plain weight of every linear layer that nothing reads any more: inputs of
+    up to the small-M kernel's rows read its exact bf16 copy, larger ones the prepacked
+    copy, and no other module shares the weight (a tied embedding does: that one stays).
+    So an fp32 run of a bf16 checkpoint holds bf16 + packed fp32 weights, not three
+    copies. Returns the bytes freed."""
+    holders = Counter(id(p) for m in model.modules() for p in m._parameters.values()
+                      if p is not None)
+    freed = 0
+    for module in model.modules():
+        if (isinstance(module, SmallMMatmul) and module.prepacked_weight is not None
+                and module.small_m_weight is not None and module.small_m_kernel is not None
+                and holders[id(module.weight)] == 1 and module.weight.numel()):
+            freed += module.weight.numel() * module.weight.element_size()
+            module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+    if freed:
+        _return_freed_heap()
+    return freed
+
+
+def _return_freed_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise: the process's
+    RSS then still counts the released weights). A no-op without glibc."""
+    import contextlib
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def packed_weights_supported() -> bool:

@@ -14,6 +14,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] @ w[N, K]^T (+ bias) reading w once for all M rows (fp32, small M)");
   m.def("linear_tiled", &linear_tiled, nogil(),
         "x [M, K] @ w[N, K]^T (+ bias) as tiles the threads take one at a time (many rows)");
+  m.def("pack_linear_weight", &pack_linear_weight, nogil(),
+        "fp32 w [N, K] packed once for linear_packed");
+  m.def("linear_packed", &linear_packed, nogil(),
+        "x [M, K] @ w^T (+ bias) on a weight packed by pack_linear_weight");
   m.def("vector_lanes", &vector_lanes, "fp32 lanes of this build's vector kernels");
   m.def("rms_norm", &rms_norm, nogil(), "RMSNorm of rows, with an optional fused residual add");
   m.def("rotary_inplace", &rotary_inplace, nogil(), "rotary embedding of x [T, H, D] in place");

@@ -160,6 +160,7 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> 
 //
 // fp32 with AVX2 runs our own register-blocked kernel (below); other dtypes run one
 // single-threaded sgemm per tile (MKL runs sequentially inside a parallel region).
+constexpr int64_t kPackedGroupRows = 6;  // pack_linear_weight's groups (kGroup below)
 constexpr int64_t kTileRows = 256;
 constexpr int64_t kTileCols = 96;  // 16 groups of kGroup weight rows
 
@@ -178,7 +179,13 @@ constexpr int64_t kTileCols = 96;  // 16 groups of kGroup weight rows
 // decoder's shapes at 245-275 GFLOP/s, 8 lanes at 150-160, MKL's sgemm at 285-315; 12
 // weight rows per block (24 accumulators) and K split into L1-sized depths were no faster.
 constexpr int64_t kPanel = 2 * Vec::kWidth;
-constexpr int kGroup = 6;
+constexpr int kGroup = kPackedGroupRows;
+// How far ahead a weight packed once is prefetched while the first x panel meets it. On a
+// 2-core AVX-512 Xeon (fp32, two threads), every linear of the built-in model's 30 layers
+// at 64 rows, cold weights, alternating in one process: none 64-68 ms, 1 KiB 58, 4 KiB
+// 55-57 (F.linear, MKL's sgemm repacking the weight per call, 73-75): without it the
+// first panel waits on DRAM, which a register-blocked kernel at 64 rows cannot hide.
+constexpr int64_t kPackedPrefetchBytes = 4096;
 
 // Rows [m0, m0 + kPanel) of x (row stride ldx) into xp[k * kPanel + j]; rows past M are
 // zeros. Eight k at a time for all kPanel rows: the writes stay within 8 * kPanel floats.
@@ -214,6 +221,12 @@ static void pack_w_group(const float* w, int64_t K, int64_t rows, float* wp) {
 // y[j, i] = sum_k xp[k, j] * wp[k, i] (+ bias[i]) for the block's `rows` valid x rows and
 // `cols` valid weight rows; y has row stride ldy. The twelve accumulators are named
 // variables: kept in an array, GCC stored them to the stack on every k (3x slower).
+// With `prefetch` the weight group is read from memory (a weight packed once, not a tile
+// just packed into L2): the next bytes of its stream are prefetched as the k loop goes.
+// With `half` only the panel's first vector of x rows is computed (a last panel of at most
+// kWidth rows: 6 accumulators, which still keep both FMA units about 3/4 busy, rather than
+// twice the arithmetic on zero rows: decode batches just past a multiple of kPanel).
+template <bool prefetch, bool half>
 static void block_panel_x6(const float* __restrict__ xp, const float* __restrict__ wp,
                            int64_t K, const float* __restrict__ bias, float* __restrict__ y,
                            int64_t ldy, int64_t rows, int64_t cols) {
@@ -225,11 +238,13 @@ static void block_panel_x6(const float* __restrict__ xp, const float* __restrict
 #define KVRAY_FMA_ROW(i, lo, hi)   \
   b = Vec::set1(a[i]);             \
   lo = Vec::fma(b, x0, lo);        \
-  hi = Vec::fma(b, x1, hi);
+  if constexpr (!half) hi = Vec::fma(b, x1, hi);
   for (int64_t k = 0; k < K; ++k) {
     const R x0 = Vec::load(xp + k * kPanel);
-    const R x1 = Vec::load(xp + k * kPanel + W);
+    const R x1 = half ? x0 : Vec::load(xp + k * kPanel + W);
     const float* a = wp + k * kGroup;
+    if (prefetch)
+      _mm_prefetch(reinterpret_cast<const char*>(a) + kPackedPrefetchBytes, _MM_HINT_T0);
     R b;
     KVRAY_FMA_ROW(0, c00, c01)
     KVRAY_FMA_ROW(1, c10, c11)
@@ -244,7 +259,7 @@ static void block_panel_x6(const float* __restrict__ xp, const float* __restrict
                             {c30, c31}, {c40, c41}, {c50, c51}};
   for (int i = 0; i < kGroup; ++i) {
     Vec::store(out[i], acc[i][0]);
-    Vec::store(out[i] + W, acc[i][1]);
+    if constexpr (!half) Vec::store(out[i] + W, acc[i][1]);
   }
   for (int64_t j = 0; j < rows; ++j)
     for (int64_t i = 0; i < cols; ++i) y[j * ldy + i] = out[i][j] + (bias ? bias[i] : 0.f);
@@ -252,29 +267,48 @@ static void block_panel_x6(const float* __restrict__ xp, const float* __restrict
 
 // The tile y[m0:m1, n0:n1]: its weight rows packed into groups of 6 (the last one padded
 // with zero rows), then panel by panel of x, each panel (K x kPanel floats, in L1/L2)
-// meeting every group of the tile (in L2) before the next panel is read.
-static void tile_fp32(const float* xp, const float* w, const float* bias, float* y, int64_t M,
-                      int64_t K, int64_t N, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
-                      float* wp) {
+// meeting every group of the tile (in L2) before the next panel is read. With `packed`
+// (the whole weight packed once, pack_linear_weight) the tile's groups are read from there.
+static void tile_fp32(const float* xp, const float* w, const float* packed, const float* bias,
+                      float* y, int64_t M, int64_t K, int64_t N, int64_t m0, int64_t m1,
+                      int64_t n0, int64_t n1, float* wp) {
   const int64_t groups = (n1 - n0 + kGroup - 1) / kGroup;
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t n = n0 + g * kGroup;
-    pack_w_group(w + n * K, K, std::min<int64_t>(kGroup, n1 - n), wp + g * kGroup * K);
+  if (packed != nullptr) {
+    wp = const_cast<float*>(packed) + n0 * K;  // n0 is a whole number of groups
+  } else {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t n = n0 + g * kGroup;
+      pack_w_group(w + n * K, K, std::min<int64_t>(kGroup, n1 - n), wp + g * kGroup * K);
+    }
   }
   for (int64_t p = m0; p < m1; p += kPanel) {
     const int64_t rows = std::min<int64_t>(kPanel, M - p);
+    // The first panel meets each group straight from memory; later ones find it in L2.
+    const bool from_memory = packed != nullptr && p == m0;
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t n = n0 + g * kGroup;
-      block_panel_x6(xp + p * K, wp + g * kGroup * K, K, bias ? bias + n : nullptr,
-                     y + p * N + n, N, rows, std::min<int64_t>(kGroup, n1 - n));
+      const int64_t cols = std::min<int64_t>(kGroup, n1 - n);
+      const float* bn = bias ? bias + n : nullptr;
+      const float* xb = xp + p * K;
+      const float* wb = wp + g * kGroup * K;
+      float* yb = y + p * N + n;
+      if (rows <= Vec::kWidth) {
+        if (from_memory) block_panel_x6<true, true>(xb, wb, K, bn, yb, N, rows, cols);
+        else block_panel_x6<false, true>(xb, wb, K, bn, yb, N, rows, cols);
+      } else {
+        if (from_memory) block_panel_x6<true, false>(xb, wb, K, bn, yb, N, rows, cols);
+        else block_panel_x6<false, false>(xb, wb, K, bn, yb, N, rows, cols);
+      }
     }
   }
 }
 
-static void linear_tiled_fp32(const at::Tensor& x, const at::Tensor& w, const float* bias,
-                              at::Tensor& y) {
+// y = x w^T (+ bias) over the tiles, from w [N, K] (packed per tile) or a weight packed once.
+static void linear_tiled_fp32(const at::Tensor& x, const float* wd, const float* packed,
+                              int64_t N, const float* bias, at::Tensor& y) {
   static_assert(kTileRows % kPanel == 0, "a tile holds whole panels");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldx = x.stride(0);
+  static_assert(kTileCols % kGroup == 0, "a tile holds whole weight groups");
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
   const int64_t panels = (M + kPanel - 1) / kPanel;
   // 64-byte aligned (the CPU allocator's alignment), and each panel a multiple of 64 bytes.
   auto xp_t = at::empty({panels * kPanel * K}, x.options());
@@ -283,17 +317,16 @@ static void linear_tiled_fp32(const at::Tensor& x, const at::Tensor& w, const fl
   parallel_dynamic(panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) pack_x_panel(xd, ldx, M, K, p * kPanel, xp + p * kPanel * K);
   });
-  const float* wd = w.data_ptr<float>();
   float* yd = y.data_ptr<float>();
   const int64_t tiles_n = (N + kTileCols - 1) / kTileCols;
   const int64_t tiles = (M + kTileRows - 1) / kTileRows * tiles_n;
   parallel_dynamic(tiles, 1, [&](int64_t t0, int64_t t1) {
     // The packed weights of one tile, per thread (reused: no allocation per tile).
     thread_local std::vector<float> wp;
-    wp.resize(static_cast<size_t>((kTileCols + kGroup) * K));
+    if (packed == nullptr) wp.resize(static_cast<size_t>((kTileCols + kGroup) * K));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t m0 = t / tiles_n * kTileRows, n0 = t % tiles_n * kTileCols;
-      tile_fp32(xp, wd, bias, yd, M, K, N, m0, std::min(M, m0 + kTileRows), n0,
+      tile_fp32(xp, wd, packed, bias, yd, M, K, N, m0, std::min(M, m0 + kTileRows), n0,
                 std::min(N, n0 + kTileCols), wp.data());
     }
   });
@@ -322,7 +355,8 @@ at::Tensor linear_tiled(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
     const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
     const at::Tensor wc = w.contiguous();
     const at::Tensor bc = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    linear_tiled_fp32(xc, wc, has_bias ? bc.data_ptr<float>() : nullptr, y);
+    linear_tiled_fp32(xc, wc.data_ptr<float>(), nullptr, N,
+                      has_bias ? bc.data_ptr<float>() : nullptr, y);
     return y;
   }
 #endif
@@ -344,5 +378,59 @@ at::Tensor linear_tiled(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
         at::mm_out(out, x.slice(0, m0, m1), wt);
     }
   });
+  return y;
+}
+
+int64_t packed_linear_numel(int64_t N, int64_t K) {
+  const int64_t group = kPackedGroupRows;
+  return (N + group - 1) / group * group * K;
+}
+
+at::Tensor pack_linear_weight(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+              "pack_linear_weight: an fp32 CPU weight [N, K] expected");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1);
+  auto out = at::empty({packed_linear_numel(N, K)}, wc.options());
+#ifdef __AVX2__
+  const float* src = wc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, (N + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      pack_w_group(src + g * kGroup * K, K, std::min<int64_t>(kGroup, N - g * kGroup),
+                   dst + g * kGroup * K);
+  });
+#else
+  TORCH_CHECK(false, "pack_linear_weight: this build has no AVX2 kernels");
+#endif
+  return out;
+}
+
+at::Tensor linear_packed(at::Tensor x, at::Tensor packed, int64_t N,
+                         c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "linear_packed: fp32 CPU x [M, K] expected");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kFloat &&
+                  packed.is_contiguous() && N > 0 && packed.numel() == packed_linear_numel(N, K),
+              "linear_packed: the packed weight does not hold ", N, " x ", K, " floats");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == N &&
+                            bias->scalar_type() == at::kFloat),
+              "linear_packed: fp32 bias [N] expected");
+  auto y = at::empty({M, N}, x.options());
+#ifdef __AVX2__
+  if (M > 0 && K > 0) {
+    const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+    const at::Tensor bc = has_bias ? bias->contiguous() : at::Tensor();
+    linear_tiled_fp32(xc, nullptr, packed.data_ptr<float>(), N,
+                      has_bias ? bc.data_ptr<float>() : nullptr, y);
+  } else {
+    y.zero_();
+    if (has_bias && M > 0) y.add_(*bias);
+  }
+#else
+  TORCH_CHECK(false, "linear_packed: this build has no AVX2 kernels");
+#endif
   return y;
 }
