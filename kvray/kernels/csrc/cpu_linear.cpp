@@ -381,7 +381,8 @@ at::Tensor linear_tiled(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
   return y;
 }
 
-int64_t packed_linear_numel(int64_t N, int64_t K) {
+// Floats in a weight [N, K] packed by pack_linear_weight (N rounded up to whole groups).
+static int64_t packed_linear_numel(int64_t N, int64_t K) {
   const int64_t group = kPackedGroupRows;
   return (N + group - 1) / group * group * K;
 }
