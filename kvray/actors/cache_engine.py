@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvray.config import CacheConfig
+from kvray.kernels.huge_pages import zeros_on_huge_pages
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -51,7 +52,11 @@ class CacheEngine:
         self.block_size = block_size
         start, end = layer_range
         shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
+        local = end - start
+        if torch.device(device).type == "cpu":  # blocks anywhere in GiBs: see huge_pages
+            tensors = zeros_on_huge_pages(local, shape, dtype)
+        else:
+            tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(local)]
         self.kv_caches: list[torch.Tensor | None] = [
-            torch.zeros(shape, dtype=dtype, device=device) if start <= i < end else None
-            for i in range(num_layers)
+            tensors[i - start] if start <= i < end else None for i in range(num_layers)
         ]

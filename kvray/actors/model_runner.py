@@ -27,6 +27,7 @@ from kvray.actors.swap_pool import SwapPool
 from kvray.config import EngineConfig
 from kvray.kernels import cpu_ops
 from kvray.kernels.attention import AttentionMetadata, PagedRow, paged_batch
+from kvray.kernels.huge_pages import move_to_huge_pages
 from kvray.kernels.rotary import RotaryEmbedding
 from kvray.kernels.sampling import (
     SamplerOutput,
@@ -167,6 +168,8 @@ class ModelRunner:
             if ctx.world_rank == 0:
                 logger.info("kvray: weights reordered for oneDNN's bf16 matmuls: %.0f MiB",
                             extra / 2**20)
+        if device.type == "cpu":
+            self._weights_to_huge_pages(self.model)
         self._pick_attention_backend(config.model.attention_backend)
         if self._fused_decode_layer_fits(ctx.tp_size):
             use_fused_decode_layer(self.model, cpu_ops.load_ops().decode_layer,
@@ -264,6 +267,7 @@ class ModelRunner:
                 _use_cpu_linear_kernels(model)
             if self.dtype == torch.bfloat16 and packed_weights_supported():
                 use_packed_weights(model)
+            self._weights_to_huge_pages(model)
             if self._fused_decode_layer_fits(tp_size=1):  # the draft runs on one rank
                 use_fused_decode_layer(model, cpu_ops.load_ops().decode_layer,
                                        self._fused_decode_max_rows)
@@ -281,6 +285,13 @@ class ModelRunner:
             logger.warning("kvray: Triton kernels failed their check on %s (%s); "
                            "using the PyTorch reference", self.device, err)
             return False
+
+    def _weights_to_huge_pages(self, model: torch.nn.Module) -> None:
+        """The weights a step streams onto huge pages (see :mod:`kvray.kernels.huge_pages`),
+        once every copy the kernels read exists."""
+        moved = move_to_huge_pages(model)
+        if moved and self.ctx.world_rank == 0:
+            logger.info("kvray: weights on transparent huge pages: %.0f MiB", moved / 2**20)
 
     def _use_small_m_kernel(self) -> None:
         """Decode-sized matmuls through the CPU kernel, prefill-sized ones through the tiled
