@@ -356,10 +356,11 @@ def test_a_bf16_engine_packs_its_weights_and_keeps_the_small_m_kernel_off(ops,
 @pytest.mark.parametrize("lanes", [16, 8])
 def test_the_runner_prepacks_only_bf16_exact_layers_and_only_with_16_lanes(
         ops, monkeypatch, lanes):
-    """A bf16 checkpoint run in fp32 (exact bf16 copies): with 16 lanes every input past
-    the small-M kernel's rows goes to the tiled kernel on the weight packed once, the LM
-    head's too, and each plain weight nothing else shares is released; with 8 lanes the
-    AVX2 routes stay (unmeasured there) and nothing is released."""
+    """A bf16 checkpoint run in fp32 (exact bf16 copies): with 16 lanes every input of
+    ``AVX512_PACKED_FROM_ROWS`` rows or more goes to the tiled kernel on the weight packed
+    once, the LM head's too, fewer to the small-M kernel, and each plain weight nothing
+    else shares is released; with 8 lanes the AVX2 routes stay (unmeasured there) and
+    nothing is released."""
     from kvray.actors import model_runner
 
     cpu_ops = model_runner.cpu_ops
@@ -382,9 +383,10 @@ def test_the_runner_prepacks_only_bf16_exact_layers_and_only_with_16_lanes(
     bf16, packed, freed = model_runner._use_cpu_linear_kernels(model, bf16_weights=True)
     assert bf16 == (8 * 16 + 40 * 16) * 2
     small = cpu_ops.small_m_max_rows()
+    cut = model_runner.AVX512_PACKED_FROM_ROWS
     got = {}
-    for name, module, rows in (("layer", layer, (small, small + 1, 64, 300)),
-                               ("head", head, (small, small + 1, 300))):
+    for name, module, rows in (("layer", layer, (cut - 1, cut, small, small + 1, 64, 300)),
+                               ("head", head, (cut - 1, cut, small, small + 1, 300))):
         for n in rows:
             routes.clear()
             x = torch.randn(n, 16)
@@ -393,16 +395,21 @@ def test_the_runner_prepacks_only_bf16_exact_layers_and_only_with_16_lanes(
             got[name, n] = routes[0] if routes else "other"
     assert head.weight is embed.weight and head.weight.shape == (40, 16)  # tied: kept
     if lanes == 16:
+        assert 1 < cut <= small
         assert (packed, freed) == ((12 * 16 + 42 * 16) * 4, 8 * 16 * 4)
         assert layer.weight.numel() == 0
-        assert got == {("layer", small): "small", ("layer", small + 1): "packed",
+        assert got == {("layer", cut - 1): "small", ("layer", cut): "packed",
+                       ("layer", small): "packed", ("layer", small + 1): "packed",
                        ("layer", 64): "packed", ("layer", 300): "packed",
-                       ("head", small): "small", ("head", small + 1): "packed",
+                       ("head", cut - 1): "small", ("head", cut): "packed",
+                       ("head", small): "packed", ("head", small + 1): "packed",
                        ("head", 300): "packed"}
+        assert model_runner._small_m_rows(model) == cut - 1  # the fused layer's range
     else:
         assert (packed, freed) == (0, 0) and layer.weight.shape == (8, 16)
         assert got[("layer", small)] == "small" and got[("layer", small + 1)] != "packed"
         assert "packed" not in got.values()
+        assert model_runner._small_m_rows(model) == small
 
 
 def test_an_fp32_checkpoint_gets_no_packed_copy(ops):

@@ -38,6 +38,8 @@ from kvray.kernels.sampling import (
 )
 from kvray.models.layers import (
     WEIGHT_MAJOR_MAX_ROWS,
+    ParallelLMHead,
+    SmallMMatmul,
     packed_weights_supported,
     release_plain_weights,
     use_packed_weights,
@@ -107,6 +109,18 @@ AVX512_ROUTES = dict(weight_major_max_rows=0, lm_head_weight_major_max_rows=0,
 # packed fp32 matmul was about as fast but grew memory per row count (design.md). AVX2:
 # the routes above (unmeasured there).
 AVX512_PREPACKED = True
+# Those layers take inputs of this many rows on through their packed weights, not the
+# small-M kernel's bf16 copies (and such decode batches leave the fused layer, which runs
+# the small-M kernel): the packed kernel computes whole 32-row panels (as fast at 17 rows as
+# at 32), the small-M kernel's time grows with the rows. Measured on a 2-core AVX-512 Xeon
+# (fp32, weights on huge pages, cold, median of 7), the 30 layers' linears small-M /
+# packed: 16 rows 32.7 / 33.3 ms, 20 40.7 / 44.2, 24 47.9 / 45.4, 28 56.2 / 45.4, 32 60.3 /
+# 45.7; the 49,152 x 576 LM head: 16 7.4 / 7.0, 20 9.5 / 9.5, 24 11.0 / 9.3, 28 11.9 /
+# 8.5, 32 13.4 / 9.1. Whole decode steps (two engines alternating, median of 4 rounds; the
+# host's noise about +-10 %): from 24 rows, 1.08 / 1.06 / 0.81x the time at 24 / 28 / 32
+# rows (the fused layer saves more than the kernels gain at 24-28); from 30, 0.97 / 0.84 /
+# 0.91x at 30 / 31 / 32.
+AVX512_PACKED_FROM_ROWS = 30
 
 
 def _use_cpu_linear_kernels(model: torch.nn.Module,
@@ -124,9 +138,19 @@ def _use_cpu_linear_kernels(model: torch.nn.Module,
     packed = freed = 0
     if wide and AVX512_PREPACKED:
         packed = use_prepacked_weights(model, cpu_ops.pack_linear_weight,
-                                       cpu_ops.linear_packed)
+                                       cpu_ops.linear_packed, AVX512_PACKED_FROM_ROWS)
         freed = release_plain_weights(model)
     return bf16, packed, freed
+
+
+def _small_m_rows(model: torch.nn.Module) -> int:
+    """The fewest rows any decoder linear of ``model`` gives the small-M kernel (the fused
+    layer computes every linear with that kernel): ``cpu_ops.small_m_max_rows()``, less
+    where packed weights take over earlier (:data:`AVX512_PACKED_FROM_ROWS`)."""
+    rows = [m.small_m_max_rows for m in model.modules()
+            if isinstance(m, SmallMMatmul) and not isinstance(m, ParallelLMHead)
+            and m.small_m_kernel is not None]
+    return min(rows, default=cpu_ops.small_m_max_rows())
 
 
 # A bf16 model's decode batches of up to this many rows take the fused C++ layer (the
@@ -173,7 +197,7 @@ class ModelRunner:
         self._pick_attention_backend(config.model.attention_backend)
         if self._fused_decode_layer_fits(ctx.tp_size):
             use_fused_decode_layer(self.model, cpu_ops.load_ops().decode_layer,
-                                   self._fused_decode_max_rows)
+                                   self._fused_decode_max_rows(self.model))
         self.drafter: DraftRunner | None = None
         spec = config.model.speculative_config
         if spec is not None and spec.method == "draft_model" and ctx.is_output_rank:
@@ -243,13 +267,13 @@ class ModelRunner:
         return self.attention_backend == "cpu" and tp_size == 1 \
             and self.dtype in (torch.float32, torch.bfloat16)
 
-    @property
-    def _fused_decode_max_rows(self) -> int:
-        """Decode batches up to this size take the fused layer. fp32: the small-M kernel's
-        range (:func:`cpu_ops.small_m_max_rows`). bf16: past a few rows oneDNN's packed
+    def _fused_decode_max_rows(self, model: torch.nn.Module) -> int:
+        """Decode batches of ``model`` up to this size take the fused layer. fp32: the
+        small-M kernel's range (:func:`_small_m_rows`). bf16: past a few rows oneDNN's packed
         bf16 matmuls (AMX where the CPU has it) beat the small-M kernel by more than the
         fused layer saves (measured on a 2-core AMX Xeon: see :data:`BF16_FUSED_ROWS`)."""
-        return cpu_ops.small_m_max_rows() if self.dtype == torch.float32 else BF16_FUSED_ROWS
+        return _small_m_rows(model) if self.dtype == torch.float32 else BF16_FUSED_ROWS
+
 
     @property
     def kernels(self) -> dict:
@@ -270,7 +294,7 @@ class ModelRunner:
             self._weights_to_huge_pages(model)
             if self._fused_decode_layer_fits(tp_size=1):  # the draft runs on one rank
                 use_fused_decode_layer(model, cpu_ops.load_ops().decode_layer,
-                                       self._fused_decode_max_rows)
+                                       self._fused_decode_max_rows(model))
 
     def _triton_works(self) -> bool:
         """Whether the Triton kernels compile and agree with the reference here; by default

@@ -138,10 +138,12 @@ def use_packed_weights(model: nn.Module) -> int:
 
 
 def use_prepacked_weights(model: nn.Module, pack: Callable[[torch.Tensor], torch.Tensor],
-                          kernel: PackedKernel) -> int:
+                          kernel: PackedKernel, from_rows: int | None = None) -> int:
     """Give every fp32 linear layer (and the LM head) of ``model`` whose small-M inputs read
     an exact bf16 copy (see :func:`use_small_m_kernel`) a copy of its weight packed once by
-    ``pack`` for ``kernel``, which then takes every input past the small-M kernel's rows.
+    ``pack`` for ``kernel``, which then takes every input past the small-M kernel's rows
+    (with ``from_rows``, every input of at least that many rows: the small-M kernel keeps
+    fewer).
 
     MKL's sgemm (``F.linear``) and ``cpu_ops.linear_tiled`` repack the weight on every call;
     see ``model_runner.AVX512_ROUTES`` for what packing once gains. Only layers with a bf16
@@ -154,6 +156,8 @@ def use_prepacked_weights(model: nn.Module, pack: Callable[[torch.Tensor], torch
                 and module.small_m_weight is not None and module.weight.numel()):
             module.prepacked_weight = pack(module.weight.detach())
             module.prepacked_kernel = kernel
+            if from_rows is not None:
+                module.small_m_max_rows = min(module.small_m_max_rows, from_rows - 1)
             module.out_features = module.weight.shape[0]
             extra += module.prepacked_weight.numel() * module.prepacked_weight.element_size()
     return extra
