@@ -221,6 +221,14 @@ def _prefill_one(q, kv_cache, block_table, seq_len: int, scale: float,
     block_size = kv_cache.shape[3]
     k, v = _gather(kv_cache, block_table[None], -(-seq_len // block_size))
     k, v = k[:, 0, :seq_len], v[:, 0, :seq_len]  # [Hk, L, D]
+    if num_q == seq_len and sliding_window is None:
+        # The whole sequence is new: query i sees keys 0..i, SDPA's own causal mask, with
+        # which its CPU flash kernel skips the blocks above the diagonal (1.36x faster at
+        # 512 tokens, 9 query / 3 KV heads) where an explicit mask computes them all.
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[0])
+        return out[0].transpose(0, 1)
     q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)
     k_pos = torch.arange(seq_len, device=q.device)
     mask = k_pos[None, :] <= q_pos[:, None]
