@@ -91,6 +91,7 @@ class _Tied(nn.Module):
         self.norm = nn.Parameter(torch.ones(64))  # too small to move
         self.register_buffer("table", torch.arange(64 * 300, dtype=torch.int64))
         self.window = self.table[:100]  # a view into another tensor: stays where it is
+        self.proj.onednn = torch.randn(256, 64).to_mkldnn()  # opaque (oneDNN): left alone
 
 
 @pytest.mark.skipif(not THP, reason="Linux THP is off here (mode never or no sysfs)")
@@ -113,6 +114,7 @@ def test_move_to_huge_pages_keeps_values_ties_and_views():
     assert min(t.data_ptr() for t in arena) % HUGE_PAGE == 0
     assert model.norm.data_ptr() == norm_ptr  # small: not moved
     assert model.window.untyped_storage().data_ptr() != base  # a view: not moved
+    assert model.proj.onednn.is_mkldnn
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert torch.equal(model.proj.packed, packed)

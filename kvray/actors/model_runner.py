@@ -274,7 +274,6 @@ class ModelRunner:
         fused layer saves (measured on a 2-core AMX Xeon: see :data:`BF16_FUSED_ROWS`)."""
         return _small_m_rows(model) if self.dtype == torch.float32 else BF16_FUSED_ROWS
 
-
     @property
     def kernels(self) -> dict:
         """The attention kernels picked, as :class:`AttentionMetadata` names them."""

@@ -121,9 +121,9 @@ def zeros_on_huge_pages(count: int, shape: tuple[int, ...], dtype: torch.dtype
 
 def _movable(t: torch.Tensor) -> bool:
     """A dense CPU tensor that owns its whole storage (a view into a larger one is left where
-    it is: copying it would untie it from the rest)."""
+    it is: copying it would untie it from the rest; opaque and quantized tensors too)."""
     return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn
-            and t.is_contiguous() and t.storage_offset() == 0
+            and not t.is_quantized and t.is_contiguous() and t.storage_offset() == 0
             and t.untyped_storage().nbytes() == t.numel() * t.element_size()
             and t.numel() * t.element_size() >= MIN_BYTES)
 
@@ -157,9 +157,11 @@ def move_to_huge_pages(model: nn.Module) -> int:
     arena = HugePageArena(arena_bytes(list(sizes.values())))
     moved: dict[int, torch.Tensor] = {}  # old storage -> its bytes in the arena
     for module, kind, name, t in holders:
+        if not _movable(t):
+            continue  # small, a view, opaque (oneDNN's packed weights)
         key = t.untyped_storage().data_ptr()
-        if key not in sizes or not _movable(t):
-            continue  # small, a view, or (a tied parameter seen again) moved already
+        if key not in sizes:
+            continue  # a tied parameter seen again: moved already
         flat = moved.get(key)
         if flat is None:
             flat = arena.take((sizes[key],), torch.uint8)
