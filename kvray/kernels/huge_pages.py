@@ -9,7 +9,7 @@ always (mode ``always``), but only where a whole aligned 2 MiB range lies inside
 allocator aligns to 64 bytes, and most weights are smaller than 2 MiB. So the weights go into
 one arena (an aligned, advised allocation holding them back to back) and each layer's KV
 cache into another. Measured on a 2-core AVX-512 Xeon, fp32, alternating in one process: the
-decode attention over 64 sequences of ~300 tokens (30 layers' caches) 1.12-1.18x faster,
+decode attention over 64 sequences of ~300 tokens (30 layers' caches) 1.10-1.18x faster,
 the 30 layers' packed linears 1.05-1.12x faster at 1-128 rows (benchmarks/RESULTS.md).
 
 ``KVRAY_HUGE_PAGES=0`` turns this off; without Linux's THP (mode ``never``, other systems)
