@@ -229,31 +229,18 @@ static void pack_w_group(const float* w, int64_t K, int64_t rows, float* wp) {
 static inline void store_rows_x6(Vec::T c0, Vec::T c1, Vec::T c2, Vec::T c3, Vec::T c4,
                                  Vec::T c5, float* __restrict__ y, int64_t ldy, int64_t rows) {
   constexpr int W = Vec::kWidth;
-#ifdef __AVX512F__
-  const __m512 t01l = _mm512_unpacklo_ps(c0, c1), t01h = _mm512_unpackhi_ps(c0, c1);
-  const __m512 t23l = _mm512_unpacklo_ps(c2, c3), t23h = _mm512_unpackhi_ps(c2, c3);
-  const __m512 t45l = _mm512_unpacklo_ps(c4, c5), t45h = _mm512_unpackhi_ps(c4, c5);
+  const Vec::T t01l = Vec::unpacklo(c0, c1), t01h = Vec::unpackhi(c0, c1);
+  const Vec::T t23l = Vec::unpacklo(c2, c3), t23h = Vec::unpackhi(c2, c3);
+  const Vec::T t45l = Vec::unpacklo(c4, c5), t45h = Vec::unpackhi(c4, c5);
   // In each 128-bit lane L (rows 4L..4L+3): quad[r] holds row 4L+r's outputs 0-3, pair[r / 2]
   // its outputs 4-5 in the low (r even) or high (r odd) 64 bits.
   alignas(64) float quad[4][W], pair[2][W];
-  _mm512_store_ps(quad[0], _mm512_shuffle_ps(t01l, t23l, 0x44));
-  _mm512_store_ps(quad[1], _mm512_shuffle_ps(t01l, t23l, 0xEE));
-  _mm512_store_ps(quad[2], _mm512_shuffle_ps(t01h, t23h, 0x44));
-  _mm512_store_ps(quad[3], _mm512_shuffle_ps(t01h, t23h, 0xEE));
-  _mm512_store_ps(pair[0], t45l);
-  _mm512_store_ps(pair[1], t45h);
-#else
-  const __m256 t01l = _mm256_unpacklo_ps(c0, c1), t01h = _mm256_unpackhi_ps(c0, c1);
-  const __m256 t23l = _mm256_unpacklo_ps(c2, c3), t23h = _mm256_unpackhi_ps(c2, c3);
-  const __m256 t45l = _mm256_unpacklo_ps(c4, c5), t45h = _mm256_unpackhi_ps(c4, c5);
-  alignas(32) float quad[4][W], pair[2][W];
-  _mm256_store_ps(quad[0], _mm256_shuffle_ps(t01l, t23l, 0x44));
-  _mm256_store_ps(quad[1], _mm256_shuffle_ps(t01l, t23l, 0xEE));
-  _mm256_store_ps(quad[2], _mm256_shuffle_ps(t01h, t23h, 0x44));
-  _mm256_store_ps(quad[3], _mm256_shuffle_ps(t01h, t23h, 0xEE));
-  _mm256_store_ps(pair[0], t45l);
-  _mm256_store_ps(pair[1], t45h);
-#endif
+  Vec::store(quad[0], Vec::shuffle<0x44>(t01l, t23l));
+  Vec::store(quad[1], Vec::shuffle<0xEE>(t01l, t23l));
+  Vec::store(quad[2], Vec::shuffle<0x44>(t01h, t23h));
+  Vec::store(quad[3], Vec::shuffle<0xEE>(t01h, t23h));
+  Vec::store(pair[0], t45l);
+  Vec::store(pair[1], t45h);
   for (int64_t j = 0; j < rows; ++j) {
     const int64_t lane = j / 4, r = j % 4;
     float* dst = y + j * ldy;
