@@ -18,9 +18,9 @@ the tensors stay where PyTorch put them.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import re
 import sys
@@ -47,16 +47,32 @@ def transparent_huge_pages() -> str:
     return match.group(1) if match else "unavailable"
 
 
-def _madvise():
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library (glibc's ``madvise`` and ``malloc_trim``), loaded once; None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.madvise
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def _madvise():
+    libc = _libc()
+    fn = getattr(libc, "madvise", None)
+    if fn is not None:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         fn.restype = ctypes.c_int
-        return fn
-    return None
+    return fn
+
+
+def return_freed_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise: the process's RSS
+    then still counts tensors already freed). A no-op without glibc."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def huge_pages_usable() -> bool:
@@ -95,7 +111,7 @@ class HugePageArena:
 
     def take(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous tensor from the arena's next free bytes."""
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         start = _round_up(self.used, _ALIGN)
         if start + nbytes > self.capacity:
             raise ValueError(f"the arena has {self.capacity - start} bytes left, not {nbytes}")
@@ -114,7 +130,7 @@ def zeros_on_huge_pages(count: int, shape: tuple[int, ...], dtype: torch.dtype
     huge pages are not usable)."""
     if not huge_pages_usable() or count == 0:
         return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
-    one = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    one = torch.Size(shape).numel() * dtype.itemsize
     arena = HugePageArena(arena_bytes([one] * count))
     return [arena.take(shape, dtype).zero_() for _ in range(count)]
 
@@ -175,6 +191,5 @@ def move_to_huge_pages(model: nn.Module) -> int:
         else:
             setattr(module, name, new)
     del holders
-    with contextlib.suppress(OSError, AttributeError):  # the old copies' heap pages
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    return_freed_heap()  # the old copies' heap pages
     return sum(sizes[k] for k in moved)

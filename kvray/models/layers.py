@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvray.kernels.huge_pages import return_freed_heap
 from kvray.parallel import ParallelContext
 
 
@@ -179,19 +180,8 @@ def release_plain_weights(model: nn.Module) -> int:
             freed += module.weight.numel() * module.weight.element_size()
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
     if freed:
-        _return_freed_heap()
+        return_freed_heap()
     return freed
-
-
-def _return_freed_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them otherwise: the process's
-    RSS then still counts the released weights). A no-op without glibc."""
-    import contextlib
-    import ctypes
-    import ctypes.util
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def packed_weights_supported() -> bool:
