@@ -68,27 +68,32 @@ def test_small_m_linear_rejects_what_it_cannot_do(ops):
         ops.linear_small_m(torch.randn(2, 8, dtype=torch.bfloat16), w.bfloat16(), None)
 
 
-@pytest.mark.parametrize("rows", [1, 17, 33, 65, 255, 256, 257, 700])
-@pytest.mark.parametrize("out_features,in_features", [(1, 3), (127, 64), (129, 577), (700, 33)])
+@pytest.mark.parametrize("rows", [1, 7, 13, 17, 25, 33, 65, 121, 255, 256, 257, 700])
+@pytest.mark.parametrize("out_features,in_features",
+                         [(1, 3), (127, 64), (129, 577), (700, 33), (40, 1600)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tiled_linear_matches_f_linear(ops, rows, out_features, in_features, with_bias):
-    # Row counts on both sides of the 16-row (AVX2) or 32-row (AVX-512) panels and 256-row
-    # tiles, column counts on both sides of the 6-row weight groups and 96-column tiles
-    # (remainder groups of 1-5 rows).
+    # Row counts on both sides of the 12-row (AVX-512) or 6-row (AVX2) register blocks and
+    # of the tiles (256 rows; 120 for 1,600 inputs, so that they stay in L2), column counts
+    # on both sides of the panels of 32 or 16 weight rows and of the 3-panel tiles.
     _check_against_f_linear(ops.linear_tiled, rows, out_features, in_features, with_bias)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9, 16, 17, 31, 32, 33, 48, 49, 64, 65, 257, 700])
-@pytest.mark.parametrize("out_features,in_features", [(1, 3), (127, 64), (129, 577), (700, 33)])
+@pytest.mark.parametrize("rows", [1, 8, 9, 12, 13, 16, 17, 23, 25, 31, 32, 33, 48, 49, 64, 65,
+                                  121, 257, 700])
+@pytest.mark.parametrize("out_features,in_features",
+                         [(1, 3), (127, 64), (129, 577), (700, 33), (40, 1600)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_on_a_weight_packed_once_matches_f_linear(ops, rows, out_features,
                                                          in_features, with_bias):
-    # Row counts on both sides of the half panels (8 or 16 rows) and full panels (16 or
-    # 32) and of the 256-row tiles; columns on both sides of the 6-row groups and 96-column
-    # tiles (the packed copy's last group padded with zero rows).
+    # Row counts on both sides of the 12-row (AVX-512) or 6-row (AVX2) register blocks (the
+    # last two blocks split evenly) and of the tiles; columns on both sides of the panels of
+    # 32 or 16 weight rows and of the 3-panel tiles (the last panel padded with zero rows).
     def packed_kernel(x, w, b):
         packed = ops.pack_linear_weight(w)
-        assert packed.dim() == 1 and packed.numel() == -(-w.shape[0] // 6) * 6 * w.shape[1]
+        panel = 2 * ops.vector_lanes()
+        assert packed.dim() == 1
+        assert packed.numel() == -(-w.shape[0] // panel) * panel * w.shape[1]
         return ops.linear_packed(x, packed, w.shape[0], b)
 
     _check_against_f_linear(packed_kernel, rows, out_features, in_features, with_bias)
@@ -108,9 +113,10 @@ def test_linear_on_a_packed_weight_takes_strided_inputs_and_empty_ones(ops):
 
 
 def test_linear_on_a_packed_weight_rejects_a_weight_of_another_shape(ops):
+    # (out_features within the same panel of 16 or 32 rows share the packed size)
     packed = ops.pack_linear_weight(torch.randn(5, 8))
-    with pytest.raises(RuntimeError, match="does not hold 7 x 8 floats"):
-        ops.linear_packed(torch.randn(4, 8), packed, 7, None)
+    with pytest.raises(RuntimeError, match="does not hold 70 x 8 floats"):
+        ops.linear_packed(torch.randn(4, 8), packed, 70, None)
     with pytest.raises(RuntimeError, match="does not hold 5 x 9 floats"):
         ops.linear_packed(torch.randn(4, 9), packed, 5, None)
     with pytest.raises(RuntimeError, match="fp32 bias \\[N\\]"):
@@ -396,7 +402,9 @@ def test_the_runner_prepacks_only_bf16_exact_layers_and_only_with_16_lanes(
     assert head.weight is embed.weight and head.weight.shape == (40, 16)  # tied: kept
     if lanes == 16:
         assert 1 < cut <= small
-        assert (packed, freed) == ((12 * 16 + 42 * 16) * 4, 8 * 16 * 4)
+        panel = 2 * cpu_ops.load_ops().vector_lanes()  # the build's panels (padded)
+        padded = -(-8 // panel) * panel + -(-40 // panel) * panel
+        assert (packed, freed) == (padded * 16 * 4, 8 * 16 * 4)
         assert layer.weight.numel() == 0
         assert got == {("layer", cut - 1): "small", ("layer", cut): "packed",
                        ("layer", small): "packed", ("layer", small + 1): "packed",

@@ -111,16 +111,19 @@ AVX512_ROUTES = dict(weight_major_max_rows=0, lm_head_weight_major_max_rows=0,
 AVX512_PREPACKED = True
 # Those layers take inputs of this many rows on through their packed weights, not the
 # small-M kernel's bf16 copies (and such decode batches leave the fused layer, which runs
-# the small-M kernel): the packed kernel computes whole 32-row panels (as fast at 17 rows as
-# at 32), the small-M kernel's time grows with the rows. Measured on a 2-core AVX-512 Xeon
+# the small-M kernel): the packed kernel's time grows with the rows more slowly than the
+# small-M kernel's. Measured on a 2-core AVX-512 Xeon
 # (fp32, weights on huge pages, cold, median of 7), the 30 layers' linears small-M /
 # packed: 16 rows 32.7 / 33.3 ms, 20 40.7 / 44.2, 24 47.9 / 45.4, 28 56.2 / 45.4, 32 60.3 /
 # 45.7; the 49,152 x 576 LM head: 16 7.4 / 7.0, 20 9.5 / 9.5, 24 11.0 / 9.3, 28 11.9 /
 # 8.5, 32 13.4 / 9.1. Whole decode steps (two engines alternating, median of 4 rounds; the
 # host's noise about +-10 %): from 24 rows, 1.08 / 1.06 / 0.81x the time at 24 / 28 / 32
 # rows (the fused layer saves more than the kernels gain at 24-28); from 30, 0.97 / 0.84 /
-# 0.91x at 30 / 31 / 32.
-AVX512_PACKED_FROM_ROWS = 30
+# 0.91x at 30 / 31 / 32. With the packed kernel's 12-row blocks (2026-12-02; no 32-row
+# panels any more) the cut moved down: from 22 vs from 30, median of 8 rounds, 1.06 /
+# 1.08 / 1.05 / 1.05x faster at 22 / 24 / 26 / 28 rows (best rounds about even); from 17,
+# 0.90 / 0.93x at 17 / 20 rows (the fused layer still wins there).
+AVX512_PACKED_FROM_ROWS = 24
 
 
 def _use_cpu_linear_kernels(model: torch.nn.Module,

@@ -9,11 +9,11 @@
 - ``linear_tiled``: ``x @ w.T`` for many rows (prefill chunks, mixed steps) as tiles that
   the threads take one at a time (a thread whose core another process borrows for a while
   no longer holds up the others at the end of a static split); fp32 tiles run a
-  register-blocked kernel (AVX-512 or AVX2) over repacked operands, other dtypes a
-  single-threaded sgemm.
+  register-blocked kernel (AVX-512 or AVX2; x read in place, each tile packing its panels
+  of weight rows), other dtypes a single-threaded sgemm.
 - ``pack_linear_weight`` / ``linear_packed``: the tiled fp32 kernel on a weight packed once
-  at load time (MKL's sgemm and ``linear_tiled`` repack the weight on every call), its
-  stream prefetched from memory as the first rows of x meet it: past the small-M kernel's
+  at load time (MKL's sgemm and ``linear_tiled`` repack the weight on every call), each
+  panel prefetched from memory while the previous one is in use: past the small-M kernel's
   rows, decode batches and prefill chunks on AVX-512.
 - ``rms_norm``, ``rotary_inplace``, ``silu_and_mul``: a decoder layer's elementwise work,
   one call each.

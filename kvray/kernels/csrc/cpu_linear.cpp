@@ -152,226 +152,187 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> 
   return y;
 }
 
-// y = x w^T (+ bias) for many rows (prefill chunks, mixed steps) as tiles of at most
-// kTileRows x kTileCols outputs handed out to the threads one at a time (parallel_dynamic).
+// y = x w^T (+ bias) for many rows (prefill chunks, mixed steps, decode batches past the
+// small-M kernel) as tiles of y handed out to the threads one at a time (parallel_dynamic).
 // MKL's own threading splits the matrix statically: when another process takes a core for
 // a few ms (Serve's proxy and ingress streaming tokens beside the engine), the other thread
 // finishes its half and waits; here it takes over the remaining tiles.
 //
 // fp32 with AVX2 runs our own register-blocked kernel (below); other dtypes run one
 // single-threaded sgemm per tile (MKL runs sequentially inside a parallel region).
-constexpr int64_t kPackedGroupRows = 6;  // pack_linear_weight's groups (kGroup below)
-constexpr int64_t kTileRows = 256;
-constexpr int64_t kTileCols = 96;  // 16 groups of kGroup weight rows
+constexpr int64_t kTileRows = 256;  // the sgemm-per-tile path's tiles
+constexpr int64_t kTileCols = 96;
 
 #ifdef __AVX2__
-// The kernel computes each kPanel x 6 block of y (kPanel = two vectors of x rows: 32 with
-// AVX-512, 16 with AVX2; 6 rows of w) in 12 vector registers over the whole K: per k, two
-// vector loads of x and 6 broadcasts of w feed 12 FMAs, so it runs at the FMA units' pace.
-// Both operands are repacked so that each is read as one sequential stream: x into panels
-// of kPanel rows, k-major (xp[k * kPanel + j], once per call, shared by every tile), and
-// each tile's weight rows into groups of 6, k-major (per tile, ~1/500 of its arithmetic).
-// On an AVX2 EPYC (87 GFLOP/s FMA peak per core), one thread, the decoder's shapes at 256
-// rows: 70-80 GFLOP/s alone, MKL's sgemm 57-71; on the shared machine, alternating with
-// F.linear, 0.8-1.5x per shape (about even at two threads), and the offline concurrency-16
-// serving workload 1.05x the sgemm-per-tile path (no difference with 20 % of the CPU taken
-// by other processes). On an AVX-512 Xeon (two threads, 256 rows) 16 lanes run the
-// decoder's shapes at 245-275 GFLOP/s, 8 lanes at 150-160, MKL's sgemm at 285-315; 12
-// weight rows per block (24 accumulators) and K split into L1-sized depths were no faster.
-constexpr int64_t kPanel = 2 * Vec::kWidth;
-constexpr int kGroup = kPackedGroupRows;
-// How far ahead a weight packed once is prefetched while the first x panel meets it. On a
-// 2-core AVX-512 Xeon (fp32, two threads), every linear of the built-in model's 30 layers
-// at 64 rows, cold weights, alternating in one process: none 64-68 ms, 1 KiB 58, 4 KiB
-// 55-57 (F.linear, MKL's sgemm repacking the weight per call, 73-75): without it the
-// first panel waits on DRAM, which a register-blocked kernel at 64 rows cannot hide.
+// Weight rows (output columns) per panel: two vectors (32 with AVX-512, 16 with AVX2).
+constexpr int64_t kWPanel = 2 * Vec::kWidth;
+#else
+constexpr int64_t kWPanel = 16;
+#endif
+
+// Floats in a weight [N, K] packed by pack_linear_weight (N rounded up to whole panels).
+static int64_t packed_linear_numel(int64_t N, int64_t K) {
+  return (N + kWPanel - 1) / kWPanel * kWPanel * K;
+}
+
+// Panel p of w [N, K]: weight rows [p * kWPanel, (p + 1) * kWPanel), k-major into
+// dst[k * kWPanel + j] (rows past N are zeros).
+static void pack_w_panel(const float* w, int64_t N, int64_t K, int64_t p, float* dst) {
+  for (int64_t j = 0; j < kWPanel; ++j) {
+    const int64_t n = p * kWPanel + j;
+    if (n < N) {
+      const float* src = w + n * K;
+      for (int64_t k = 0; k < K; ++k) dst[k * kWPanel + j] = src[k];
+    } else {
+      for (int64_t k = 0; k < K; ++k) dst[k * kWPanel + j] = 0.f;
+    }
+  }
+}
+
+#ifdef __AVX2__
+// The kernel computes R rows of x against one panel (R x 32 outputs with AVX-512: 12 rows,
+// 24 accumulators; R x 16 with AVX2: 6 rows, 12 of its 16 registers) over the whole K: per
+// k, two vector loads of the panel and R broadcasts of x feed 2R FMAs. x is read where it
+// lies (each row one sequential stream, a cache line per 16 k), and the accumulators are
+// rows of y, stored as they are. The earlier kernel (x repacked per call into k-major panels
+// of 32 rows against groups of 6 weight rows, 12 accumulators, outputs transposed on the
+// way out) spent ~6 % of its time repacking x and ~5 % storing, and read 128 bytes of x
+// from L2 per 12 FMAs where this one reads 128 bytes of weights per 24. On a 2-core AVX-512
+// Xeon, the built-in model's 30 layers' linears, alternating in one process: 0.90-0.96x
+// the time at 2,048 rows, 0.86-0.88x at 256, 0.86-0.93x at 128, 0.84-0.93x at 64,
+// 0.79-0.85x at 40 (~300-315 GFLOP/s at 256-2,048 rows against a torch.mm peak of ~350).
+constexpr int kXRows = Vec::kWidth == 16 ? 12 : 6;
+
+// How far ahead the first row block prefetches a panel packed once (it meets the panel
+// straight from memory). On a 2-core AVX-512 Xeon (fp32, two threads), every linear of the
+// built-in model's 30 layers at 64 rows, cold weights, alternating in one process: none
+// 64-68 ms, 1 KiB 58, 4 KiB 55-57: without it the block waits on DRAM.
 constexpr int64_t kPackedPrefetchBytes = 4096;
 
-// Rows [m0, m0 + kPanel) of x (row stride ldx) into xp[k * kPanel + j]; rows past M are
-// zeros. Eight k at a time for all kPanel rows: the writes stay within 8 * kPanel floats.
-static void pack_x_panel(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t m0,
-                         float* xp) {
-  const int64_t rows = std::min<int64_t>(kPanel, M - m0);
-  for (int64_t k0 = 0; k0 < K; k0 += 8) {
-    const int64_t kn = std::min<int64_t>(8, K - k0);
-    for (int64_t j = 0; j < kPanel; ++j) {
-      float* dst = xp + k0 * kPanel + j;
-      if (j < rows) {
-        const float* src = x + (m0 + j) * ldx + k0;
-        for (int64_t k = 0; k < kn; ++k) dst[k * kPanel] = src[k];
-      } else {
-        for (int64_t k = 0; k < kn; ++k) dst[k * kPanel] = 0.f;
-      }
-    }
-  }
-}
-
-// `rows` (1-6) rows of w from `w` (row stride K) into wp[k * 6 + i]; missing rows are zeros.
-static void pack_w_group(const float* w, int64_t K, int64_t rows, float* wp) {
-  for (int64_t i = 0; i < kGroup; ++i) {
-    if (i < rows) {
-      const float* src = w + i * K;
-      for (int64_t k = 0; k < K; ++k) wp[k * kGroup + i] = src[k];
-    } else {
-      for (int64_t k = 0; k < K; ++k) wp[k * kGroup + i] = 0.f;
-    }
-  }
-}
-
-// The first `rows` (<= kWidth) lanes of c0..c5 as rows of y: y[j * ldy + i] = ci[j], i < 6.
-// The block's accumulators hold one weight row's outputs per register (a column of y),
-// which a scalar scatter wrote one float at a time. Here pairs of registers are interleaved
-// (unpack), the pairs' 64-bit halves joined (shuffle), so that each row's first four outputs
-// sit in one 128-bit lane and its last two in half of another: then two plain stores per
-// row. On a 2-core AVX-512 Xeon, the 30 layers' packed linears at 2,048 / 512 / 256 rows:
-// 1.05 / 1.03 / 1.00x the scatter's speed (leaving out every store, an upper bound, was
-// 1.07-1.15x).
-static inline void store_rows_x6(Vec::T c0, Vec::T c1, Vec::T c2, Vec::T c3, Vec::T c4,
-                                 Vec::T c5, float* __restrict__ y, int64_t ldy, int64_t rows) {
+// y[r, 0:cols] = sum_k x[r, k] * panel[k, 0:cols] (+ bias) for R rows of x (row stride
+// ldx); the accumulator arrays are indexed by unrolled constants, so they stay in
+// registers (checked in the disassembly: no stack traffic in the k loop). With `prefetch`
+// the panel comes from memory and is prefetched kPackedPrefetchBytes ahead; `pf_lines`
+// cache lines from `pf` (a share of the next panel) are prefetched into L2 evenly over K,
+// so that later row blocks overlap the next panel's DRAM reads with arithmetic.
+template <int R, bool prefetch>
+static void block_rows_panel(const float* __restrict__ x, int64_t ldx,
+                             const float* __restrict__ wp, int64_t K,
+                             const float* __restrict__ bias, float* __restrict__ y,
+                             int64_t ldy, int64_t cols, const char* pf, int64_t pf_lines) {
   constexpr int W = Vec::kWidth;
-  const Vec::T t01l = Vec::unpacklo(c0, c1), t01h = Vec::unpackhi(c0, c1);
-  const Vec::T t23l = Vec::unpacklo(c2, c3), t23h = Vec::unpackhi(c2, c3);
-  const Vec::T t45l = Vec::unpacklo(c4, c5), t45h = Vec::unpackhi(c4, c5);
-  // In each 128-bit lane L (rows 4L..4L+3): quad[r] holds row 4L+r's outputs 0-3, pair[r / 2]
-  // its outputs 4-5 in the low (r even) or high (r odd) 64 bits.
-  alignas(64) float quad[4][W], pair[2][W];
-  Vec::store(quad[0], Vec::shuffle<0x44>(t01l, t23l));
-  Vec::store(quad[1], Vec::shuffle<0xEE>(t01l, t23l));
-  Vec::store(quad[2], Vec::shuffle<0x44>(t01h, t23h));
-  Vec::store(quad[3], Vec::shuffle<0xEE>(t01h, t23h));
-  Vec::store(pair[0], t45l);
-  Vec::store(pair[1], t45h);
-  for (int64_t j = 0; j < rows; ++j) {
-    const int64_t lane = j / 4, r = j % 4;
-    float* dst = y + j * ldy;
-    std::memcpy(dst, quad[r] + 4 * lane, 4 * sizeof(float));
-    std::memcpy(dst + 4, pair[r / 2] + 4 * lane + 2 * (r % 2), 2 * sizeof(float));
-  }
-}
-
-// y[j, i] = sum_k xp[k, j] * wp[k, i] (+ bias[i]) for the block's `rows` valid x rows and
-// `cols` valid weight rows; y has row stride ldy. The twelve accumulators are named
-// variables: kept in an array, GCC stored them to the stack on every k (3x slower).
-// With `prefetch` the weight group is read from memory (a weight packed once, not a tile
-// just packed into L2): the next bytes of its stream are prefetched as the k loop goes.
-// With `half` only the panel's first vector of x rows is computed (a last panel of at most
-// kWidth rows: 6 accumulators, which still keep both FMA units about 3/4 busy, rather than
-// twice the arithmetic on zero rows: decode batches just past a multiple of kPanel).
-template <bool prefetch, bool half>
-static void block_panel_x6(const float* __restrict__ xp, const float* __restrict__ wp,
-                           int64_t K, const float* __restrict__ bias, float* __restrict__ y,
-                           int64_t ldy, int64_t rows, int64_t cols) {
-  constexpr int W = Vec::kWidth;
-  using R = Vec::T;
-  R c00 = Vec::zero(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  R c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-// One weight row i of the group: its broadcast times both halves of the x panel's column.
-#define KVRAY_FMA_ROW(i, lo, hi)   \
-  b = Vec::set1(a[i]);             \
-  lo = Vec::fma(b, x0, lo);        \
-  if constexpr (!half) hi = Vec::fma(b, x1, hi);
+  using V = Vec::T;
+  V c0[R], c1[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = Vec::zero();
+  const int64_t pf_every = pf_lines > 0 ? std::max<int64_t>(1, K / pf_lines) : K + 1;
+  int64_t pf_next = 0, pf_done = 0;
   for (int64_t k = 0; k < K; ++k) {
-    const R x0 = Vec::load(xp + k * kPanel);
-    const R x1 = half ? x0 : Vec::load(xp + k * kPanel + W);
-    const float* a = wp + k * kGroup;
-    if (prefetch)
+    const float* a = wp + k * kWPanel;
+    if constexpr (prefetch) {
       _mm_prefetch(reinterpret_cast<const char*>(a) + kPackedPrefetchBytes, _MM_HINT_T0);
-    R b;
-    KVRAY_FMA_ROW(0, c00, c01)
-    KVRAY_FMA_ROW(1, c10, c11)
-    KVRAY_FMA_ROW(2, c20, c21)
-    KVRAY_FMA_ROW(3, c30, c31)
-    KVRAY_FMA_ROW(4, c40, c41)
-    KVRAY_FMA_ROW(5, c50, c51)
-  }
-#undef KVRAY_FMA_ROW
-  if (cols == kGroup) {  // every weight row of the group: transposed in registers
-    if (bias != nullptr) {
-      c00 = Vec::add(c00, Vec::set1(bias[0])), c01 = Vec::add(c01, Vec::set1(bias[0]));
-      c10 = Vec::add(c10, Vec::set1(bias[1])), c11 = Vec::add(c11, Vec::set1(bias[1]));
-      c20 = Vec::add(c20, Vec::set1(bias[2])), c21 = Vec::add(c21, Vec::set1(bias[2]));
-      c30 = Vec::add(c30, Vec::set1(bias[3])), c31 = Vec::add(c31, Vec::set1(bias[3]));
-      c40 = Vec::add(c40, Vec::set1(bias[4])), c41 = Vec::add(c41, Vec::set1(bias[4]));
-      c50 = Vec::add(c50, Vec::set1(bias[5])), c51 = Vec::add(c51, Vec::set1(bias[5]));
+      if constexpr (kWPanel * sizeof(float) > 64)
+        _mm_prefetch(reinterpret_cast<const char*>(a) + kPackedPrefetchBytes + 64, _MM_HINT_T0);
     }
-    store_rows_x6(c00, c10, c20, c30, c40, c50, y, ldy, std::min<int64_t>(rows, W));
-    if (!half && rows > W) store_rows_x6(c01, c11, c21, c31, c41, c51, y + W * ldy, ldy, rows - W);
+    if (k == pf_next && pf_done < pf_lines) {
+      _mm_prefetch(pf + 64 * pf_done, _MM_HINT_T1);
+      ++pf_done;
+      pf_next += pf_every;
+    }
+    const V w0 = Vec::load(a), w1 = Vec::load(a + W);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const V b = Vec::set1(x[r * ldx + k]);
+      c0[r] = Vec::fma(b, w0, c0[r]);
+      c1[r] = Vec::fma(b, w1, c1[r]);
+    }
+  }
+  if (cols == kWPanel) {
+    V b0 = Vec::zero(), b1 = b0;
+    if (bias != nullptr) b0 = Vec::load(bias), b1 = Vec::load(bias + W);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      Vec::store(y + r * ldy, Vec::add(c0[r], b0));
+      Vec::store(y + r * ldy + W, Vec::add(c1[r], b1));
+    }
     return;
   }
-  alignas(64) float out[kGroup][kPanel];
-  const R acc[kGroup][2] = {{c00, c01}, {c10, c11}, {c20, c21},
-                            {c30, c31}, {c40, c41}, {c50, c51}};
-  for (int i = 0; i < kGroup; ++i) {
-    Vec::store(out[i], acc[i][0]);
-    if constexpr (!half) Vec::store(out[i] + W, acc[i][1]);
-  }
-  for (int64_t j = 0; j < rows; ++j)
-    for (int64_t i = 0; i < cols; ++i) y[j * ldy + i] = out[i][j] + (bias ? bias[i] : 0.f);
-}
-
-// The tile y[m0:m1, n0:n1]: its weight rows packed into groups of 6 (the last one padded
-// with zero rows), then panel by panel of x, each panel (K x kPanel floats, in L1/L2)
-// meeting every group of the tile (in L2) before the next panel is read. With `packed`
-// (the whole weight packed once, pack_linear_weight) the tile's groups are read from there.
-static void tile_fp32(const float* xp, const float* w, const float* packed, const float* bias,
-                      float* y, int64_t M, int64_t K, int64_t N, int64_t m0, int64_t m1,
-                      int64_t n0, int64_t n1, float* wp) {
-  const int64_t groups = (n1 - n0 + kGroup - 1) / kGroup;
-  if (packed != nullptr) {
-    wp = const_cast<float*>(packed) + n0 * K;  // n0 is a whole number of groups
-  } else {
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t n = n0 + g * kGroup;
-      pack_w_group(w + n * K, K, std::min<int64_t>(kGroup, n1 - n), wp + g * kGroup * K);
-    }
-  }
-  for (int64_t p = m0; p < m1; p += kPanel) {
-    const int64_t rows = std::min<int64_t>(kPanel, M - p);
-    // The first panel meets each group straight from memory; later ones find it in L2.
-    const bool from_memory = packed != nullptr && p == m0;
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t n = n0 + g * kGroup;
-      const int64_t cols = std::min<int64_t>(kGroup, n1 - n);
-      const float* bn = bias ? bias + n : nullptr;
-      const float* xb = xp + p * K;
-      const float* wb = wp + g * kGroup * K;
-      float* yb = y + p * N + n;
-      if (rows <= Vec::kWidth) {
-        if (from_memory) block_panel_x6<true, true>(xb, wb, K, bn, yb, N, rows, cols);
-        else block_panel_x6<false, true>(xb, wb, K, bn, yb, N, rows, cols);
-      } else {
-        if (from_memory) block_panel_x6<true, false>(xb, wb, K, bn, yb, N, rows, cols);
-        else block_panel_x6<false, false>(xb, wb, K, bn, yb, N, rows, cols);
-      }
-    }
+  alignas(64) float out[kWPanel];  // the last panel of a weight: only its `cols` outputs
+  for (int r = 0; r < R; ++r) {
+    Vec::store(out, c0[r]);
+    Vec::store(out + W, c1[r]);
+    for (int64_t j = 0; j < cols; ++j) y[r * ldy + j] = out[j] + (bias ? bias[j] : 0.f);
   }
 }
 
-// y = x w^T (+ bias) over the tiles, from w [N, K] (packed per tile) or a weight packed once.
-static void linear_tiled_fp32(const at::Tensor& x, const float* wd, const float* packed,
-                              int64_t N, const float* bias, at::Tensor& y) {
-  static_assert(kTileRows % kPanel == 0, "a tile holds whole panels");
-  static_assert(kTileCols % kGroup == 0, "a tile holds whole weight groups");
-  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
-  const int64_t panels = (M + kPanel - 1) / kPanel;
-  // 64-byte aligned (the CPU allocator's alignment), and each panel a multiple of 64 bytes.
-  auto xp_t = at::empty({panels * kPanel * K}, x.options());
-  float* xp = xp_t.data_ptr<float>();
-  const float* xd = x.data_ptr<float>();
-  parallel_dynamic(panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) pack_x_panel(xd, ldx, M, K, p * kPanel, xp + p * kPanel * K);
-  });
-  float* yd = y.data_ptr<float>();
-  const int64_t tiles_n = (N + kTileCols - 1) / kTileCols;
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows * tiles_n;
+// block_rows_panel for `rows` (1..kXRows) rows.
+template <bool prefetch>
+static void block_rows_any(int64_t rows, const float* x, int64_t ldx, const float* wp,
+                           int64_t K, const float* bias, float* y, int64_t ldy,
+                           int64_t cols, const char* pf, int64_t pf_lines) {
+#define KVRAY_ROWS(n)                                                                    \
+  case n:                                                                                \
+    block_rows_panel<n, prefetch>(x, ldx, wp, K, bias, y, ldy, cols, pf, pf_lines); \
+    break;
+  switch (rows) {
+    KVRAY_ROWS(1) KVRAY_ROWS(2) KVRAY_ROWS(3) KVRAY_ROWS(4) KVRAY_ROWS(5) KVRAY_ROWS(6)
+#if defined(__AVX512F__)
+    KVRAY_ROWS(7) KVRAY_ROWS(8) KVRAY_ROWS(9) KVRAY_ROWS(10) KVRAY_ROWS(11) KVRAY_ROWS(12)
+#endif
+    default: break;
+  }
+#undef KVRAY_ROWS
+}
+
+// Panels of weights in one tile of y: their rows of x are read from L2 once per panel.
+constexpr int64_t kTilePanels = 3;
+
+// y = x w^T (+ bias), fp32, from a weight packed once (`packed`, pack_linear_weight's
+// layout) or a plain w [N, K] whose panels each tile packs for itself (~1/(2 * rows) of
+// the tile's arithmetic). Tiles of y: up to 256 rows of x (fewer for long K, so that they
+// stay in L2) x kTilePanels panels, taken by the threads one at a time; within a tile,
+// panel by panel, row blocks of kXRows (the last two split evenly: no block of a few rows).
+static void linear_fp32(const float* x, int64_t ldx, const float* w, const float* packed,
+                        const float* bias, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t tile_rows = std::max<int64_t>(
+      kXRows, std::min<int64_t>(kTileRows, 196608 / std::max<int64_t>(K, 1) / kXRows * kXRows));
+  const int64_t panels = (N + kWPanel - 1) / kWPanel;
+  const int64_t tiles_n = (panels + kTilePanels - 1) / kTilePanels;
+  const int64_t tiles = (M + tile_rows - 1) / tile_rows * tiles_n;
+  const int64_t panel_lines = kWPanel * K * static_cast<int64_t>(sizeof(float)) / 64;
   parallel_dynamic(tiles, 1, [&](int64_t t0, int64_t t1) {
-    // The packed weights of one tile, per thread (reused: no allocation per tile).
-    thread_local std::vector<float> wp;
-    if (packed == nullptr) wp.resize(static_cast<size_t>((kTileCols + kGroup) * K));
+    thread_local std::vector<float> buf;  // a panel packed here (plain weights)
+    if (packed == nullptr) buf.resize(static_cast<size_t>(kWPanel * K));
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t m0 = t / tiles_n * kTileRows, n0 = t % tiles_n * kTileCols;
-      tile_fp32(xp, wd, packed, bias, yd, M, K, N, m0, std::min(M, m0 + kTileRows), n0,
-                std::min(N, n0 + kTileCols), wp.data());
+      const int64_t m0 = t / tiles_n * tile_rows, m1 = std::min(M, m0 + tile_rows);
+      const int64_t q0 = t % tiles_n * kTilePanels, q1 = std::min(panels, q0 + kTilePanels);
+      for (int64_t q = q0; q < q1; ++q) {
+        const float* wp = buf.data();
+        if (packed != nullptr) wp = packed + q * kWPanel * K;
+        else pack_w_panel(w, N, K, q, buf.data());
+        const int64_t n = q * kWPanel, cols = std::min<int64_t>(kWPanel, N - n);
+        const float* bn = bias ? bias + n : nullptr;
+        // A panel packed once comes from memory: the first row block prefetches it ahead,
+        // the others share the prefetching of the next panel.
+        const int64_t blocks = (m1 - m0 + kXRows - 1) / kXRows;
+        const char* next = packed != nullptr && q + 1 < panels
+                               ? reinterpret_cast<const char*>(wp + kWPanel * K) : nullptr;
+        const int64_t share =
+            next != nullptr && blocks > 1 ? (panel_lines + blocks - 2) / (blocks - 1) : 0;
+        for (int64_t m = m0, i = 0; m < m1; ++i) {
+          int64_t rows = std::min<int64_t>(kXRows, m1 - m);
+          if (m1 - m > kXRows && m1 - m < 2 * kXRows) rows = (m1 - m + 1) / 2;
+          const int64_t first = (i - 1) * share;
+          const int64_t lines = i == 0 ? 0 : std::max<int64_t>(0, std::min(share, panel_lines - first));
+          const char* pf = lines > 0 ? next + 64 * first : nullptr;
+          float* yb = y + m * N + n;
+          if (packed != nullptr && i == 0)
+            block_rows_any<true>(rows, x + m * ldx, ldx, wp, K, bn, yb, N, cols, pf, lines);
+          else
+            block_rows_any<false>(rows, x + m * ldx, ldx, wp, K, bn, yb, N, cols, pf, lines);
+          m += rows;
+        }
+      }
     }
   });
 }
@@ -399,8 +360,9 @@ at::Tensor linear_tiled(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
     const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
     const at::Tensor wc = w.contiguous();
     const at::Tensor bc = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    linear_tiled_fp32(xc, wc.data_ptr<float>(), nullptr, N,
-                      has_bias ? bc.data_ptr<float>() : nullptr, y);
+    linear_fp32(xc.data_ptr<float>(), xc.stride(0), wc.data_ptr<float>(), nullptr,
+                has_bias ? bc.data_ptr<float>() : nullptr, y.data_ptr<float>(), M,
+                xc.size(1), N);
     return y;
   }
 #endif
@@ -425,29 +387,17 @@ at::Tensor linear_tiled(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
   return y;
 }
 
-// Floats in a weight [N, K] packed by pack_linear_weight (N rounded up to whole groups).
-static int64_t packed_linear_numel(int64_t N, int64_t K) {
-  const int64_t group = kPackedGroupRows;
-  return (N + group - 1) / group * group * K;
-}
-
 at::Tensor pack_linear_weight(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
               "pack_linear_weight: an fp32 CPU weight [N, K] expected");
   const at::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1);
   auto out = at::empty({packed_linear_numel(N, K)}, wc.options());
-#ifdef __AVX2__
   const float* src = wc.data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, (N + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      pack_w_group(src + g * kGroup * K, K, std::min<int64_t>(kGroup, N - g * kGroup),
-                   dst + g * kGroup * K);
+  at::parallel_for(0, (N + kWPanel - 1) / kWPanel, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) pack_w_panel(src, N, K, p, dst + p * kWPanel * K);
   });
-#else
-  TORCH_CHECK(false, "pack_linear_weight: this build has no AVX2 kernels");
-#endif
   return out;
 }
 
@@ -468,8 +418,8 @@ at::Tensor linear_packed(at::Tensor x, at::Tensor packed, int64_t N,
   if (M > 0 && K > 0) {
     const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
     const at::Tensor bc = has_bias ? bias->contiguous() : at::Tensor();
-    linear_tiled_fp32(xc, nullptr, packed.data_ptr<float>(), N,
-                      has_bias ? bc.data_ptr<float>() : nullptr, y);
+    linear_fp32(xc.data_ptr<float>(), xc.stride(0), nullptr, packed.data_ptr<float>(),
+                has_bias ? bc.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N);
   } else {
     y.zero_();
     if (has_bias && M > 0) y.add_(*bias);

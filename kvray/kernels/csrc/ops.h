@@ -46,12 +46,12 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> 
 // kernel at vector_lanes() width, other dtypes one single-threaded sgemm each.
 at::Tensor linear_tiled(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 
-// fp32 w [N, K] packed once for linear_packed: groups of 6 weight rows, k-major within a
-// group (the last group padded with zero rows).
+// fp32 w [N, K] packed once for linear_packed: panels of 2 x vector_lanes() weight rows,
+// k-major within a panel (the last panel padded with zero rows).
 at::Tensor pack_linear_weight(at::Tensor w);
 
 // linear_tiled's fp32 kernel on a weight packed by pack_linear_weight (out_features N):
-// no repacking per call, the weight stream prefetched ahead.
+// no packing per call, the panels prefetched ahead.
 at::Tensor linear_packed(at::Tensor x, at::Tensor packed, int64_t N,
                          c10::optional<at::Tensor> bias);
 

@@ -60,12 +60,6 @@ struct Vec8 {
   static T add(T a, T b) { return _mm256_add_ps(a, b); }
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static T div(T a, T b) { return _mm256_div_ps(a, b); }
-  // Within each 128-bit lane: [a0, b0, a1, b1] / [a2, b2, a3, b3]; shuffle<imm> picks
-  // a[imm & 3], a[imm >> 2 & 3], b[imm >> 4 & 3], b[imm >> 6] (the x86 instructions' rules).
-  static T unpacklo(T a, T b) { return _mm256_unpacklo_ps(a, b); }
-  static T unpackhi(T a, T b) { return _mm256_unpackhi_ps(a, b); }
-  template <int imm>
-  static T shuffle(T a, T b) { return _mm256_shuffle_ps(a, b, imm); }
   static T neg_abs(T v) { return _mm256_or_ps(v, _mm256_set1_ps(-0.f)); }
   // lane-wise: a where v < 0 (its sign bit set), else b
   static T select_negative(T v, T a, T b) { return _mm256_blendv_ps(b, a, v); }
@@ -129,10 +123,6 @@ struct Vec16 {
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static T div(T a, T b) { return _mm512_div_ps(a, b); }
-  static T unpacklo(T a, T b) { return _mm512_unpacklo_ps(a, b); }  // as Vec8's
-  static T unpackhi(T a, T b) { return _mm512_unpackhi_ps(a, b); }
-  template <int imm>
-  static T shuffle(T a, T b) { return _mm512_shuffle_ps(a, b, imm); }
   static T neg_abs(T v) {
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v),
                                                _mm512_set1_epi32(static_cast<int>(0x80000000u))));
