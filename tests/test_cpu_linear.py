@@ -73,7 +73,7 @@ def test_small_m_linear_rejects_what_it_cannot_do(ops):
                          [(1, 3), (127, 64), (129, 577), (700, 33), (40, 1600)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tiled_linear_matches_f_linear(ops, rows, out_features, in_features, with_bias):
-    # Row counts on both sides of the 12-row (AVX-512) or 6-row (AVX2) register blocks and
+    # Row counts on both sides of the 12-row (AVX-512) or 5-row (AVX2) register blocks and
     # of the tiles (256 rows; 120 for 1,600 inputs, so that they stay in L2), column counts
     # on both sides of the panels of 32 or 16 weight rows and of the 3-panel tiles.
     _check_against_f_linear(ops.linear_tiled, rows, out_features, in_features, with_bias)
@@ -86,7 +86,7 @@ def test_tiled_linear_matches_f_linear(ops, rows, out_features, in_features, wit
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_on_a_weight_packed_once_matches_f_linear(ops, rows, out_features,
                                                          in_features, with_bias):
-    # Row counts on both sides of the 12-row (AVX-512) or 6-row (AVX2) register blocks (the
+    # Row counts on both sides of the 12-row (AVX-512) or 5-row (AVX2) register blocks (the
     # last two blocks split evenly) and of the tiles; columns on both sides of the panels of
     # 32 or 16 weight rows and of the 3-panel tiles (the last panel padded with zero rows).
     def packed_kernel(x, w, b):

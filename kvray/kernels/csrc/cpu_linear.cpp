@@ -160,8 +160,8 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> 
 //
 // fp32 with AVX2 runs our own register-blocked kernel (below); other dtypes run one
 // single-threaded sgemm per tile (MKL runs sequentially inside a parallel region).
-constexpr int64_t kTileRows = 256;  // the sgemm-per-tile path's tiles
-constexpr int64_t kTileCols = 96;
+constexpr int64_t kTileRows = 256;  // rows of x per tile (at most)
+constexpr int64_t kTileCols = 96;   // the sgemm-per-tile path's columns per tile
 
 #ifdef __AVX2__
 // Weight rows (output columns) per panel: two vectors (32 with AVX-512, 16 with AVX2).
@@ -190,8 +190,8 @@ static void pack_w_panel(const float* w, int64_t N, int64_t K, int64_t p, float*
 }
 
 #ifdef __AVX2__
-// The kernel computes R rows of x against one panel (R x 32 outputs with AVX-512: 12 rows,
-// 24 accumulators; R x 16 with AVX2: 6 rows, 12 of its 16 registers) over the whole K: per
+// The kernel computes R rows of x against one panel (R x 32 outputs with AVX-512, R x 16
+// with AVX2; R up to kXRows below) over the whole K: per
 // k, two vector loads of the panel and R broadcasts of x feed 2R FMAs. x is read where it
 // lies (each row one sequential stream, a cache line per 16 k), and the accumulators are
 // rows of y, stored as they are. The earlier kernel (x repacked per call into k-major panels
@@ -201,7 +201,11 @@ static void pack_w_panel(const float* w, int64_t N, int64_t K, int64_t p, float*
 // Xeon, the built-in model's 30 layers' linears, alternating in one process: 0.90-0.96x
 // the time at 2,048 rows, 0.86-0.88x at 256, 0.86-0.93x at 128, 0.84-0.93x at 64,
 // 0.79-0.85x at 40 (~300-315 GFLOP/s at 256-2,048 rows against a torch.mm peak of ~350).
-constexpr int kXRows = Vec::kWidth == 16 ? 12 : 6;
+// x rows per block: 12 with AVX-512 (24 of its 32 registers), 5 with AVX2 (10 of 16). The
+// AVX2 build on the AVX-512 Xeon (8 lanes), the 30 layers' linears against the old kernel:
+// 6 rows 1.08-1.09x its time at 2,048 rows (even at 64-256), 4 rows 1.08x, 5 rows even at
+// 2,048 and 0.93x at 256 (not measured on an AVX2-only machine).
+constexpr int kXRows = Vec::kWidth == 16 ? 12 : 5;
 
 // How far ahead the first row block prefetches a panel packed once (it meets the panel
 // straight from memory). On a 2-core AVX-512 Xeon (fp32, two threads), every linear of the
@@ -275,9 +279,10 @@ static void block_rows_any(int64_t rows, const float* x, int64_t ldx, const floa
     block_rows_panel<n, prefetch>(x, ldx, wp, K, bias, y, ldy, cols, pf, pf_lines); \
     break;
   switch (rows) {
-    KVRAY_ROWS(1) KVRAY_ROWS(2) KVRAY_ROWS(3) KVRAY_ROWS(4) KVRAY_ROWS(5) KVRAY_ROWS(6)
+    KVRAY_ROWS(1) KVRAY_ROWS(2) KVRAY_ROWS(3) KVRAY_ROWS(4) KVRAY_ROWS(5)
 #if defined(__AVX512F__)
-    KVRAY_ROWS(7) KVRAY_ROWS(8) KVRAY_ROWS(9) KVRAY_ROWS(10) KVRAY_ROWS(11) KVRAY_ROWS(12)
+    KVRAY_ROWS(6) KVRAY_ROWS(7) KVRAY_ROWS(8) KVRAY_ROWS(9) KVRAY_ROWS(10) KVRAY_ROWS(11)
+    KVRAY_ROWS(12)
 #endif
     default: break;
   }
