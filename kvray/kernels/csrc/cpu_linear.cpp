@@ -191,10 +191,9 @@ static void pack_w_panel(const float* w, int64_t N, int64_t K, int64_t p, float*
 
 #ifdef __AVX2__
 // The kernel computes R rows of x against one panel (R x 32 outputs with AVX-512, R x 16
-// with AVX2; R up to kXRows below) over the whole K: per
-// k, two vector loads of the panel and R broadcasts of x feed 2R FMAs. x is read where it
-// lies (each row one sequential stream, a cache line per 16 k), and the accumulators are
-// rows of y, stored as they are. The earlier kernel (x repacked per call into k-major panels
+// with AVX2; R up to kXRows below) over the whole K: per k, two vector loads of the panel
+// and R broadcasts of x feed 2R FMAs. x is read where it lies (each row one sequential
+// stream, a cache line per 16 k), and the accumulators are rows of y, stored as they are. The earlier kernel (x repacked per call into k-major panels
 // of 32 rows against groups of 6 weight rows, 12 accumulators, outputs transposed on the
 // way out) spent ~6 % of its time repacking x and ~5 % storing, and read 128 bytes of x
 // from L2 per 12 FMAs where this one reads 128 bytes of weights per 24. On a 2-core AVX-512
