@@ -170,9 +170,12 @@ constexpr int64_t kWPanel = 2 * Vec::kWidth;
 constexpr int64_t kWPanel = 16;
 #endif
 
+// Panels holding N weight rows (the last one padded).
+static int64_t num_panels(int64_t N) { return (N + kWPanel - 1) / kWPanel; }
+
 // Floats in a weight [N, K] packed by pack_linear_weight (N rounded up to whole panels).
 static int64_t packed_linear_numel(int64_t N, int64_t K) {
-  return (N + kWPanel - 1) / kWPanel * kWPanel * K;
+  return num_panels(N) * kWPanel * K;
 }
 
 // Panel p of w [N, K]: weight rows [p * kWPanel, (p + 1) * kWPanel), k-major into
@@ -193,13 +196,15 @@ static void pack_w_panel(const float* w, int64_t N, int64_t K, int64_t p, float*
 // The kernel computes R rows of x against one panel (R x 32 outputs with AVX-512, R x 16
 // with AVX2; R up to kXRows below) over the whole K: per k, two vector loads of the panel
 // and R broadcasts of x feed 2R FMAs. x is read where it lies (each row one sequential
-// stream, a cache line per 16 k), and the accumulators are rows of y, stored as they are. The earlier kernel (x repacked per call into k-major panels
-// of 32 rows against groups of 6 weight rows, 12 accumulators, outputs transposed on the
-// way out) spent ~6 % of its time repacking x and ~5 % storing, and read 128 bytes of x
-// from L2 per 12 FMAs where this one reads 128 bytes of weights per 24. On a 2-core AVX-512
-// Xeon, the built-in model's 30 layers' linears, alternating in one process: 0.90-0.96x
-// the time at 2,048 rows, 0.86-0.88x at 256, 0.86-0.93x at 128, 0.84-0.93x at 64,
-// 0.79-0.85x at 40 (~300-315 GFLOP/s at 256-2,048 rows against a torch.mm peak of ~350).
+// stream, a cache line per 16 k), and the accumulators are rows of y, stored as they are.
+// The earlier kernel (x repacked per call into k-major panels of 32 rows against groups of
+// 6 weight rows, 12 accumulators, outputs transposed on the way out) spent ~6 % of its
+// time repacking x and ~5 % storing, and read 128 bytes of x from L2 per 12 FMAs where
+// this one reads 128 bytes of weights per 24. On a 2-core AVX-512 Xeon, the built-in
+// model's 30 layers' linears, alternating in one process: 0.90-0.96x the time at 2,048
+// rows, 0.86-0.88x at 256, 0.86-0.93x at 128, 0.84-0.93x at 64, 0.79-0.85x at 40
+// (~300-315 GFLOP/s at 256-2,048 rows against a torch.mm peak of ~350).
+//
 // x rows per block: 12 with AVX-512 (24 of its 32 registers), 5 with AVX2 (10 of 16). The
 // AVX2 build on the AVX-512 Xeon (8 lanes), the 30 layers' linears against the old kernel:
 // 6 rows 1.08-1.09x its time at 2,048 rows (even at 64-256), 4 rows 1.08x, 5 rows even at
@@ -217,7 +222,10 @@ constexpr int64_t kPackedPrefetchBytes = 4096;
 // registers (checked in the disassembly: no stack traffic in the k loop). With `prefetch`
 // the panel comes from memory and is prefetched kPackedPrefetchBytes ahead; `pf_lines`
 // cache lines from `pf` (a share of the next panel) are prefetched into L2 evenly over K,
-// so that later row blocks overlap the next panel's DRAM reads with arithmetic.
+// so that later row blocks overlap the next panel's DRAM reads with arithmetic: at most
+// one line per k, so a share longer than K is cut short (a tile of two row blocks
+// prefetches half the next panel; prefetching all of it, two lines per k, was 1.05-1.14x
+// slower at 24 rows).
 template <int R, bool prefetch>
 static void block_rows_panel(const float* __restrict__ x, int64_t ldx,
                              const float* __restrict__ wp, int64_t K,
@@ -300,7 +308,7 @@ static void linear_fp32(const float* x, int64_t ldx, const float* w, const float
                         const float* bias, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t tile_rows = std::max<int64_t>(
       kXRows, std::min<int64_t>(kTileRows, 196608 / std::max<int64_t>(K, 1) / kXRows * kXRows));
-  const int64_t panels = (N + kWPanel - 1) / kWPanel;
+  const int64_t panels = num_panels(N);
   const int64_t tiles_n = (panels + kTilePanels - 1) / kTilePanels;
   const int64_t tiles = (M + tile_rows - 1) / tile_rows * tiles_n;
   const int64_t panel_lines = kWPanel * K * static_cast<int64_t>(sizeof(float)) / 64;
@@ -327,7 +335,8 @@ static void linear_fp32(const float* x, int64_t ldx, const float* w, const float
           int64_t rows = std::min<int64_t>(kXRows, m1 - m);
           if (m1 - m > kXRows && m1 - m < 2 * kXRows) rows = (m1 - m + 1) / 2;
           const int64_t first = (i - 1) * share;
-          const int64_t lines = i == 0 ? 0 : std::max<int64_t>(0, std::min(share, panel_lines - first));
+          const int64_t lines =
+              i == 0 ? 0 : std::max<int64_t>(0, std::min(share, panel_lines - first));
           const char* pf = lines > 0 ? next + 64 * first : nullptr;
           float* yb = y + m * N + n;
           if (packed != nullptr && i == 0)
@@ -399,7 +408,7 @@ at::Tensor pack_linear_weight(at::Tensor w) {
   auto out = at::empty({packed_linear_numel(N, K)}, wc.options());
   const float* src = wc.data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, (N + kWPanel - 1) / kWPanel, 1, [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, num_panels(N), 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) pack_w_panel(src, N, K, p, dst + p * kWPanel * K);
   });
   return out;
