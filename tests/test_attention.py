@@ -203,3 +203,100 @@ def test_cpu_decode_kernel_handles_unusual_head_dim(kernel):
                              tables, lens, [10, 6], num_decodes=2)
     ref = paged_attention(q, cache, meta, 0.2)
     assert torch.allclose(kernel(q, cache, tables, lens, 0.2, None), ref, atol=1e-5)
+
+
+def _prefill_case(head_dim, block_size, group, cache_dtype, query_lens, context_lens, seed):
+    """A shuffled paged cache holding whole sequences, and the last ``query_lens`` tokens
+    of each as new rows: q a strided view of a QKV-like output, as the model passes it."""
+    g = torch.Generator().manual_seed(seed)
+    hk = 2
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens, strict=True)]
+    width = max(-(-n // block_size) for n in seq_lens)
+    blocks = len(seq_lens) * width + 3
+    cache = torch.randn(2, hk, blocks, block_size, head_dim, generator=g).to(cache_dtype)
+    order = torch.randperm(blocks, generator=g).tolist()
+    tables = [order[b * width:(b + 1) * width] for b in range(len(seq_lens))]
+    rows = sum(query_lens)
+    qkv = torch.randn(rows, (hk * group + 2 * hk) * head_dim, generator=g)
+    q = qkv[:, :hk * group * head_dim].view(rows, hk * group, head_dim)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return cache, q, torch.tensor(tables), torch.tensor(seq_lens), torch.tensor(starts)
+
+
+def _prefill_float64(q, cache, tables, seq_lens, starts, scale, window):
+    """Each new token against its sequence's keys up to its own position (and within the
+    window), in float64 from the cache's values."""
+    hk, block_size, head_dim = cache.shape[1], cache.shape[3], cache.shape[4]
+    group = q.shape[1] // hk
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, n in enumerate(seq_lens.tolist()):
+        slots = [int(tables[b][t // block_size]) * block_size + t % block_size for t in range(n)]
+        k = cache[0].reshape(hk, -1, head_dim)[:, slots].double()
+        v = cache[1].reshape(hk, -1, head_dim)[:, slots].double()
+        s, e = int(starts[b]), int(starts[b + 1])
+        for i in range(s, e):
+            pos = n - (e - i)
+            first = max(0, pos - window + 1) if window > 0 else 0
+            for h in range(q.shape[1]):
+                kv_h = h // group
+                scores = k[kv_h, first:pos + 1] @ q[i, h].double() * scale
+                out[i, h] = torch.softmax(scores, 0) @ v[kv_h, first:pos + 1]
+    return out
+
+
+@pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 3), (128, 32, 4), (48, 5, 2),
+                                                     (32, 16, 1), (64, 1, 3), (24, 16, 2)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [-1, 13])
+def test_cpu_prefill_kernel_matches_a_float64_reference(
+        cpu_kernels, head_dim, block_size, group, cache_dtype, window):
+    """Prefill rows read in place from the paged cache: query tiles full and short (16 and
+    32 rows are the AVX2 and AVX-512 tiles), with and without cached context, keys in any
+    block order, masked on the diagonal and at a window's edge; head sizes that are not a
+    whole number of vectors (24 with AVX-512) and fp16 caches go through the reference."""
+    query_lens = [1, 15, 16, 17, 31, 32, 33, 70]
+    context_lens = [0, 40, 3, 0, 16, 1, 0, 100]
+    cache, q, tables, lens, starts = _prefill_case(
+        head_dim, block_size, group, cache_dtype, query_lens, context_lens, seed=head_dim)
+    q = q.to(cache_dtype)
+    scale = head_dim ** -0.5
+    got = cpu_kernels.paged_prefill(q, cache, tables, lens, starts, max(query_lens), scale,
+                                    window if window > 0 else None)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    want = _prefill_float64(q, cache, tables, lens, starts, scale, window)
+    tol = dict(rtol=1e-4, atol=1e-5) if q.dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
+def test_cpu_prefill_kernel_takes_an_fp32_query_over_a_bf16_cache(cpu_kernels):
+    cache, q, tables, lens, starts = _prefill_case(64, 16, 3, torch.bfloat16, [40, 9],
+                                                   [0, 21], seed=5)
+    got = cpu_kernels.paged_prefill(q, cache, tables, lens, starts, 40, 0.125, None)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, cpu_kernels.paged_prefill(
+        q, cache.float(), tables, lens, starts, 40, 0.125, None), rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_step_takes_both_cpu_kernels_and_equals_the_reference(cpu_kernels):
+    """A step of decode rows then prefill chunks (cached context or none), and one of
+    prefill chunks only (the prefill kernel's output returned as it is)."""
+    context = [23, 17, 9, 30, 12]
+    queries = [1, 1, 1, 30, 7]
+    cache, meta, ks, vs, qs = _paged_setup(context, queries)
+    q = torch.cat(qs)
+    k_new = torch.cat([k[n - nq:] for k, n, nq in zip(ks, context, queries, strict=True)])
+    v_new = torch.cat([v[n - nq:] for v, n, nq in zip(vs, context, queries, strict=True)])
+    write_kv_cache(k_new, v_new, cache, meta.slot_mapping)
+    want = _expected(ks, vs, qs)
+    meta.decode_kernel, meta.prefill_kernel = cpu_kernels.paged_decode, cpu_kernels.paged_prefill
+    meta.max_query_len = max(queries)
+    assert torch.allclose(paged_attention(q, cache, meta, D ** -0.5), want, atol=1e-5)
+    prefill_meta = AttentionMetadata(
+        query_start_loc=meta.query_start_loc[3:] - 3, positions=meta.positions[3:],
+        slot_mapping=meta.slot_mapping[3:], block_tables=meta.block_tables[3:],
+        seq_lens=meta.seq_lens[3:], seq_lens_list=meta.seq_lens_list[3:], num_decodes=0,
+        max_query_len=30, prefill_kernel=cpu_kernels.paged_prefill)
+    got = paged_attention(q[3:], cache, prefill_meta, D ** -0.5)
+    assert torch.allclose(got, want[3:], atol=1e-5)

@@ -245,6 +245,7 @@ class ModelRunner:
                     f"(device here: {self.device.type}; kernels built: "
                     f"{cpu_ops.load_ops() is not None}); use 'auto' or 'torch'")
             self.decode_kernel, self.write_kernel = cpu_ops.paged_decode, cpu_ops.write_kv
+            self.prefill_kernel = cpu_ops.paged_prefill
         elif backend == "triton":
             if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
                 raise ValueError(

@@ -142,10 +142,20 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Attend each new token to its sequence's cached context. Decode rows (one token each)
-    go through batched, vectorised calls over a few length buckets; prefill chunks go one
-    sequence at a time."""
-    out = torch.empty_like(q)
+    go through the decode kernel, or batched, vectorised calls over a few length buckets;
+    prefill chunks through the prefill kernel, or one sequence at a time."""
     nd = meta.num_decodes
+    prefill_kernel = meta.prefill_kernel if nd < len(meta.seq_lens_list) else None
+
+    def prefill_rows() -> torch.Tensor:
+        qsl = meta.query_start_loc[nd:]
+        first = int(qsl[0])
+        return prefill_kernel(q[first:], kv_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
+                              qsl - first, meta.max_query_len, scale, sliding_window)
+
+    if nd == 0 and prefill_kernel is not None:  # prefill rows only: no copy
+        return prefill_rows()
+    out = torch.empty_like(q)
     if nd and meta.decode_kernel is not None:
         out[:nd] = meta.decode_kernel(q[:nd], kv_cache, meta.block_tables[:nd],
                                       meta.seq_lens[:nd], scale, sliding_window)
@@ -155,18 +165,29 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     for s, e in decode_buckets(meta.seq_lens_list[:nd_ref]):
         out[s:e] = _decode(q[s:e], kv_cache, meta.block_tables[s:e], meta.seq_lens[s:e],
                            meta.seq_lens_list[s], scale, sliding_window)
-    if nd < len(meta.seq_lens_list) and meta.prefill_kernel is not None:
-        qsl = meta.query_start_loc[nd:]
-        first = int(qsl[0])
-        out[first:] = meta.prefill_kernel(q[first:], kv_cache, meta.block_tables[nd:],
-                                          meta.seq_lens[nd:], qsl - first,
-                                          meta.max_query_len, scale, sliding_window)
+    if prefill_kernel is not None:
+        out[int(meta.query_start_loc[nd]):] = prefill_rows()
         return out
     starts = meta.query_start_loc.tolist() if nd < len(meta.seq_lens_list) else []
     for b in range(nd, len(meta.seq_lens_list)):
         s, e = starts[b], starts[b + 1]
         out[s:e] = _prefill_one(q[s:e], kv_cache, meta.block_tables[b], meta.seq_lens_list[b],
                                 scale, sliding_window)
+    return out
+
+
+def prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                      sliding_window: int | None) -> torch.Tensor:
+    """The PyTorch reference of a ``prefill_kernel`` (same arguments, less
+    ``max_query_len``): each sequence's new tokens through SDPA over its gathered K/V."""
+    out = torch.empty_like(q)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        s, e = starts[b], starts[b + 1]
+        if e > s:
+            out[s:e] = _prefill_one(q[s:e], kv_cache, block_tables[b], seq_len, scale,
+                                    sliding_window)
     return out
 
 

@@ -40,8 +40,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_paged_attention.cpp", "cpu_linear.cpp", "cpu_fused.cpp", "cpu_layer.cpp",
-            "cpu_sampling.cpp", "bindings.cpp")
+_SOURCES = ("cpu_paged_attention.cpp", "cpu_paged_prefill.cpp", "cpu_linear.cpp",
+            "cpu_fused.cpp", "cpu_layer.cpp", "cpu_sampling.cpp", "bindings.cpp")
 _HEADERS = ("ops.h", "vec.h")
 _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 # The instruction set the kernels are built for: this CPU's own by default. Tests set
@@ -121,6 +121,29 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     assert ext is not None, "call load_ops() first and check it is available"
     return ext.paged_decode(q.contiguous(), kv_cache, block_tables.contiguous(),
                             seq_lens.contiguous(), float(scale), sliding_window or -1)
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+                  scale: float, sliding_window: int | None) -> torch.Tensor:
+    """q: [T, Hq, D], the new tokens of B sequences (sequence b's at
+    ``query_start_loc[b]:query_start_loc[b + 1]``, the last of its ``seq_lens[b]``
+    positions, their K/V already written), attended causally over the paged cache ->
+    [T, Hq, D]. Dtypes or head sizes the C++ kernel does not take (fp16, a head size that is
+    not a whole number of vectors, a build without AVX2) go through the PyTorch reference,
+    one sequence at a time."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    if ext.paged_prefill_supported(q, kv_cache):
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # other strides: a view of qkv
+            q = q.contiguous()
+        return ext.paged_prefill(q, kv_cache, block_tables.contiguous(),
+                                 seq_lens.contiguous(), query_start_loc.contiguous(),
+                                 float(scale), sliding_window or -1)
+    from kvray.kernels.attention import prefill_reference
+
+    return prefill_reference(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                             sliding_window)
 
 
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

@@ -10,6 +10,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("paged_decode", &paged_decode, nogil(),
         "Paged decode attention: q [B, Hq, D] against the paged KV cache -> [B, Hq, D]");
+  m.def("paged_prefill", &paged_prefill, nogil(),
+        "Paged prefill attention: new tokens q [T, Hq, D] against the paged KV cache");
+  m.def("paged_prefill_supported", &paged_prefill_supported,
+        "whether paged_prefill takes these q/cache dtypes and head size");
   m.def("linear_small_m", &linear_small_m, nogil(),
         "x [M, K] @ w[N, K]^T (+ bias) reading w once for all M rows (fp32, small M)");
   m.def("linear_tiled", &linear_tiled, nogil(),

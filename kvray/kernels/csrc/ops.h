@@ -38,6 +38,13 @@ inline int64_t chunk_for_threads(int64_t n, int64_t per_thread = 4) {
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
                         double scale, int64_t window);
 
+// Paged prefill attention: the new tokens q [T, Hq, D] of B sequences (sequence b's at
+// query_start[b]..query_start[b + 1], the last of its seq_lens[b] positions) attend causally
+// to their K/V in the paged cache -> [T, Hq, D]. Only where paged_prefill_supported says so.
+at::Tensor paged_prefill(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
+                         at::Tensor query_start, double scale, int64_t window);
+bool paged_prefill_supported(const at::Tensor& q, const at::Tensor& kv);
+
 // y = x w^T (+ bias) for a few rows of x (fp32): every weight row is read once for all rows.
 at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 

@@ -58,6 +58,8 @@ struct Vec8 {
   }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static T div(T a, T b) { return _mm256_div_ps(a, b); }
   static T neg_abs(T v) { return _mm256_or_ps(v, _mm256_set1_ps(-0.f)); }
@@ -121,6 +123,8 @@ struct Vec16 {
   }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
   static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static T div(T a, T b) { return _mm512_div_ps(a, b); }
   static T neg_abs(T v) {
