@@ -1,15 +1,16 @@
 // CPU paged decode attention for kvray (built by kvray/kernels/cpu_ops.py).
-// Reads K/V straight from the paged cache [2, Hk, num_blocks, block_size, D]: one pass over
-// K for the scores, one over V for the output, parallel over (sequence, kv head). q is the
-// cache's dtype, or fp32 over a bf16/fp16 cache (the fused decode layer of a bf16 model keeps
-// its activations in fp32); the output has q's dtype. Head sizes that are a multiple of
-// four vectors (64 and 128 at 16 lanes; multiples of 32 at 8) run vector code (vec.h: 16
-// lanes with AVX-512, 8 with AVX2) for the scores and the weighted sum of V, reading fp32
-// and bf16 blocks where they lie (bf16 widened in registers; fp16 goes through a converted
-// copy), and the blocks (they lie anywhere in the cache) are prefetched ~16 KiB ahead. AVX2
-// code with each bf16 block converted into a buffer, one block prefetched ahead, was 1.3x
-// the plain loops in a 64-sequence bf16 decode step on a 2-core AMX Xeon (11.6-11.9 ->
-// 8.7-9.4 ms of ~50 ms); the numbers for the current code are in benchmarks/RESULTS.md.
+// Reads K/V straight from the paged cache [2, Hk, num_blocks, block_size, D], parallel over
+// (sequence, kv head). q is the cache's dtype, or fp32 over a bf16/fp16 cache (the fused
+// decode layer of a bf16 model keeps its activations in fp32); the output has q's dtype.
+// Head sizes 64 and 128 over fp32 or bf16 caches (bf16 widened in registers) run vector code
+// (vec.h: 16 lanes with AVX-512, 8 with AVX2) in one pass per item (decode_one_pass: each
+// block's scores, then its values, under a running max), the next block prefetched while
+// one is used: decode attention waits on memory. Other cases (fp16 caches, through a
+// converted copy; other head sizes; builds without AVX2) take two passes (decode_impl: all
+// K for the scores, a softmax, all V), blocks prefetched ~16 KiB ahead. AVX2 code with each
+// bf16 block converted into a buffer, one block prefetched ahead, was 1.3x the plain loops
+// in a 64-sequence bf16 decode step on a 2-core AMX Xeon (11.6-11.9 -> 8.7-9.4 ms of
+// ~50 ms); the numbers for the current code are in benchmarks/RESULTS.md.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -292,12 +293,6 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
         fetch_until(i - first + 1 + ahead);
         const int64_t n_t = std::min(BS, len - i * BS);
         float* s_blk = scores.data() + (i - first) * BS;
-#ifdef __AVX2__
-        if constexpr (kVectorHead<DK> && kReadsInPlace<T>) {
-          block_scores_vec<DK>(qf.data(), kb, n_t, G, s_blk, n);
-          continue;
-        }
-#endif
         const float* kf = as_float_block<T, DK>(kb, n_t, D, buf.data());
 #ifdef __AVX2__
         if constexpr (kVectorHead<DK>) {
@@ -325,12 +320,6 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
         }
         const int64_t n_t = std::min(BS, len - i * BS);
         const float* p_blk = scores.data() + (i - first) * BS;
-#ifdef __AVX2__
-        if constexpr (kVectorHead<DK> && kReadsInPlace<T>) {
-          block_values_vec<DK>(p_blk, vb, n_t, G, acc.data(), n);
-          continue;
-        }
-#endif
         const float* vf = as_float_block<T, DK>(vb, n_t, D, buf.data());
 #ifdef __AVX2__
         if constexpr (kVectorHead<DK>) {
@@ -347,12 +336,106 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
   });
 }
 
-// decode_impl specialised for the common head sizes.
+#ifdef __AVX2__
+// Decode attention in one pass over each (sequence, kv head)'s blocks, for head sizes of
+// whole chunks of four vectors over fp32 or bf16 caches (read in place): a block's scores,
+// then at once its values, with a running max per query row (online softmax), so that K
+// and V are read as two interleaved streams, and the next block's K and V are prefetched
+// while this one's are used. On a 2-core AVX-512 Xeon (fp32, 30 layers' caches of 64-128
+// sequences, 150-660 tokens, blocks in random order), 0.89-0.94x the time of the two-pass
+// loop (all K, a softmax, all V) with its 16 KiB prefetch; prefetching 16 or 32 KiB ahead
+// in this loop was slower than one block, vectorising the softmax or taking all KV heads
+// of a sequence as one item even.
+template <typename TQ, typename T, int64_t DK>
+static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
+                            const at::Tensor& seq_lens, double scale, int64_t window,
+                            at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = DK;
+  const int64_t Hk = kv.size(1), NB = kv.size(2), BS = kv.size(3);
+  const int64_t G = Hq / Hk, max_blocks = tables.size(1);
+  const TQ* qp = q.data_ptr<TQ>();
+  const T* kp = kv.data_ptr<T>();
+  const T* vp = kp + Hk * NB * BS * D;
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = seq_lens.data_ptr<int64_t>();
+  TQ* op = out.data_ptr<TQ>();
+  const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(T));
+  const int64_t items = B * Hk;
+  parallel_dynamic(items, chunk_for_threads(items), [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), s(G * BS), m(G), l(G);
+    const auto first_block = [&](int64_t len) {
+      return (window > 0 ? std::max<int64_t>(0, len - window) : 0) / BS;
+    };
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / Hk, h = idx % Hk, len = lp[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t first = start / BS, last = (len + BS - 1) / BS;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          qf[g * D + d] = to_f(qp[(b * Hq + h * G + g) * D + d]) * static_cast<float>(scale);
+      const auto off = [&](int64_t i) { return ((h * NB + tp[b * max_blocks + i]) * BS) * D; };
+      if (idx == begin) prefetch_block(kp + off(first), block_bytes),
+                        prefetch_block(vp + off(first), block_bytes);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -1e30f);  // finite: the build assumes no infinities
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t i = first; i < last; ++i) {
+        if (i + 1 < last) {
+          prefetch_block(kp + off(i + 1), block_bytes);
+          prefetch_block(vp + off(i + 1), block_bytes);
+        } else if (idx + 1 < end) {  // the next item's first block
+          const int64_t b2 = (idx + 1) / Hk, h2 = (idx + 1) % Hk;
+          const int64_t o2 = ((h2 * NB + tp[b2 * max_blocks + first_block(lp[b2])]) * BS) * D;
+          prefetch_block(kp + o2, block_bytes), prefetch_block(vp + o2, block_bytes);
+        }
+        const T* kb = kp + off(i);
+        const T* vb = vp + off(i);
+        const int64_t n_t = std::min(BS, len - i * BS);
+        block_scores_vec<DK>(qf.data(), kb, n_t, G, s.data(), BS);
+        const int64_t masked = std::max<int64_t>(0, start - i * BS);  // before the window
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = s.data() + g * BS;
+          float mx = m[g];
+          for (int64_t t = masked; t < n_t; ++t) mx = std::max(mx, sg[t]);
+          const float alpha = std::exp(m[g] - mx);
+          float sum = 0.f;
+          for (int64_t t = 0; t < n_t; ++t) {
+            const float e = t < masked ? 0.f : std::exp(sg[t] - mx);
+            sg[t] = e;
+            sum += e;
+          }
+          l[g] = l[g] * alpha + sum;
+          m[g] = mx;
+          if (alpha != 1.f)
+            for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
+        }
+        block_values_vec<DK>(s.data(), vb, n_t, G, acc.data(), BS);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < D; ++d)
+          op[(b * Hq + h * G + g) * D + d] = static_cast<TQ>(acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+#endif
+
+// The one-pass loop where it applies, else decode_impl, specialised for the common head
+// sizes.
 template <typename TQ, typename T>
 static void decode_any_d(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
                          const at::Tensor& seq_lens, double scale, int64_t window,
                          at::Tensor& out) {
   const int64_t d = q.size(2);
+#ifdef __AVX2__
+  if constexpr (kReadsInPlace<T>) {
+    if (d == 64 && kVectorHead<64>)
+      return decode_one_pass<TQ, T, 64>(q, kv, tables, seq_lens, scale, window, out);
+    if (d == 128 && kVectorHead<128>)
+      return decode_one_pass<TQ, T, 128>(q, kv, tables, seq_lens, scale, window, out);
+  }
+#endif
   if (d == 64) decode_impl<TQ, T, 64>(q, kv, tables, seq_lens, scale, window, out);
   else if (d == 128) decode_impl<TQ, T, 128>(q, kv, tables, seq_lens, scale, window, out);
   else decode_impl<TQ, T, 0>(q, kv, tables, seq_lens, scale, window, out);
