@@ -125,6 +125,67 @@ def test_linear_on_a_packed_weight_rejects_a_weight_of_another_shape(ops):
         ops.pack_linear_weight(torch.randn(5, 8, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("rows,half,in_features", [(1, 1, 8), (13, 3, 100), (300, 4, 64),
+                                                    (2048, 96, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gate_up_packed_paired_gives_f_linear_and_the_mlp_activation(
+        ops, rows, half, in_features, with_bias):
+    """A gate_up weight [2I, K] packed paired (each panel a vector of gate rows and the same
+    rows of up; I = ``half`` vectors): its plain output equals the unpaired packed kernel's
+    bit for bit, and the fused epilogue equals silu_and_mul of that output (up to flushed
+    denormals, which depend on the thread a row lands on)."""
+    lanes = ops.vector_lanes()
+    inter = half * lanes
+    gen = torch.Generator().manual_seed(rows + half)
+    w = torch.randn(2 * inter, in_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    b = torch.randn(2 * inter, generator=gen) if with_bias else None
+    paired = ops.pack_gate_up_weight(w)
+    plain = ops.linear_packed_gate_up(x, paired, 2 * inter, b)
+    assert torch.equal(plain, ops.linear_packed(x, ops.pack_linear_weight(w), 2 * inter, b))
+    torch.testing.assert_close(plain, F.linear(x, w, b), rtol=1e-5, atol=2e-4)
+    act = ops.linear_packed_gate_up(x, paired, 2 * inter, b, silu_mul=True)
+    assert act.shape == (rows, inter)
+    torch.testing.assert_close(act, ops.silu_and_mul(plain), rtol=0, atol=1e-30)
+    with pytest.raises(RuntimeError, match="whole number of panels"):
+        ops.pack_gate_up_weight(torch.randn(2 * inter + 2, 8))
+    with pytest.raises(RuntimeError, match="does not hold"):
+        ops.linear_packed_gate_up(x, paired, 2 * inter + 2 * lanes, b, silu_mul=True)
+
+
+def test_the_mlp_takes_its_activation_from_the_gemm_on_paired_weights(ops, monkeypatch):
+    """With weights packed once (16 lanes, a bf16 checkpoint run in fp32), the MLP's
+    gate_up is packed paired and inputs past the small-M kernel's rows get silu(gate) * up
+    from the GEMM's epilogue, no silu_and_mul pass; fewer rows keep the small-M route; both
+    equal the reference MLP."""
+    from types import SimpleNamespace
+
+    from kvray.actors import model_runner
+    from kvray.models.llama import LlamaMLP
+
+    if ops.vector_lanes() < 16:
+        pytest.skip("weights are packed once only with 16-lane kernels")
+    spec = SimpleNamespace(hidden_size=64, intermediate_size=3 * ops.vector_lanes(),
+                           mlp_bias=False)
+    mlp = LlamaMLP(spec, ParallelContext(), torch.float32)
+    for p in mlp.parameters():
+        p.data = torch.randn(p.shape).bfloat16().float()
+    gate_w, up_w = mlp.gate_up_proj.weight.detach().clone().chunk(2)
+    down_w = mlp.down_proj.weight.detach().clone()
+    model_runner._use_cpu_linear_kernels(mlp, bf16_weights=True)
+    assert mlp.gate_up_proj.prepacked_silu_mul is not None
+    calls = []
+    silu_and_mul = ops.silu_and_mul
+    monkeypatch.setattr(ops, "silu_and_mul", lambda t: calls.append(t.shape[0]) or silu_and_mul(t))
+    mlp.fused_silu_and_mul = ops.silu_and_mul
+    for rows in (1, model_runner.AVX512_PACKED_FROM_ROWS, 300):
+        calls.clear()
+        x = torch.randn(rows, 64)
+        want = F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+        torch.testing.assert_close(mlp(x), want, rtol=1e-4, atol=1e-4)
+        assert calls == ([] if rows >= model_runner.AVX512_PACKED_FROM_ROWS else [rows])
+
+
 def test_tiled_linear_takes_strided_inputs(ops):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(300, 2, 96, generator=gen)[:, 1]  # rows 192 floats apart

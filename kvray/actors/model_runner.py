@@ -12,6 +12,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -140,8 +141,11 @@ def _use_cpu_linear_kernels(model: torch.nn.Module,
                               **routes)
     packed = freed = 0
     if wide and AVX512_PREPACKED:
+        gate_up = (cpu_ops.pack_gate_up_weight, cpu_ops.linear_packed_gate_up,
+                   partial(cpu_ops.linear_packed_gate_up, silu_mul=True),
+                   cpu_ops.vector_lanes())
         packed = use_prepacked_weights(model, cpu_ops.pack_linear_weight,
-                                       cpu_ops.linear_packed, AVX512_PACKED_FROM_ROWS)
+                                       cpu_ops.linear_packed, AVX512_PACKED_FROM_ROWS, gate_up)
         freed = release_plain_weights(model)
     return bf16, packed, freed
 

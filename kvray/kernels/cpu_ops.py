@@ -177,6 +177,26 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     return ext.linear_packed(x, packed, out_features, bias)
 
 
+def pack_gate_up_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 gate_up weight [2I, K] (gate rows, then up rows) in
+    ``linear_packed_gate_up``'s layout: each panel a vector of gate rows and the same rows
+    of up. I must be a multiple of :func:`vector_lanes`."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    return ext.pack_gate_up_weight(weight)
+
+
+def linear_packed_gate_up(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                          bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
+    """``F.linear`` for 2-D fp32 ``x`` on a gate_up weight packed by
+    :func:`pack_gate_up_weight` ([M, 2I] in the usual order), or with ``silu_mul`` the MLP's
+    activation ``silu(gate) * up`` [M, I] computed from the accumulators: the same values as
+    :func:`silu_and_mul` of the former, without writing and re-reading it."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    return ext.linear_packed_gate_up(x, packed, out_features, bias, silu_mul)
+
+
 def vector_lanes() -> int:
     """fp32 lanes of the built kernels' vectors: 16 (AVX-512), 8 (AVX2), 1 (none) or 0 (no
     extension)."""

@@ -53,12 +53,27 @@ class SmallMMatmul:
     packed_weight: torch.Tensor | None = None  # oneDNN's layout (use_packed_weights)
     prepacked_weight: torch.Tensor | None = None  # our tiled kernel's (use_prepacked_weights)
     prepacked_kernel: PackedKernel | None = None
+    # With a gate_up weight packed paired: (x, packed, out_features, bias) -> the MLP's
+    # activation silu(gate) * up (cpu_ops.linear_packed_gate_up with silu_mul)
+    prepacked_silu_mul: Callable[..., torch.Tensor] | None = None
     out_features: int = 0  # the weight's rows (kept when a released weight has none)
 
     @property
     def kernel_weight(self) -> torch.Tensor:
         """The weight the small-M kernel reads: the bf16 copy where there is one."""
         return self.weight if self.small_m_weight is None else self.small_m_weight
+
+    def silu_mul_matmul(self, x: torch.Tensor, bias: torch.Tensor | None
+                        ) -> torch.Tensor | None:
+        """``silu(gate) * up`` of this gate_up projection's output, from a kernel that
+        computes it in the GEMM's epilogue, where the input takes the prepacked route; else
+        None (the caller runs the matmul and the activation)."""
+        fused, prepacked = self.prepacked_silu_mul, self.prepacked_weight
+        if fused is None or prepacked is None or x.dtype != prepacked.dtype or x.dim() != 2:
+            return None
+        if self.small_m_kernel is not None and x.shape[0] <= self.small_m_max_rows:
+            return None
+        return fused(x, prepacked, self.out_features, bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
@@ -139,7 +154,10 @@ def use_packed_weights(model: nn.Module) -> int:
 
 
 def use_prepacked_weights(model: nn.Module, pack: Callable[[torch.Tensor], torch.Tensor],
-                          kernel: PackedKernel, from_rows: int | None = None) -> int:
+                          kernel: PackedKernel, from_rows: int | None = None,
+                          gate_up: tuple[Callable[[torch.Tensor], torch.Tensor], PackedKernel,
+                                         Callable[..., torch.Tensor], int] | None = None
+                          ) -> int:
     """Give every fp32 linear layer (and the LM head) of ``model`` whose small-M inputs read
     an exact bf16 copy (see :func:`use_small_m_kernel`) a copy of its weight packed once by
     ``pack`` for ``kernel``, which then takes every input past the small-M kernel's rows
@@ -150,13 +168,25 @@ def use_prepacked_weights(model: nn.Module, pack: Callable[[torch.Tensor], torch
     see ``model_runner.AVX512_ROUTES`` for what packing once gains. Only layers with a bf16
     copy: their plain weight can then be dropped (:func:`release_plain_weights`), so the
     process holds as many bytes of weights as before; an fp32 checkpoint keeps its routes
-    rather than a second fp32 copy. Returns the bytes the packed copies take."""
+    rather than a second fp32 copy.
+
+    ``gate_up`` = (pack, kernel, silu_mul kernel, lanes): the MLP's merged gate and up
+    projections (two halves of a multiple of ``lanes`` rows, no bias) are packed paired
+    instead, so that the MLP can take ``silu(gate) * up`` straight from the GEMM
+    (:meth:`SmallMMatmul.silu_mul_matmul`). Returns the bytes the packed copies take."""
     extra = 0
     for module in model.modules():
         if (isinstance(module, SmallMMatmul) and module.weight.dtype == torch.float32
                 and module.small_m_weight is not None and module.weight.numel()):
-            module.prepacked_weight = pack(module.weight.detach())
-            module.prepacked_kernel = kernel
+            halves = getattr(module, "out_local", None)
+            if (gate_up is not None and halves is not None and len(halves) == 2
+                    and halves[0] == halves[1] and halves[0] % gate_up[3] == 0
+                    and getattr(module, "bias", None) is None):
+                module.prepacked_weight = gate_up[0](module.weight.detach())
+                module.prepacked_kernel, module.prepacked_silu_mul = gate_up[1], gate_up[2]
+            else:
+                module.prepacked_weight = pack(module.weight.detach())
+                module.prepacked_kernel = kernel
             if from_rows is not None:
                 module.small_m_max_rows = min(module.small_m_max_rows, from_rows - 1)
             module.out_features = module.weight.shape[0]

@@ -85,6 +85,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(ctx, size, spec.hidden_size, spec.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = self.gate_up_proj.silu_mul_matmul(x, self.gate_up_proj.bias)
+        if act is not None:  # the activation from the GEMM's epilogue
+            return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
         if self.fused_silu_and_mul is not None:
             return self.down_proj(self.fused_silu_and_mul(gate_up))

@@ -22,6 +22,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fp32 w [N, K] packed once for linear_packed");
   m.def("linear_packed", &linear_packed, nogil(),
         "x [M, K] @ w^T (+ bias) on a weight packed by pack_linear_weight");
+  m.def("pack_gate_up_weight", &pack_gate_up_weight, nogil(),
+        "fp32 gate_up w [2I, K] packed once, gate and up rows paired, for linear_packed_gate_up");
+  m.def("linear_packed_gate_up", &linear_packed_gate_up, nogil(),
+        "x [M, K] @ w^T on a paired gate_up weight: [M, 2I], or silu(gate) * up [M, I]");
   m.def("vector_lanes", &vector_lanes, "fp32 lanes of this build's vector kernels");
   m.def("rms_norm", &rms_norm, nogil(), "RMSNorm of rows, with an optional fused residual add");
   m.def("rotary_inplace", &rotary_inplace, nogil(), "rotary embedding of x [T, H, D] in place");

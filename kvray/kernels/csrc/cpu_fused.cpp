@@ -81,15 +81,8 @@ void silu_and_mul_row(const T* g, const T* u, T* o, int64_t I) {
 #ifdef __AVX2__
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     using V = kvray::Vec;
-    // sigmoid(g) from t = e^-|g| in (0, 1]: 1 / (1 + t) for g >= 0, t / (1 + t) below.
-    // Nothing overflows, which matters: under -ffast-math the compiler may turn the
-    // division into a reciprocal estimate and a Newton step, which makes NaN of 1 / inf.
-    const auto one = V::set1(1.f);
     for (; i + V::kWidth <= I; i += V::kWidth) {
-      const auto gv = V::load(g + i);
-      const auto t = V::exp(V::neg_abs(gv));
-      const auto sig = V::div(V::select_negative(gv, t, one), V::add(one, t));
-      const auto act = kvray::as_stored<V, T>(V::mul(gv, sig));
+      const auto act = kvray::as_stored<V, T>(kvray::silu<V>(V::load(g + i)));
       V::store(o + i, V::mul(act, V::load(u + i)));
     }
   }

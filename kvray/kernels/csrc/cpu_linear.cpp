@@ -179,10 +179,15 @@ static int64_t packed_linear_numel(int64_t N, int64_t K) {
 }
 
 // Panel p of w [N, K]: weight rows [p * kWPanel, (p + 1) * kWPanel), k-major into
-// dst[k * kWPanel + j] (rows past N are zeros).
-static void pack_w_panel(const float* w, int64_t N, int64_t K, int64_t p, float* dst) {
+// dst[k * kWPanel + j] (rows past N are zeros). Paired (a gate_up weight, N = 2I): the
+// panel's first half holds gate rows [p * h, (p + 1) * h), its second half the up rows
+// [I + p * h, I + (p + 1) * h), h = kWPanel / 2, so that one panel's two accumulator
+// vectors are a gate and its up.
+static void pack_w_panel(const float* w, int64_t N, int64_t K, int64_t p, float* dst,
+                         bool paired = false) {
+  constexpr int64_t h = kWPanel / 2;
   for (int64_t j = 0; j < kWPanel; ++j) {
-    const int64_t n = p * kWPanel + j;
+    const int64_t n = paired ? (j < h ? p * h + j : N / 2 + p * h + j - h) : p * kWPanel + j;
     if (n < N) {
       const float* src = w + n * K;
       for (int64_t k = 0; k < K; ++k) dst[k * kWPanel + j] = src[k];
@@ -226,11 +231,26 @@ constexpr int64_t kPackedPrefetchBytes = 4096;
 // one line per k, so a share longer than K is cut short (a tile of two row blocks
 // prefetches half the next panel; prefetching all of it, two lines per k, was 1.05-1.14x
 // slower at 24 rows).
+// A gate_up weight packed paired (pack_w_panel): its outputs in the plain order, or
+// silu(gate) * up (the MLP's activation, fused: half the outputs written, no second pass).
+enum class GateUp { kNo, kPlain, kSiluMul };
+
+// Where a block's outputs go: the panel's two vectors of columns to y (row stride ldy) and
+// y_hi (y + one vector for a plain weight; the up half's columns for a paired one), with
+// the bias at bias and bias_hi; with silu_mul, silu(first) * second to y alone.
+struct PanelOut {
+  float* y;
+  float* y_hi;
+  int64_t ldy;
+  const float* bias;
+  const float* bias_hi;
+  bool silu_mul;
+};
+
 template <int R, bool prefetch>
 static void block_rows_panel(const float* __restrict__ x, int64_t ldx,
-                             const float* __restrict__ wp, int64_t K,
-                             const float* __restrict__ bias, float* __restrict__ y,
-                             int64_t ldy, int64_t cols, const char* pf, int64_t pf_lines) {
+                             const float* __restrict__ wp, int64_t K, const PanelOut& o,
+                             int64_t cols, const char* pf, int64_t pf_lines) {
   constexpr int W = Vec::kWidth;
   using V = Vec::T;
   V c0[R], c1[R];
@@ -258,32 +278,40 @@ static void block_rows_panel(const float* __restrict__ x, int64_t ldx,
       c1[r] = Vec::fma(b, w1, c1[r]);
     }
   }
+  const int64_t ldy = o.ldy;
   if (cols == kWPanel) {
     V b0 = Vec::zero(), b1 = b0;
-    if (bias != nullptr) b0 = Vec::load(bias), b1 = Vec::load(bias + W);
+    if (o.bias != nullptr) b0 = Vec::load(o.bias), b1 = Vec::load(o.bias_hi);
+    if (o.silu_mul) {  // as silu_and_mul (cpu_fused.cpp) computes it: the same values
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r)
+        Vec::store(o.y + r * ldy,
+                   Vec::mul(kvray::silu<Vec>(Vec::add(c0[r], b0)), Vec::add(c1[r], b1)));
+      return;
+    }
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      Vec::store(y + r * ldy, Vec::add(c0[r], b0));
-      Vec::store(y + r * ldy + W, Vec::add(c1[r], b1));
+      Vec::store(o.y + r * ldy, Vec::add(c0[r], b0));
+      Vec::store(o.y_hi + r * ldy, Vec::add(c1[r], b1));
     }
     return;
   }
-  alignas(64) float out[kWPanel];  // the last panel of a weight: only its `cols` outputs
+  alignas(64) float out[kWPanel];  // the last panel of a plain weight: its `cols` outputs
   for (int r = 0; r < R; ++r) {
     Vec::store(out, c0[r]);
     Vec::store(out + W, c1[r]);
-    for (int64_t j = 0; j < cols; ++j) y[r * ldy + j] = out[j] + (bias ? bias[j] : 0.f);
+    for (int64_t j = 0; j < cols; ++j) o.y[r * ldy + j] = out[j] + (o.bias ? o.bias[j] : 0.f);
   }
 }
 
 // block_rows_panel for `rows` (1..kXRows) rows.
 template <bool prefetch>
 static void block_rows_any(int64_t rows, const float* x, int64_t ldx, const float* wp,
-                           int64_t K, const float* bias, float* y, int64_t ldy,
-                           int64_t cols, const char* pf, int64_t pf_lines) {
-#define KVRAY_ROWS(n)                                                                    \
-  case n:                                                                                \
-    block_rows_panel<n, prefetch>(x, ldx, wp, K, bias, y, ldy, cols, pf, pf_lines); \
+                           int64_t K, const PanelOut& o, int64_t cols, const char* pf,
+                           int64_t pf_lines) {
+#define KVRAY_ROWS(n)                                                      \
+  case n:                                                                  \
+    block_rows_panel<n, prefetch>(x, ldx, wp, K, o, cols, pf, pf_lines);  \
     break;
   switch (rows) {
     KVRAY_ROWS(1) KVRAY_ROWS(2) KVRAY_ROWS(3) KVRAY_ROWS(4) KVRAY_ROWS(5)
@@ -305,7 +333,11 @@ constexpr int64_t kTilePanels = 3;
 // stay in L2) x kTilePanels panels, taken by the threads one at a time; within a tile,
 // panel by panel, row blocks of kXRows (the last two split evenly: no block of a few rows).
 static void linear_fp32(const float* x, int64_t ldx, const float* w, const float* packed,
-                        const float* bias, float* y, int64_t M, int64_t K, int64_t N) {
+                        const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+                        GateUp gate_up = GateUp::kNo) {
+  const bool paired = gate_up != GateUp::kNo;
+  const bool silu_mul = gate_up == GateUp::kSiluMul;
+  const int64_t ldy = silu_mul ? N / 2 : N;
   const int64_t tile_rows = std::max<int64_t>(
       kXRows, std::min<int64_t>(kTileRows, 196608 / std::max<int64_t>(K, 1) / kXRows * kXRows));
   const int64_t panels = num_panels(N);
@@ -321,9 +353,12 @@ static void linear_fp32(const float* x, int64_t ldx, const float* w, const float
       for (int64_t q = q0; q < q1; ++q) {
         const float* wp = buf.data();
         if (packed != nullptr) wp = packed + q * kWPanel * K;
-        else pack_w_panel(w, N, K, q, buf.data());
+        else pack_w_panel(w, N, K, q, buf.data(), paired);
         const int64_t n = q * kWPanel, cols = std::min<int64_t>(kWPanel, N - n);
-        const float* bn = bias ? bias + n : nullptr;
+        // The panel's columns: [n, n + kWPanel) of a plain weight; of a paired one
+        // [q * W, (q + 1) * W) and the same columns of the up half.
+        const int64_t lo = paired ? q * Vec::kWidth : n;
+        const int64_t hi = paired ? N / 2 + lo : n + Vec::kWidth;
         // A panel packed once comes from memory: the first row block prefetches it ahead,
         // the others share the prefetching of the next panel.
         const int64_t blocks = (m1 - m0 + kXRows - 1) / kXRows;
@@ -338,11 +373,12 @@ static void linear_fp32(const float* x, int64_t ldx, const float* w, const float
           const int64_t lines =
               i == 0 ? 0 : std::max<int64_t>(0, std::min(share, panel_lines - first));
           const char* pf = lines > 0 ? next + 64 * first : nullptr;
-          float* yb = y + m * N + n;
+          const PanelOut o{y + m * ldy + lo, y + m * ldy + hi, ldy,
+                           bias ? bias + lo : nullptr, bias ? bias + hi : nullptr, silu_mul};
           if (packed != nullptr && i == 0)
-            block_rows_any<true>(rows, x + m * ldx, ldx, wp, K, bn, yb, N, cols, pf, lines);
+            block_rows_any<true>(rows, x + m * ldx, ldx, wp, K, o, cols, pf, lines);
           else
-            block_rows_any<false>(rows, x + m * ldx, ldx, wp, K, bn, yb, N, cols, pf, lines);
+            block_rows_any<false>(rows, x + m * ldx, ldx, wp, K, o, cols, pf, lines);
           m += rows;
         }
       }
@@ -400,45 +436,75 @@ at::Tensor linear_tiled(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
   return y;
 }
 
-at::Tensor pack_linear_weight(at::Tensor w) {
+static at::Tensor pack_weight(const at::Tensor& w, bool paired, const char* name) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
-              "pack_linear_weight: an fp32 CPU weight [N, K] expected");
+              name, ": an fp32 CPU weight [N, K] expected");
   const at::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1);
+  TORCH_CHECK(!paired || N % kWPanel == 0, name, ": N (", N,
+              ") must be a whole number of panels: twice ", kWPanel / 2, " x a count");
   auto out = at::empty({packed_linear_numel(N, K)}, wc.options());
   const float* src = wc.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, num_panels(N), 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) pack_w_panel(src, N, K, p, dst + p * kWPanel * K);
+    for (int64_t p = p0; p < p1; ++p)
+      pack_w_panel(src, N, K, p, dst + p * kWPanel * K, paired);
   });
   return out;
 }
 
-at::Tensor linear_packed(at::Tensor x, at::Tensor packed, int64_t N,
-                         c10::optional<at::Tensor> bias) {
+at::Tensor pack_linear_weight(at::Tensor w) {
+  return pack_weight(w, false, "pack_linear_weight");
+}
+
+at::Tensor pack_gate_up_weight(at::Tensor w) {
+  return pack_weight(w, true, "pack_gate_up_weight");
+}
+
+static at::Tensor packed_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                                const c10::optional<at::Tensor>& bias, int gate_up,
+                                const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "linear_packed: fp32 CPU x [M, K] expected");
+              name, ": fp32 CPU x [M, K] expected");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kFloat &&
                   packed.is_contiguous() && N > 0 && packed.numel() == packed_linear_numel(N, K),
-              "linear_packed: the packed weight does not hold ", N, " x ", K, " floats");
+              name, ": the packed weight does not hold ", N, " x ", K, " floats");
+  TORCH_CHECK(gate_up == 0 || N % kWPanel == 0, name, ": N (", N,
+              ") is not a paired gate_up weight's");
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == N &&
                             bias->scalar_type() == at::kFloat),
-              "linear_packed: fp32 bias [N] expected");
-  auto y = at::empty({M, N}, x.options());
+              name, ": fp32 bias [N] expected");
+  const bool silu_mul = gate_up == 2;
+  auto y = at::empty({M, silu_mul ? N / 2 : N}, x.options());
 #ifdef __AVX2__
   if (M > 0 && K > 0) {
     const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
     const at::Tensor bc = has_bias ? bias->contiguous() : at::Tensor();
+    const GateUp mode = gate_up == 0 ? GateUp::kNo : silu_mul ? GateUp::kSiluMul : GateUp::kPlain;
     linear_fp32(xc.data_ptr<float>(), xc.stride(0), nullptr, packed.data_ptr<float>(),
-                has_bias ? bc.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N);
+                has_bias ? bc.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N, mode);
   } else {
     y.zero_();
-    if (has_bias && M > 0) y.add_(*bias);
+    if (has_bias && M > 0 && !silu_mul) y.add_(*bias);
+    if (has_bias && M > 0 && silu_mul) {
+      const at::Tensor g = bias->slice(0, 0, N / 2), u = bias->slice(0, N / 2, N);
+      y.copy_((at::silu(g) * u).expand({M, N / 2}));
+    }
   }
 #else
-  TORCH_CHECK(false, "linear_packed: this build has no AVX2 kernels");
+  TORCH_CHECK(false, name, ": this build has no AVX2 kernels");
 #endif
   return y;
+}
+
+at::Tensor linear_packed(at::Tensor x, at::Tensor packed, int64_t N,
+                         c10::optional<at::Tensor> bias) {
+  return packed_matmul(x, packed, N, bias, 0, "linear_packed");
+}
+
+at::Tensor linear_packed_gate_up(at::Tensor x, at::Tensor packed, int64_t N,
+                                 c10::optional<at::Tensor> bias, bool silu_mul) {
+  return packed_matmul(x, packed, N, bias, silu_mul ? 2 : 1, "linear_packed_gate_up");
 }

@@ -62,6 +62,15 @@ at::Tensor pack_linear_weight(at::Tensor w);
 at::Tensor linear_packed(at::Tensor x, at::Tensor packed, int64_t N,
                          c10::optional<at::Tensor> bias);
 
+// A gate_up weight [2I, K] (gate rows, then up rows) packed for linear_packed_gate_up:
+// each panel a vector of gate rows and the same rows of up (I a multiple of the lanes).
+at::Tensor pack_gate_up_weight(at::Tensor w);
+
+// x [M, K] against a weight packed by pack_gate_up_weight (N = 2I): x w^T (+ bias) in the
+// plain order [M, 2I], or with silu_mul the MLP's activation silu(gate) * up [M, I].
+at::Tensor linear_packed_gate_up(at::Tensor x, at::Tensor packed, int64_t N,
+                                 c10::optional<at::Tensor> bias, bool silu_mul);
+
 // fp32 lanes of the vector kernels this build runs: 16 (AVX-512), 8 (AVX2) or 1 (none).
 int64_t vector_lanes();
 

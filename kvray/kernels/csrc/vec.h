@@ -161,6 +161,16 @@ using Vec = Vec16;
 using Vec = Vec8;
 #endif
 
+// silu(g) = g * sigmoid(g), sigmoid from t = e^-|g| in (0, 1]: 1 / (1 + t) for g >= 0,
+// t / (1 + t) below. Nothing overflows, which matters: under -ffast-math the compiler may
+// turn the division into a reciprocal estimate and a Newton step, which makes NaN of 1 / inf.
+// One function for silu_and_mul and the GEMM's fused epilogue: the same values from both.
+template <typename V>
+inline typename V::T silu(typename V::T g) {
+  const typename V::T one = V::set1(1.f), t = V::exp(V::neg_abs(g));
+  return V::mul(g, V::div(V::select_negative(g, t, one), V::add(one, t)));
+}
+
 // v as a T would hold it: rounded to bf16 for bf16, unchanged for fp32.
 template <typename V, typename T>
 inline typename V::T as_stored(typename V::T v) {
