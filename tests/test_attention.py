@@ -300,3 +300,21 @@ def test_mixed_step_takes_both_cpu_kernels_and_equals_the_reference(cpu_kernels)
         max_query_len=30, prefill_kernel=cpu_kernels.paged_prefill)
     got = paged_attention(q[3:], cache, prefill_meta, D ** -0.5)
     assert torch.allclose(got, want[3:], atol=1e-5)
+
+
+def test_cpu_prefill_with_a_window_past_the_kernels_float_range_uses_the_reference(
+        cpu_kernels, monkeypatch):
+    """The kernel compares row-to-key distances as floats (exact below 2^22): a wider window
+    goes through the reference path, with the same result as no window here."""
+    from kvray.kernels import attention
+
+    cache, q, tables, lens, starts = _prefill_case(64, 16, 3, torch.float32, [20], [5], seed=9)
+    calls = []
+    reference = attention.prefill_reference
+    monkeypatch.setattr(attention, "prefill_reference",
+                        lambda *a: calls.append(1) or reference(*a))
+    got = cpu_kernels.paged_prefill(q, cache, tables, lens, starts, 20, 0.125, 1 << 22)
+    assert calls == [1]
+    torch.testing.assert_close(got, cpu_kernels.paged_prefill(q, cache, tables, lens, starts,
+                                                              20, 0.125, None))
+    assert calls == [1]

@@ -134,7 +134,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     one sequence at a time."""
     ext = load_ops()
     assert ext is not None, "call load_ops() first and check it is available"
-    if ext.paged_prefill_supported(q, kv_cache):
+    # (windows of 2^22 tokens or more: the kernel compares distances as floats)
+    if ext.paged_prefill_supported(q, kv_cache) and (sliding_window or 0) < 1 << 22:
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # other strides: a view of qkv
             q = q.contiguous()
         return ext.paged_prefill(q, kv_cache, block_tables.contiguous(),

@@ -37,7 +37,8 @@ constexpr int kPvRows = 6;
 // Scores of masked-out keys, and the running max before any key: finite (the build uses
 // -ffast-math, which assumes no infinities); their probabilities are zeroed explicitly.
 constexpr float kMasked = -1e30f;
-// Row-to-key distances are compared as floats, clamped to +-kFar (exact as floats).
+// Row-to-key distances are compared as floats, clamped to +-kFar (x.5 exact as floats);
+// windows of kFar or more go through the reference path (cpu_ops.paged_prefill).
 constexpr int64_t kFar = 1 << 22;
 
 // e^x for softmax, x <= 0: inputs below -87 give e^-87 (~1.6e-38, the smallest that is not
@@ -79,7 +80,8 @@ inline void accumulate_rows(const float* __restrict__ p, int64_t r0, const float
   for (int r = 0; r < R; ++r) {
     const Vec::T a = Vec::set1(alpha[r0 + r]);
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = Vec::mul(Vec::load(o + (r0 + r) * D + d0 + v * kW), a);
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = Vec::mul(Vec::load(o + (r0 + r) * D + d0 + v * kW), a);
   }
   for (int64_t j = 0; j < n; ++j) {
     Vec::T x[NV];
@@ -134,7 +136,8 @@ inline void accumulate(const float* p, int64_t rows, const float* const* vals, i
 inline void score_block(const float* qt, const float* const* keys, int64_t n, int64_t D,
                         float* s) {
   int64_t j = 0;
-  for (; j + kKeyGroup <= n; j += kKeyGroup) score_keys<kKeyGroup>(qt, keys + j, D, s + j * kTileRows);
+  for (; j + kKeyGroup <= n; j += kKeyGroup)
+    score_keys<kKeyGroup>(qt, keys + j, D, s + j * kTileRows);
   for (; j < n; ++j) score_keys<1>(qt, keys + j, D, s + j * kTileRows);
 }
 
@@ -172,7 +175,7 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& t
   const float fscale = static_cast<float>(scale);
   parallel_dynamic(items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qt(D * kTileRows), s(BS * kTileRows), o(kTileRows * D);
-    std::vector<float> m(kTileRows), l(kTileRows), alpha(kTileRows), m_new(kTileRows);
+    std::vector<float> m(kTileRows), l(kTileRows), alpha(kTileRows);
     std::vector<float> kbuf, vbuf;
     if constexpr (!std::is_same_v<T, float>) kbuf.resize(BS * D), vbuf.resize(BS * D);
     std::vector<const float*> keys(BS), vals(BS);
@@ -200,15 +203,17 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& t
       for (int64_t blk = first_key / BS; blk * BS <= p_last; ++blk) {
         const int64_t k0 = blk * BS, n_t = std::min(BS, p_last + 1 - k0);
         const int64_t phys = tp[b * max_blocks + blk];
-        const float* kb = block_as_float(kp + ((h * NB + phys) * BS) * D, n_t, D, kbuf.data());
-        const float* vb = block_as_float(vp + ((h * NB + phys) * BS) * D, n_t, D, vbuf.data());
+        const int64_t at = ((h * NB + phys) * BS) * D;
+        const float* kb = block_as_float(kp + at, n_t, D, kbuf.data());
+        const float* vb = block_as_float(vp + at, n_t, D, vbuf.data());
         for (int64_t j = 0; j < n_t; ++j) keys[j] = kb + j * D, vals[j] = vb + j * D;
         score_block(qt.data(), keys.data(), n_t, D, s.data());
         // Keys past a row's position, or a window's width or more before it, are masked:
         // dist = row position - key position, lane r of vector v holding row v * kW + r.
         if (k0 + n_t - 1 > p0 || (window > 0 && p_last - k0 >= window)) {
           for (int64_t j = 0; j < n_t; ++j) {
-            const float base = static_cast<float>(std::clamp<int64_t>(p0 - k0 - j, -kFar, kFar));
+            const float base =
+                static_cast<float>(std::clamp<int64_t>(p0 - k0 - j, -kFar, kFar));
             for (int64_t r = 0; r < kTileRows; r += kW) {
               float* sj = s.data() + j * kTileRows + r;
               const Vec::T dist = Vec::add(Vec::load(iota.data() + r), Vec::set1(base));
@@ -220,7 +225,8 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& t
         }
         for (int64_t r = 0; r < kTileRows; r += kW) {
           Vec::T mx = Vec::load(m.data() + r);
-          for (int64_t j = 0; j < n_t; ++j) mx = Vec::max(mx, Vec::load(s.data() + j * kTileRows + r));
+          for (int64_t j = 0; j < n_t; ++j)
+            mx = Vec::max(mx, Vec::load(s.data() + j * kTileRows + r));
           Vec::store(alpha.data() + r, softmax_exp(Vec::sub(Vec::load(m.data() + r), mx)));
           Vec::store(m.data() + r, mx);
           Vec::T sum = Vec::zero();
