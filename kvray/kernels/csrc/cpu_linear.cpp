@@ -222,15 +222,6 @@ constexpr int kXRows = Vec::kWidth == 16 ? 12 : 5;
 // 64-68 ms, 1 KiB 58, 4 KiB 55-57: without it the block waits on DRAM.
 constexpr int64_t kPackedPrefetchBytes = 4096;
 
-// y[r, 0:cols] = sum_k x[r, k] * panel[k, 0:cols] (+ bias) for R rows of x (row stride
-// ldx); the accumulator arrays are indexed by unrolled constants, so they stay in
-// registers (checked in the disassembly: no stack traffic in the k loop). With `prefetch`
-// the panel comes from memory and is prefetched kPackedPrefetchBytes ahead; `pf_lines`
-// cache lines from `pf` (a share of the next panel) are prefetched into L2 evenly over K,
-// so that later row blocks overlap the next panel's DRAM reads with arithmetic: at most
-// one line per k, so a share longer than K is cut short (a tile of two row blocks
-// prefetches half the next panel; prefetching all of it, two lines per k, was 1.05-1.14x
-// slower at 24 rows).
 // A gate_up weight packed paired (pack_w_panel): its outputs in the plain order, or
 // silu(gate) * up (the MLP's activation, fused: half the outputs written, no second pass).
 enum class GateUp { kNo, kPlain, kSiluMul };
@@ -247,6 +238,15 @@ struct PanelOut {
   bool silu_mul;
 };
 
+// sum_k x[r, k] * panel[k, 0:cols] (+ bias) for R rows of x (row stride ldx), stored as
+// `o` says; the accumulator arrays are indexed by unrolled constants, so they stay in
+// registers (checked in the disassembly: no stack traffic in the k loop). With `prefetch`
+// the panel comes from memory and is prefetched kPackedPrefetchBytes ahead; `pf_lines`
+// cache lines from `pf` (a share of the next panel) are prefetched into L2 evenly over K,
+// so that later row blocks overlap the next panel's DRAM reads with arithmetic: at most
+// one line per k, so a share longer than K is cut short (a tile of two row blocks
+// prefetches half the next panel; prefetching all of it, two lines per k, was 1.05-1.14x
+// slower at 24 rows).
 template <int R, bool prefetch>
 static void block_rows_panel(const float* __restrict__ x, int64_t ldx,
                              const float* __restrict__ wp, int64_t K, const PanelOut& o,
