@@ -143,9 +143,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Attend each new token to its sequence's cached context. Decode rows (one token each)
     go through the decode kernel, or batched, vectorised calls over a few length buckets;
-    prefill chunks through the prefill kernel, or one sequence at a time."""
+    prefill chunks through the prefill kernel, or the reference one sequence at a time."""
     nd = meta.num_decodes
-    prefill_kernel = meta.prefill_kernel if nd < len(meta.seq_lens_list) else None
+    prefill_kernel = None
+    if nd < len(meta.seq_lens_list):
+        prefill_kernel = meta.prefill_kernel or prefill_reference
 
     def prefill_rows() -> torch.Tensor:
         qsl = meta.query_start_loc[nd:]
@@ -167,20 +169,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
                            meta.seq_lens_list[s], scale, sliding_window)
     if prefill_kernel is not None:
         out[int(meta.query_start_loc[nd]):] = prefill_rows()
-        return out
-    starts = meta.query_start_loc.tolist() if nd < len(meta.seq_lens_list) else []
-    for b in range(nd, len(meta.seq_lens_list)):
-        s, e = starts[b], starts[b + 1]
-        out[s:e] = _prefill_one(q[s:e], kv_cache, meta.block_tables[b], meta.seq_lens_list[b],
-                                scale, sliding_window)
     return out
 
 
 def prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      max_query_len: int, scale: float,
                       sliding_window: int | None) -> torch.Tensor:
-    """The PyTorch reference of a ``prefill_kernel`` (same arguments, less
-    ``max_query_len``): each sequence's new tokens through SDPA over its gathered K/V."""
+    """The PyTorch reference ``prefill_kernel`` (what runs where none is set): each
+    sequence's new tokens through SDPA over its gathered K/V (``max_query_len`` unused)."""
     out = torch.empty_like(q)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for b, seq_len in enumerate(lens):

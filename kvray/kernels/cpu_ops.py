@@ -143,8 +143,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
                                  float(scale), sliding_window or -1)
     from kvray.kernels.attention import prefill_reference
 
-    return prefill_reference(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                             sliding_window)
+    return prefill_reference(q, kv_cache, block_tables, seq_lens, query_start_loc,
+                             max_query_len, scale, sliding_window)
 
 
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
