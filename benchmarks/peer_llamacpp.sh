@@ -6,14 +6,14 @@
 # on 2 cores, once: the build is kept under $PEER_DIR), converts the built-in model to a
 # GGUF with llama.cpp's own converter, in the precision kvray runs (float32 on a CPU without
 # native bf16; set GGUF_TYPE=bf16 to give llama-server kvray's bf16 decode weights), starts
-# it with one slot per concurrent request and runs the benchmark against both of kvray's
-# front ends (`kvray serve --ingress process`, then the Ray Serve one), each started afresh
-# for each load.
+# it with one slot per concurrent request and runs the benchmark against each of kvray's
+# front ends (`kvray serve --ingress process`, `--ingress replica`, then the default Ray Serve
+# graph), each started afresh for each load.
 #
 # Usage: benchmarks/peer_llamacpp.sh [extra serve.py flags, e.g. --num-requests 32]
 # Env:   PEER_DIR (default ~/.cache/kvray/peer), GGUF_TYPE (f32|bf16|f16, default f32),
 #        THREADS (default: the cores this process may use), PYTHON (default .venv/bin/python),
-#        KVRAY_INGRESS (default process,serve: serve.py's --ingress)
+#        KVRAY_INGRESS (default process,replica,serve: serve.py's --ingress)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -75,5 +75,5 @@ done
 # 5. the servers, back to back
 cd "$ROOT"
 "$PYTHON" benchmarks/serve.py --peer "http://127.0.0.1:$PORT" \
-    --ingress "${KVRAY_INGRESS:-process,serve}" \
+    --ingress "${KVRAY_INGRESS:-process,replica,serve}" \
     --peer-name "llama-server ($GGUF_TYPE GGUF, -np $SLOTS -t $THREADS)" "$@"

@@ -6,8 +6,9 @@ each load, stops the server, then runs the same workload through the offline `LL
 compare throughput (target: server >= 0.85x offline). Both run the dtype kvray's `auto`
 picks for this CPU (bf16 only where it is native, else fp32) unless `--dtype` says otherwise.
 
-`--ingress serve,process` runs each of kvray's front ends in turn (Ray Serve's, and
-`kvray serve --ingress process`: the OpenAI app and the engine in one process).
+`--ingress serve,replica,process` runs each of kvray's front ends in turn (Ray Serve's,
+Ray Serve's with the app inside the model replica, and `kvray serve --ingress process`: the
+OpenAI app and the engine in one process).
 
 Peer mode (`--peer URL`): the same requests, at each `--concurrency`, against kvray (a fresh
 server per front end and load) and then against any other OpenAI-compatible server (e.g.
@@ -23,7 +24,7 @@ a 2-core Xeon: 176 instead of 124 output tok/s).
 Usage:
     python benchmarks/serve.py [--rates 1,2,4,inf] [--concurrency N[,N...]] [--num-requests 64]
         [--base-url http://127.0.0.1:8000] [--skip-offline] [--dtype D]
-        [--prompt-len 32,256] [--output-len 32,128] [--ingress serve,process]
+        [--prompt-len 32,256] [--output-len 32,128] [--ingress serve,replica,process]
     python benchmarks/serve.py --peer http://127.0.0.1:8080 [--peer-name NAME]
         (defaults then: --concurrency 1,8,16, prompts 64..256, outputs 64..128, no rates)
 """
@@ -278,7 +279,8 @@ def main() -> None:
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--ingress", default="serve",
                     help="the kvray front ends to launch, comma-separated: serve (Ray Serve, "
-                    "the default) and/or process (`kvray serve --ingress process`); each "
+                    "the default), replica (`--ingress replica`) and/or process (`kvray "
+                    "serve --ingress process`); each "
                     "gets a fresh server per load in peer mode")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
                     default="auto", help="dtype of the launched server and the offline run "
@@ -295,8 +297,8 @@ def main() -> None:
 
     dtype = benchmark_dtype(args.dtype)  # what both sides run on this CPU
     ingresses = [i for i in args.ingress.split(",") if i]
-    if not ingresses or set(ingresses) - {"serve", "process"}:
-        ap.error(f"--ingress {args.ingress!r}: serve and/or process")
+    if not ingresses or set(ingresses) - {"serve", "replica", "process"}:
+        ap.error(f"--ingress {args.ingress!r}: serve, replica and/or process")
 
     def loads(base: str, label: str, concs: list[int], load_rates: list[str]) -> list[dict]:
         return run_loads(base, args.num_requests, load_rates, concs, args.seed, prompt_len,

@@ -144,10 +144,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               "reach this address can use the model. Set KVRAY_API_KEY or --api-key-file "
               "(see docs/security.md).", file=sys.stderr, flush=True)
     world = config.parallel.world_size
+    if args.ingress in ("process", "replica") and args.num_replicas != 1:
+        raise ConfigError(f"--num-replicas {args.num_replicas}: --ingress {args.ingress} "
+                          "serves one replica; use --ingress serve for data parallelism")
     if args.ingress == "process":
-        if args.num_replicas != 1:
-            raise ConfigError(f"--num-replicas {args.num_replicas}: --ingress process serves "
-                              "one replica; use --ingress serve for data parallelism")
         return _serve_in_process(args, config, model_path, name, api_key)
     from ray import serve  # (only here: the in-process front end needs no Ray Serve)
 
@@ -157,7 +157,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                          log_to_driver=True)
     flat = {k: v for k, v in config.to_flat().items() if v is not None}
     flat["model"] = str(model_path)
-    app_args = {**flat, "num_replicas": args.num_replicas, "api_key": api_key}
+    app_args = {**flat, "num_replicas": args.num_replicas, "api_key": api_key,
+                "ingress": "replica" if args.ingress == "replica" else "separate"}
 
     def on_sigterm(signum, frame):
         signal.alarm(0)

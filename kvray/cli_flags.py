@@ -55,9 +55,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read the API key from the first line of FILE")
     parser.add_argument("--num-replicas", type=_positive_int, default=1,
                         help="model replicas (data parallelism)")
-    parser.add_argument("--ingress", choices=("serve", "process"), default="serve",
+    parser.add_argument("--ingress", choices=("serve", "replica", "process"), default="serve",
                         help="serve (default): Ray Serve (HTTP proxy -> OpenAI ingress -> model "
-                             "replicas; --num-replicas, autoscaling, KubeRay); process: the "
+                             "replicas; --num-replicas, autoscaling, KubeRay); replica: Ray "
+                             "Serve with the OpenAI app inside the one model replica (one Ray "
+                             "hop per token fewer; a killed replica cuts its streams); "
+                             "process: the "
                              "OpenAI app and the engine core in this process (uvicorn), Ray "
                              "only for TP x PP workers: one replica, no Ray hop per token "
                              "(the faster choice for one replica on a small host)")

@@ -117,9 +117,10 @@ def test_server_limits_are_flags_and_bad_values_name_the_field(capsys):
     assert rc == 2 and "max_stop" in capsys.readouterr().err
 
 
-def test_the_in_process_front_end_refuses_several_replicas_before_starting_anything(
-        capsys):
-    rc = main(["serve", "--ingress", "process", "--num-replicas", "2"])
+@pytest.mark.parametrize("ingress", ["process", "replica"])
+def test_the_single_replica_front_ends_refuse_several_replicas_before_starting_anything(
+        capsys, ingress):
+    rc = main(["serve", "--ingress", ingress, "--num-replicas", "2"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "--num-replicas 2" in err and "--ingress serve" in err

@@ -1,7 +1,7 @@
 """`kvray serve` on a real local Ray cluster (loopback), exercised with the official `openai`
 client and raw HTTP: completions and chat, streaming, n, logprobs, stops, seeds, usage,
 concurrency, client disconnects, metrics and every error case — through both front ends
-(Ray Serve's, and ``--ingress process``)."""
+(Ray Serve's, ``--ingress replica`` and ``--ingress process``)."""
 
 from __future__ import annotations
 
@@ -77,11 +77,12 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 60) -> None:
         proc.kill()
 
 
-@pytest.fixture(scope="module", params=["serve", "process"])
+@pytest.fixture(scope="module", params=["serve", "replica", "process"])
 def server(request, model_dir):
-    """The server, once per front end: Ray Serve's (proxy -> ingress -> engine replica) and
+    """The server, once per front end: Ray Serve's (proxy -> ingress -> engine replica),
+    ``--ingress replica`` (proxy -> the engine replica serving the app itself) and
     ``--ingress process`` (the OpenAI app and the engine in one process): every test of
-    the API below holds for both."""
+    the API below holds for all three."""
     with launch_server(model_dir, ["--ingress", request.param]) as base:
         yield base
 

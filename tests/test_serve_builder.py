@@ -43,7 +43,8 @@ def test_shipped_serve_configs_pass_rays_schema_and_kvrays_config(path):
     for app in schema.applications:
         assert app.import_path == "kvray.serve:build_app"
         args = {k: v for k, v in app.args.items()
-                if k not in ("config", "num_replicas", "name", "api_key", "api_key_file")}
+                if k not in ("config", "num_replicas", "name", "api_key", "api_key_file",
+                             "ingress")}
         from kvray.config import load_config
 
         load_config(None, **args)  # every model key valid
@@ -56,6 +57,8 @@ def test_shipped_serve_configs_pass_rays_schema_and_kvrays_config(path):
     ({"num_replicas": 0}, "num_replicas"),
     ({"num_replicas": "two"}, "num_replicas"),
     ({"use_gpu": "maybe"}, "use_gpu"),
+    ({"ingress": "proxy"}, "ingress = 'proxy'.*separate, replica"),
+    ({"ingress": "replica", "num_replicas": 2}, "ingress = 'replica'.*num_replicas = 2"),
     ({"model": "/nonexistent/model"}, "does not exist"),
     ({"config": "/nonexistent.yaml"}, "config file not found"),
 ])

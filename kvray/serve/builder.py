@@ -11,6 +11,10 @@ and validated like the YAML file), plus:
 - ``config``: a flat model YAML on the machine that builds the app; keys given beside it
   override it;
 - ``num_replicas``: model replicas (data parallelism), default 1;
+- ``ingress``: ``separate`` (default: an OpenAI ingress deployment in front of the model
+  replicas; it outlives a killed replica and ends its streams with an error event) or
+  ``replica`` (one model replica that serves the HTTP API itself: one Ray hop per streamed
+  token fewer, ~1.2x the output rate at 16 streams on 2 cores);
 - ``name``: the Serve application's name (default ``kvray``; names its stats actor);
 - ``use_gpu``: reserve a GPU per worker (true/false); default: whether the cluster has
   GPUs when the app is built — say it when GPU nodes may join later (KubeRay, autoscaling);
@@ -26,7 +30,8 @@ from typing import Any
 
 from kvray.config import ConfigError, EngineConfig, load_config
 
-SERVE_ARGS = ("config", "num_replicas", "name", "api_key", "api_key_file", "use_gpu")
+SERVE_ARGS = ("config", "num_replicas", "name", "api_key", "api_key_file", "use_gpu",
+              "ingress")
 
 
 def served_model_name(config: EngineConfig, model_path: str | Path) -> str:
@@ -41,6 +46,7 @@ def build_app(args: dict[str, Any] | None = None):
     """The Serve application for one model, from flat ``args`` (see the module doc);
     raises :class:`~kvray.config.ConfigError` naming a bad key or value."""
     from kvray.default_model import resolve_model_path
+    from kvray.serve.deployment import INGRESS_KINDS
     from kvray.serve.deployment import build_app as build_graph
 
     args = dict(args or {})
@@ -51,6 +57,12 @@ def build_app(args: dict[str, Any] | None = None):
         raise ConfigError("num_replicas must be a positive integer") from None
     if num_replicas < 1:
         raise ConfigError(f"num_replicas = {num_replicas}: must be >= 1")
+    ingress = str(args.pop("ingress", "separate"))
+    if ingress not in INGRESS_KINDS:
+        raise ConfigError(f"ingress = {ingress!r}: must be one of {', '.join(INGRESS_KINDS)}")
+    if ingress == "replica" and num_replicas != 1:
+        raise ConfigError(f"ingress = 'replica' serves one model replica (num_replicas = "
+                          f"{num_replicas}); use ingress = 'separate' for data parallelism")
     name = str(args.pop("name", "kvray"))
     api_key = args.pop("api_key", None) or None
     api_key_file = args.pop("api_key_file", None) or None
@@ -67,4 +79,4 @@ def build_app(args: dict[str, Any] | None = None):
     flat["model"] = str(model_path)
     return build_graph(flat, str(model_path), served_model_name(config, model_path),
                        api_key, num_replicas, app_name=name, api_key_file=api_key_file,
-                       use_gpu=use_gpu)
+                       use_gpu=use_gpu, ingress=ingress)

@@ -5,6 +5,12 @@ PP workers in their own placement group) and stream per-request outputs back. Mo
 replicas = data parallelism; Serve routes between them. ``OpenAIIngress`` serves the HTTP
 API. Replicas publish engine stats to a small named actor so that one ``/metrics`` scrape
 sees every replica.
+
+``ingress="replica"`` (one model replica) deploys the OpenAI app inside the model replica
+instead (``LLMServerIngress``, still named ``LLMServer``): Serve's proxy hands HTTP straight
+to the process that runs the engine, one Ray hop per streamed token fewer. The price is
+isolation: a killed replica process takes its open streams with it (the proxy cuts them),
+where the separate ingress would end them with an error event.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from typing import Any
 
 from fastapi import FastAPI
@@ -29,6 +36,7 @@ STATS_PERIOD_S = 0.5
 STATS_NAMESPACE = "kvray"
 HEALTH_TIMEOUT_S = 5.0
 INGRESS_QUEUE = 8192  # requests Serve's proxy may queue for the ingress (see build_app)
+INGRESS_KINDS = ("separate", "replica")
 
 
 def _stats_board(name: str):
@@ -54,6 +62,50 @@ def _stats_board(name: str):
                               lifetime="detached", max_restarts=-1).remote()
 
 
+def _start_engine(engine_config: dict):
+    """The replica's engine core (``AsyncLLM``), torch's threads set for an in-replica
+    engine (Ray starts actors with OMP_NUM_THREADS=1)."""
+    import torch
+
+    from kvray.engine.async_engine import AsyncLLM
+    from kvray.hardware import available_cores
+
+    config = config_from_flat(engine_config)
+    if config.parallel.world_size == 1 and not torch.cuda.is_available():
+        torch.set_num_threads(available_cores())
+    return AsyncLLM(config)
+
+
+def _replica_name() -> str:
+    replica_id = getattr(serve.get_replica_context(), "replica_id", None)
+    return getattr(replica_id, "unique_id", None) or uuid.uuid4().hex[:8]
+
+
+async def _report_stats(engine, replica: str, board_name: str) -> None:
+    """Publish the engine's stats to the board every STATS_PERIOD_S, forever."""
+    board = _stats_board(board_name)
+    while True:
+        try:
+            await board.report.remote(replica, vars(engine.stats()).copy())
+        except Exception:  # the board died: look it up (or start it) again
+            with contextlib.suppress(Exception):
+                board = _stats_board(board_name)
+        await asyncio.sleep(STATS_PERIOD_S)
+
+
+def _api_key(api_key: str | None, api_key_file: str | None) -> str | None:
+    """The key given, else the first line of ``api_key_file`` (read in the replica: the
+    Secret is mounted there), else ``KVRAY_API_KEY`` in the replica's environment."""
+    import os
+    from pathlib import Path
+
+    if api_key is None and api_key_file:
+        api_key = Path(api_key_file).read_text().strip().splitlines()[0].strip()
+    if api_key is None:
+        api_key = os.environ.get("KVRAY_API_KEY") or None
+    return api_key
+
+
 @serve.deployment(max_ongoing_requests=1024, health_check_period_s=5,
                   health_check_timeout_s=30)
 class LLMServer:
@@ -61,30 +113,9 @@ class LLMServer:
     every few seconds and replaces a replica whose engine loop died or is wedged."""
 
     async def __init__(self, engine_config: dict, board_name: str) -> None:
-        import torch
-
-        from kvray.engine.async_engine import AsyncLLM
-        from kvray.hardware import available_cores
-
-        config = config_from_flat(engine_config)
-        if config.parallel.world_size == 1 and not torch.cuda.is_available():
-            # The engine runs in this replica; Ray starts actors with OMP_NUM_THREADS=1.
-            torch.set_num_threads(available_cores())
-        self.engine = AsyncLLM(config)
-        replica_id = getattr(serve.get_replica_context(), "replica_id", None)
-        self.replica = getattr(replica_id, "unique_id", None) or str(id(self))
-        self.board_name = board_name
-        self.board = _stats_board(board_name)
-        self._reporter = asyncio.create_task(self._report_stats())
-
-    async def _report_stats(self) -> None:
-        while True:
-            try:
-                await self.board.report.remote(self.replica, vars(self.engine.stats()).copy())
-            except Exception:  # the board died: look it up (or start it) again
-                with contextlib.suppress(Exception):
-                    self.board = _stats_board(self.board_name)
-            await asyncio.sleep(STATS_PERIOD_S)
+        self.engine = _start_engine(engine_config)
+        self._reporter = asyncio.create_task(
+            _report_stats(self.engine, _replica_name(), board_name))
 
     async def check_health(self) -> None:
         """Serve's probe: raises when the engine loop is dead or wedged."""
@@ -160,16 +191,10 @@ class OpenAIIngress:
     async def __init__(self, llm_handle, model_path: str, model_name: str,
                        api_key: str | None, engine_config: dict, board_name: str,
                        api_key_file: str | None = None) -> None:
-        import os
-        from pathlib import Path
-
         from kvray.serve.openai_app import OpenAIServer
         from kvray.tokenizer import load_tokenizer
 
-        if api_key is None and api_key_file:  # read here: the Secret is mounted here
-            api_key = Path(api_key_file).read_text().strip().splitlines()[0].strip()
-        if api_key is None:
-            api_key = os.environ.get("KVRAY_API_KEY") or None
+        api_key = _api_key(api_key, api_key_file)
         config = config_from_flat(engine_config)
         tokenizer = load_tokenizer(model_path, config.model.tokenizer)
         client = _ServeClient(llm_handle, tokenizer, board_name)
@@ -194,13 +219,69 @@ class OpenAIIngress:
         return self.server.num_in_flight
 
 
+@serve.deployment(max_ongoing_requests=2048, health_check_period_s=5,
+                  health_check_timeout_s=30)
+@serve.ingress()  # the app is built per replica, by __serve_build_asgi_app__
+class LLMServerIngress:
+    """The OpenAI app and the engine core in one replica (``ingress="replica"``): what
+    ``OpenAIIngress`` and ``LLMServer`` do, without the Ray hop between them. Serve
+    replaces the replica when its engine loop dies or is wedged, as for ``LLMServer``."""
+
+    async def __init__(self, engine_config: dict, model_path: str, model_name: str,
+                       api_key: str | None, board_name: str,
+                       api_key_file: str | None = None) -> None:
+        from kvray.serve.openai_app import OpenAIServer
+
+        api_key = _api_key(api_key, api_key_file)
+        config = config_from_flat(engine_config)
+        self.engine = _start_engine(engine_config)
+        self.server = OpenAIServer(self.engine, model_name, self.engine.engine.max_model_len,
+                                   api_key, config.server)
+        # `kvray serve`'s throughput line and any other reader of the board see it too.
+        self._reporter = asyncio.create_task(
+            _report_stats(self.engine, _replica_name(), board_name))
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self.server.app
+
+    async def check_health(self) -> None:
+        """Serve's probe: raises when the engine loop is dead or wedged."""
+        await self.engine.check_health()
+
+    def begin_drain(self) -> None:
+        """Stop admission (503 + Retry-After; /health 503); in flight goes on."""
+        self.server.begin_drain()
+        self.engine.begin_drain()
+
+    async def abort_all(self) -> None:
+        """End every request in flight with an error."""
+        await self.server.abort_all()
+        await self.engine.abort_all()
+
+    def num_in_flight(self) -> int:
+        """Streams open (a drain is done at 0)."""
+        return self.server.num_in_flight
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.engine.shutdown()
+
+
 def build_app(engine_config: dict, model_path: str, model_name: str,
               api_key: str | None = None, num_replicas: int = 1, app_name: str = "kvray",
-              api_key_file: str | None = None, use_gpu: bool | None = None):
+              api_key_file: str | None = None, use_gpu: bool | None = None,
+              ingress: str = "separate"):
     """The Serve application graph for one model. Serve's own queues are bounded
     (``max_queued_requests``: beyond, callers get 503); the engine admits by sequences.
     ``use_gpu``: each worker (or the replica itself, TP x PP = 1) reserves a GPU; None =
-    whether the cluster has GPUs now."""
+    whether the cluster has GPUs now. ``ingress``: ``separate`` (an OpenAI ingress
+    deployment in front of the model replicas) or ``replica`` (the app inside the one model
+    replica: one Ray hop per streamed token fewer)."""
+    if ingress not in INGRESS_KINDS:
+        raise ValueError(f"ingress = {ingress!r}: must be one of {', '.join(INGRESS_KINDS)}")
+    if ingress == "replica" and num_replicas != 1:
+        raise ValueError(f"ingress = 'replica' serves one model replica, not {num_replicas}; "
+                         "use ingress = 'separate' for data parallelism")
     config = config_from_flat(engine_config)
     board = f"kvray-stats-{app_name}"
     drain = config.server.drain_timeout_s
@@ -218,16 +299,23 @@ def build_app(engine_config: dict, model_path: str, model_name: str,
         options["placement_group_strategy"] = config.parallel.placement_strategy
     elif use_gpu:  # the engine runs in the replica itself: it holds the GPU
         options["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1}
+    try:  # Ray >= 2.5x: the proxy's own refusals say when to retry
+        from ray.serve.config import BackpressureConfig
+
+        backpressure = {"backpressure_config": BackpressureConfig(status_code=503,
+                                                                  retry_after_s=1)}
+    except ImportError:
+        backpressure = {}
+    if ingress == "replica":  # HTTP to this replica: the ingress' queue bound and drain time
+        options.update(max_queued_requests=INGRESS_QUEUE, graceful_shutdown_timeout_s=drain + 10,
+                       **backpressure)
+        return LLMServerIngress.options(name="LLMServer", **options).bind(
+            engine_config, model_path, model_name, api_key, board, api_key_file)
     llm = LLMServer.options(**options).bind(engine_config, board)
     # The ingress answers every request at once (admitted, or refused with OpenAI's JSON),
     # so its queue only holds a burst while Serve's router assigns it: bounded, but far
     # above what the engine admits, so that refusals come from kvray, not the proxy.
-    ingress = {"max_queued_requests": INGRESS_QUEUE, "graceful_shutdown_timeout_s": drain + 10}
-    try:  # Ray >= 2.5x: the proxy's own refusals say when to retry
-        from ray.serve.config import BackpressureConfig
-
-        ingress["backpressure_config"] = BackpressureConfig(status_code=503, retry_after_s=1)
-    except ImportError:
-        pass
-    return OpenAIIngress.options(**ingress).bind(
+    front = {"max_queued_requests": INGRESS_QUEUE, "graceful_shutdown_timeout_s": drain + 10,
+             **backpressure}
+    return OpenAIIngress.options(**front).bind(
         llm, model_path, model_name, api_key, engine_config, board, api_key_file)

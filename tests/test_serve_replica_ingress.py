@@ -1,0 +1,87 @@
+"""Faults under `kvray serve --ingress replica` (the OpenAI app inside the model replica,
+Ray Serve's proxy in front): a killed worker ends the streams with an error event and the
+server recovers; a killed replica process cuts its streams (nothing outlives it to write
+an error event: the price of the hop saved), Serve replaces it and the next request
+succeeds; SIGTERM drains like the other front ends. The API itself is tested against this
+front end in test_serve.py."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from test_serve import launch_server
+from test_serve_faults import (
+    CONTEXT,
+    FLAGS,
+    HEADERS,
+    _ray_process,
+    _recovers,
+    _server_process,
+    _start_streams,
+    _wait_ended,
+    processes_left,
+    sigterm_drains_then_aborts,
+)
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model = make_tiny_model("llama_gqa", tmp_path_factory.mktemp("replica") / "tiny-llama",
+                            max_position_embeddings=CONTEXT)
+    with launch_server(model, [*FLAGS, "--ingress", "replica"]) as base:
+        yield base, model.name
+
+
+def test_the_replica_serves_http_itself_with_no_separate_ingress(served):
+    base, model = served
+    server = _server_process(base)
+    titles = [" ".join(p.cmdline()) for p in server.children(recursive=True)]
+    assert not [t for t in titles if "OpenAIIngress" in t], titles
+    _ray_process(base, "ray::ServeReplica:kvray:LLMServer")  # exactly one
+    resp = httpx.post(f"{base}/v1/completions", headers=HEADERS, timeout=60, json={
+        "model": model, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+    metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    assert "kvray:num_requests_running" in metrics
+
+
+def test_a_killed_worker_ends_the_streams_with_an_error_and_the_server_recovers(served):
+    base, model = served
+    streams = _start_streams(base, model)
+    killed = time.monotonic()
+    _ray_process(base, "ray::_RankedWorker").kill()
+    _wait_ended(streams, killed, bound_s=30)  # each with a 503 error event, then [DONE]
+    assert any(s.errors for s in streams)
+    _recovers(base, model, bound_s=120)
+
+
+def test_a_killed_replica_cuts_its_streams_and_serve_replaces_it(served):
+    base, model = served
+    streams = _start_streams(base, model)
+    replica = _ray_process(base, "ray::ServeReplica:kvray:LLMServer")
+    killed = time.monotonic()
+    replica.kill()
+    deadline = killed + 30
+    while time.monotonic() < deadline and any(s.ended_at is None for s in streams):
+        time.sleep(0.1)
+    assert all(s.ended_at is not None for s in streams), "a stream outlived 30 s"
+    # Cut (no [DONE]) or, had the replica's loop answered first, an error event: never a
+    # stream that claims to have finished.
+    assert all(s.failure is not None or s.errors for s in streams), [
+        (s.failure, s.errors, s.done, s.finish_reason) for s in streams]
+    recovered = _recovers(base, model, bound_s=180, any_5xx=True)
+    print(f"\nkilled replica: server answering again after {recovered:.1f} s")
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+
+
+def test_sigterm_drains_then_aborts_and_leaves_no_process(served):
+    """Last: it stops the server (see test_serve_faults)."""
+    base, model = served
+    server = _server_process(base)
+    family = server.children(recursive=True)
+    sigterm_drains_then_aborts(base, model, server)
+    left = processes_left(family)
+    assert not left, left
