@@ -302,6 +302,11 @@ class ServerConfig(_Section):
         False, description="Serve /docs, /redoc and /openapi.json (behind the API key if set).")
     metrics_require_key: bool = Field(
         False, description="Require the API key on /metrics too (/health never needs it).")
+    stream_interval: int = Field(
+        1, ge=1, le=1024,
+        description="Streamed outputs carry this many new tokens per chunk (the first token "
+        "and the last chunk go at once): fewer, larger chunks cost less per token on the "
+        "way to the client (Ray hops, SSE events) at the price of a burstier stream.")
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
         "auto", description="How tool calls are found in a chat output under tool_choice "
         "'auto': hermes (Qwen2/2.5/3, Hermes: <tool_call> JSON), llama3_json (Llama 3.x JSON); "

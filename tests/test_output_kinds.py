@@ -130,3 +130,39 @@ def test_a_lagging_async_consumer_receives_every_delta_folded(tiny_model_dir):
         engine.shutdown()
     assert lagging[:2] == eager[:2] and len(eager[1]) == 40
     assert lagging[2] < eager[2]  # fewer, folded outputs
+
+
+def test_stream_interval_sends_the_first_token_then_chunks_of_that_many(tiny_model_dir):
+    """server.stream_interval = 4: the first token goes at once, then each chunk carries
+    at least 4 new tokens of its longest sequence, the last one whatever is left; folded
+    together they are exactly the interval-1 stream, n > 1 and logprobs included. An
+    interval longer than the output: the first chunk, then the last."""
+    params = [SamplingParams(temperature=0, max_tokens=23, ignore_eos=True,
+                             output_kind=RequestOutputKind.DELTA),
+              SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=18, logprobs=1,
+                             ignore_eos=True, output_kind=RequestOutputKind.DELTA)]
+
+    async def collect(engine: AsyncLLM, tag: str) -> list[list[RequestOutput]]:
+        async def one(i: int, p: SamplingParams) -> list[RequestOutput]:
+            return [o async for o in engine.generate(f"{tag}{i}", PROMPTS[i], p)]
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(params)))
+
+    streams = {}
+    for interval in (1, 4, 1000):
+        config = config_from_flat({**CONFIG, "model": str(tiny_model_dir("llama_gqa")),
+                                   "stream_interval": interval})
+        engine = AsyncLLM(config)
+        try:
+            streams[interval] = asyncio.run(collect(engine, f"si{interval}-"))
+        finally:
+            engine.shutdown()
+    for every, chunked in zip(streams[1], streams[4], strict=True):
+        assert _view(_fold(chunked)) == _view(_fold(every))
+        sizes = [max(len(c.token_ids) for c in o.outputs) for o in chunked]
+        assert all(s >= 4 for s in sizes[1:-1]), sizes
+        assert chunked[-1].finished and not any(o.finished for o in chunked[:-1])
+        assert len(chunked) < len(every)
+    for every, two in zip(streams[1], streams[1000], strict=True):
+        # longer than the output: the first token (not held), then the rest at the end
+        assert len(two) == 2 and two[-1].finished, [len(o.outputs[0].token_ids) for o in two]
+        assert _view(_fold(two)) == _view(_fold(every))

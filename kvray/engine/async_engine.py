@@ -216,6 +216,11 @@ class AsyncLLM:
                     self._call(lambda: self.engine.abort_request(request_id))
             raise
         delta = params.output_kind is RequestOutputKind.DELTA
+        # stream_interval > 1: after the first token, hold deltas until that many tokens
+        # (of the longest sequence) gathered, so each hop carries fewer, larger chunks.
+        interval = self.config.server.stream_interval if delta else 1
+        held: RequestOutput | None = None
+        sent_tokens = False
         finished = False
         try:
             while not finished:
@@ -239,7 +244,15 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     finished = True  # the engine has forgotten it already
                     raise item
+                if held is not None:
+                    held.add(item)
+                    item, held = held, None
                 finished = item.finished
+                longest = max((len(c.token_ids) for c in item.outputs), default=0)
+                if interval > 1 and not finished and sent_tokens and longest < interval:
+                    held = item
+                    continue
+                sent_tokens = sent_tokens or longest > 0
                 yield item
         finally:
             if not finished:  # cancelled, timed out or the consumer stopped: free the blocks
