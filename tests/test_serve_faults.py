@@ -236,7 +236,12 @@ def _fuzz_positive(op, model: str, findings) -> None:
 
 
 def test_a_killed_worker_fails_its_requests_and_the_server_recovers(served):
-    base, model = served
+    killed_worker_fails_its_requests_and_the_server_recovers(*served)
+
+
+def killed_worker_fails_its_requests_and_the_server_recovers(base: str, model: str) -> None:
+    """Kill a worker under three streams: each ends within 30 s with a 503 event or
+    finished, at least one with the error; a plain request succeeds within 120 s."""
     streams = _start_streams(base, model)
     worker = _ray_process(base, "ray::_RankedWorker")
     killed = time.monotonic()

@@ -20,7 +20,7 @@ from test_serve_faults import (
     _recovers,
     _server_process,
     _start_streams,
-    _wait_ended,
+    killed_worker_fails_its_requests_and_the_server_recovers,
     processes_left,
     sigterm_drains_then_aborts,
 )
@@ -49,13 +49,7 @@ def test_the_replica_serves_http_itself_with_no_separate_ingress(served):
 
 
 def test_a_killed_worker_ends_the_streams_with_an_error_and_the_server_recovers(served):
-    base, model = served
-    streams = _start_streams(base, model)
-    killed = time.monotonic()
-    _ray_process(base, "ray::_RankedWorker").kill()
-    _wait_ended(streams, killed, bound_s=30)  # each with a 503 error event, then [DONE]
-    assert any(s.errors for s in streams)
-    _recovers(base, model, bound_s=120)
+    killed_worker_fails_its_requests_and_the_server_recovers(*served)
 
 
 def test_a_killed_replica_cuts_its_streams_and_serve_replaces_it(served):

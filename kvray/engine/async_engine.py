@@ -248,11 +248,12 @@ class AsyncLLM:
                     held.add(item)
                     item, held = held, None
                 finished = item.finished
-                longest = max((len(c.token_ids) for c in item.outputs), default=0)
-                if interval > 1 and not finished and sent_tokens and longest < interval:
-                    held = item
-                    continue
-                sent_tokens = sent_tokens or longest > 0
+                if interval > 1 and not finished:
+                    longest = max((len(c.token_ids) for c in item.outputs), default=0)
+                    if sent_tokens and longest < interval:
+                        held = item
+                        continue
+                    sent_tokens = sent_tokens or longest > 0
                 yield item
         finally:
             if not finished:  # cancelled, timed out or the consumer stopped: free the blocks

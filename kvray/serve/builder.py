@@ -46,8 +46,8 @@ def build_app(args: dict[str, Any] | None = None):
     """The Serve application for one model, from flat ``args`` (see the module doc);
     raises :class:`~kvray.config.ConfigError` naming a bad key or value."""
     from kvray.default_model import resolve_model_path
-    from kvray.serve.deployment import INGRESS_KINDS
     from kvray.serve.deployment import build_app as build_graph
+    from kvray.serve.deployment import check_ingress
 
     args = dict(args or {})
     config_path = args.pop("config", None)
@@ -58,11 +58,7 @@ def build_app(args: dict[str, Any] | None = None):
     if num_replicas < 1:
         raise ConfigError(f"num_replicas = {num_replicas}: must be >= 1")
     ingress = str(args.pop("ingress", "separate"))
-    if ingress not in INGRESS_KINDS:
-        raise ConfigError(f"ingress = {ingress!r}: must be one of {', '.join(INGRESS_KINDS)}")
-    if ingress == "replica" and num_replicas != 1:
-        raise ConfigError(f"ingress = 'replica' serves one model replica (num_replicas = "
-                          f"{num_replicas}); use ingress = 'separate' for data parallelism")
+    check_ingress(ingress, num_replicas)  # before the model is looked up
     name = str(args.pop("name", "kvray"))
     api_key = args.pop("api_key", None) or None
     api_key_file = args.pop("api_key_file", None) or None

@@ -27,7 +27,7 @@ from ray import serve
 
 from kvray.actors.executor import executor_backend
 from kvray.actors.placement import worker_bundles
-from kvray.config import config_from_flat
+from kvray.config import ConfigError, config_from_flat
 from kvray.outputs import RequestOutput
 from kvray.sampling_params import SamplingParams
 
@@ -60,6 +60,15 @@ def _stats_board(name: str):
     # callers also look it up again when a call fails.
     return StatsBoard.options(name=name, namespace=STATS_NAMESPACE, get_if_exists=True,
                               lifetime="detached", max_restarts=-1).remote()
+
+
+def check_ingress(ingress: str, num_replicas: int) -> None:
+    """Raise ConfigError unless ``ingress`` is a known kind that fits ``num_replicas``."""
+    if ingress not in INGRESS_KINDS:
+        raise ConfigError(f"ingress = {ingress!r}: must be one of {', '.join(INGRESS_KINDS)}")
+    if ingress == "replica" and num_replicas != 1:
+        raise ConfigError(f"ingress = 'replica' serves one model replica (num_replicas = "
+                          f"{num_replicas}); use ingress = 'separate' for data parallelism")
 
 
 def _start_engine(engine_config: dict):
@@ -232,11 +241,9 @@ class LLMServerIngress:
                        api_key_file: str | None = None) -> None:
         from kvray.serve.openai_app import OpenAIServer
 
-        api_key = _api_key(api_key, api_key_file)
-        config = config_from_flat(engine_config)
         self.engine = _start_engine(engine_config)
         self.server = OpenAIServer(self.engine, model_name, self.engine.engine.max_model_len,
-                                   api_key, config.server)
+                                   _api_key(api_key, api_key_file), self.engine.config.server)
         # `kvray serve`'s throughput line and any other reader of the board see it too.
         self._reporter = asyncio.create_task(
             _report_stats(self.engine, _replica_name(), board_name))
@@ -277,11 +284,7 @@ def build_app(engine_config: dict, model_path: str, model_name: str,
     whether the cluster has GPUs now. ``ingress``: ``separate`` (an OpenAI ingress
     deployment in front of the model replicas) or ``replica`` (the app inside the one model
     replica: one Ray hop per streamed token fewer)."""
-    if ingress not in INGRESS_KINDS:
-        raise ValueError(f"ingress = {ingress!r}: must be one of {', '.join(INGRESS_KINDS)}")
-    if ingress == "replica" and num_replicas != 1:
-        raise ValueError(f"ingress = 'replica' serves one model replica, not {num_replicas}; "
-                         "use ingress = 'separate' for data parallelism")
+    check_ingress(ingress, num_replicas)
     config = config_from_flat(engine_config)
     board = f"kvray-stats-{app_name}"
     drain = config.server.drain_timeout_s
