@@ -154,17 +154,18 @@ def test_gate_up_packed_paired_gives_f_linear_and_the_mlp_activation(
 
 
 def test_the_mlp_takes_its_activation_from_the_gemm_on_paired_weights(ops, monkeypatch):
-    """With weights packed once (16 lanes, a bf16 checkpoint run in fp32), the MLP's
-    gate_up is packed paired and inputs past the small-M kernel's rows get silu(gate) * up
-    from the GEMM's epilogue, no silu_and_mul pass; fewer rows keep the small-M route; both
-    equal the reference MLP."""
+    """With weights packed once (AVX2 or AVX-512 kernels, a bf16 checkpoint run in fp32),
+    the MLP's gate_up is packed paired and inputs past the small-M kernel's rows get
+    silu(gate) * up from the GEMM's epilogue, no silu_and_mul pass; fewer rows keep the
+    small-M route; both equal the reference MLP."""
     from types import SimpleNamespace
 
     from kvray.actors import model_runner
     from kvray.models.llama import LlamaMLP
 
-    if ops.vector_lanes() < 16:
-        pytest.skip("weights are packed once only with 16-lane kernels")
+    cut = model_runner.prepacked_from_rows()
+    if cut is None:
+        pytest.skip("this build's kernels do not pack weights once (no AVX2)")
     spec = SimpleNamespace(hidden_size=64, intermediate_size=3 * ops.vector_lanes(),
                            mlp_bias=False)
     mlp = LlamaMLP(spec, ParallelContext(), torch.float32)
@@ -178,12 +179,12 @@ def test_the_mlp_takes_its_activation_from_the_gemm_on_paired_weights(ops, monke
     silu_and_mul = ops.silu_and_mul
     monkeypatch.setattr(ops, "silu_and_mul", lambda t: calls.append(t.shape[0]) or silu_and_mul(t))
     mlp.fused_silu_and_mul = ops.silu_and_mul
-    for rows in (1, model_runner.AVX512_PACKED_FROM_ROWS, 300):
+    for rows in (1, cut - 1, cut, 300):
         calls.clear()
         x = torch.randn(rows, 64)
         want = F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
         torch.testing.assert_close(mlp(x), want, rtol=1e-4, atol=1e-4)
-        assert calls == ([] if rows >= model_runner.AVX512_PACKED_FROM_ROWS else [rows])
+        assert calls == ([] if rows >= cut else [rows])
 
 
 def test_tiled_linear_takes_strided_inputs(ops):
@@ -420,14 +421,14 @@ def test_a_bf16_engine_packs_its_weights_and_keeps_the_small_m_kernel_off(ops,
         llm.shutdown()
 
 
-@pytest.mark.parametrize("lanes", [16, 8])
-def test_the_runner_prepacks_only_bf16_exact_layers_and_only_with_16_lanes(
+@pytest.mark.parametrize("lanes", [16, 8, 1])
+def test_the_runner_prepacks_only_bf16_exact_layers_and_only_with_vector_kernels(
         ops, monkeypatch, lanes):
     """A bf16 checkpoint run in fp32 (exact bf16 copies): with 16 lanes every input of
     ``AVX512_PACKED_FROM_ROWS`` rows or more goes to the tiled kernel on the weight packed
-    once, the LM head's too, fewer to the small-M kernel, and each plain weight nothing
-    else shares is released; with 8 lanes the AVX2 routes stay (unmeasured there) and
-    nothing is released."""
+    once, with 8 every input past the small-M kernel's rows, the LM head's too; fewer rows
+    to the small-M kernel; each plain weight nothing else shares is released. A build
+    without AVX2 (1 lane) keeps its routes and releases nothing."""
     from kvray.actors import model_runner
 
     cpu_ops = model_runner.cpu_ops
@@ -450,7 +451,13 @@ def test_the_runner_prepacks_only_bf16_exact_layers_and_only_with_16_lanes(
     bf16, packed, freed = model_runner._use_cpu_linear_kernels(model, bf16_weights=True)
     assert bf16 == (8 * 16 + 40 * 16) * 2
     small = cpu_ops.small_m_max_rows()
-    cut = model_runner.AVX512_PACKED_FROM_ROWS
+    cut = model_runner.prepacked_from_rows()
+    assert cut == {16: model_runner.AVX512_PACKED_FROM_ROWS, 8: small + 1, 1: None}[lanes]
+    if cut is None:
+        assert (packed, freed) == (0, 0) and layer.weight.shape == (8, 16)
+        assert all(m.prepacked_weight is None for m in (layer, head))
+        assert model_runner._small_m_rows(model) == small
+        return
     got = {}
     for name, module, rows in (("layer", layer, (cut - 1, cut, small, small + 1, 64, 300)),
                                ("head", head, (cut - 1, cut, small, small + 1, 300))):
@@ -461,24 +468,13 @@ def test_the_runner_prepacks_only_bf16_exact_layers_and_only_with_16_lanes(
             torch.testing.assert_close(y, F.linear(x, want[name]), rtol=1e-5, atol=1e-4)
             got[name, n] = routes[0] if routes else "other"
     assert head.weight is embed.weight and head.weight.shape == (40, 16)  # tied: kept
-    if lanes == 16:
-        assert 1 < cut <= small
-        panel = 2 * cpu_ops.load_ops().vector_lanes()  # the build's panels (padded)
-        padded = -(-8 // panel) * panel + -(-40 // panel) * panel
-        assert (packed, freed) == (padded * 16 * 4, 8 * 16 * 4)
-        assert layer.weight.numel() == 0
-        assert got == {("layer", cut - 1): "small", ("layer", cut): "packed",
-                       ("layer", small): "packed", ("layer", small + 1): "packed",
-                       ("layer", 64): "packed", ("layer", 300): "packed",
-                       ("head", cut - 1): "small", ("head", cut): "packed",
-                       ("head", small): "packed", ("head", small + 1): "packed",
-                       ("head", 300): "packed"}
-        assert model_runner._small_m_rows(model) == cut - 1  # the fused layer's range
-    else:
-        assert (packed, freed) == (0, 0) and layer.weight.shape == (8, 16)
-        assert got[("layer", small)] == "small" and got[("layer", small + 1)] != "packed"
-        assert "packed" not in got.values()
-        assert model_runner._small_m_rows(model) == small
+    assert 1 < cut <= small + 1
+    panel = 2 * cpu_ops.load_ops().vector_lanes()  # the build's panels (padded)
+    padded = -(-8 // panel) * panel + -(-40 // panel) * panel
+    assert (packed, freed) == (padded * 16 * 4, 8 * 16 * 4)
+    assert layer.weight.numel() == 0
+    assert got == {(name, n): "small" if n < cut else "packed" for name, n in got}
+    assert model_runner._small_m_rows(model) == cut - 1  # the fused layer's range
 
 
 def test_an_fp32_checkpoint_gets_no_packed_copy(ops):
@@ -494,9 +490,9 @@ def test_an_fp32_checkpoint_gets_no_packed_copy(ops):
 
 def test_an_fp32_run_of_a_bf16_checkpoint_keeps_transformers_tokens_on_packed_weights(
         ops, tmp_path):
-    """A bf16 checkpoint run in fp32, on whichever routes this CPU's kernels take (16
-    lanes: packed weights, plain ones released): greedy tokens equal transformers' fp32 run
-    of the same checkpoint, through prefill and decode batches on both sides of the
+    """A bf16 checkpoint run in fp32, on whichever routes this CPU's kernels take (AVX2 or
+    AVX-512: packed weights, plain ones released): greedy tokens equal transformers' fp32
+    run of the same checkpoint, through prefill and decode batches on both sides of the
     small-M kernel's rows."""
     from tiny_models import load_hf, make_tiny_model
 
@@ -515,12 +511,13 @@ def test_an_fp32_run_of_a_bf16_checkpoint_keeps_transformers_tokens_on_packed_we
     try:
         runner = llm.llm_engine.executor.worker.runner
         linears = [m for m in runner.model.modules() if hasattr(m, "prepacked_weight")]
-        if cpu_ops.vector_lanes() >= 16:
+        if cpu_ops.vector_lanes() >= 8:
             assert linears and all(m.prepacked_weight is not None for m in linears)
             released = [m for m in linears if m.weight.numel() == 0]
             assert released and all(m.small_m_weight is not None for m in released)
-        # 40 decode rows (past the small-M kernel's), then 20 (the small-M kernel)
-        lengths = [4 if i % 2 else 9 for i in range(len(prompts))]
+        # decode batches of 40 rows (packed), 20 (packed with AVX2, the small-M kernel with
+        # AVX-512), then 10 (the small-M kernel)
+        lengths = [4 if i % 2 else 9 if i % 4 == 2 else 12 for i in range(len(prompts))]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                              for n in lengths], use_tqdm=False)

@@ -107,8 +107,7 @@ AVX512_ROUTES = dict(weight_major_max_rows=0, lm_head_weight_major_max_rows=0,
 # AVX-512 Xeon (fp32, two threads), the built-in model's decode steps, two engines in one
 # process alternating (median / best of 4 rounds) at 48 / 64 / 128 / 256 rows: 0.86 /
 # 0.79 / 0.80 / 0.92x (0.83 / 0.80 / 0.86 / 0.87x) the time of the routes above. oneDNN's
-# packed fp32 matmul was about as fast but grew memory per row count (design.md). AVX2:
-# the routes above (unmeasured there).
+# packed fp32 matmul was about as fast but grew memory per row count (design.md).
 AVX512_PREPACKED = True
 # Those layers take inputs of this many rows on through their packed weights, not the
 # small-M kernel's bf16 copies (and such decode batches leave the fused layer, which runs
@@ -125,27 +124,49 @@ AVX512_PREPACKED = True
 # 1.08 / 1.05 / 1.05x faster at 22 / 24 / 26 / 28 rows (best rounds about even); from 17,
 # 0.90 / 0.93x at 17 / 20 rows (the fused layer still wins there).
 AVX512_PACKED_FROM_ROWS = 24
+# With 8 lanes (AVX2) too, for every input past the small-M kernel's 16 rows, the LM
+# head's included. On a 2-core AVX2 EPYC (Zen 3, fp32, two threads), the 30 layers'
+# linears (cold weights, median of 7), weight-major sgemm / tiled / packed ms: 17 rows
+# 100 / 90 / 41, 32 rows 98 / 105 / 57, 64 rows 183 / 207 / 155, 128 rows 333 / 413 / 362,
+# 256 rows 602 / 659 / 530; the LM head 30 / 22 / 11 at 17 rows, 261 / 188 / 160 at 256;
+# at 12-16 rows the small-M kernel's bf16 copies and the packed weights about even. Whole
+# runs, two engines in one process alternating (median of 3, greedy tokens identical):
+# 0.70x the time for 32 requests decoding together, 0.83x for 64 and 128, 0.87x for a
+# prefill of 8 x 1,024 tokens.
+AVX2_PREPACKED = True
+
+
+def prepacked_from_rows() -> int | None:
+    """From how many rows a bf16 checkpoint's fp32 linears take their weights packed once
+    (:data:`AVX512_PREPACKED`, :data:`AVX2_PREPACKED`), by the built kernels' vector width;
+    None where they are not packed (no AVX2 kernels, or packing switched off)."""
+    lanes = cpu_ops.vector_lanes()
+    if lanes >= 16 and AVX512_PREPACKED:
+        return AVX512_PACKED_FROM_ROWS
+    if lanes == 8 and AVX2_PREPACKED:
+        return cpu_ops.small_m_max_rows() + 1
+    return None
 
 
 def _use_cpu_linear_kernels(model: torch.nn.Module,
                             bf16_weights: bool = False) -> tuple[int, int, int]:
     """The CPU extension's linears for ``model`` (fp32): the small-M kernel for decode-sized
     inputs, the tiled GEMM for prefill-sized ones (see :func:`use_small_m_kernel`), the
-    routes between by the kernels' vector width; with 16 lanes, weights packed once past
-    the small-M kernel's rows (:data:`AVX512_PREPACKED`). Returns the bytes of the bf16
-    copies, of the packed copies, and of the plain weights released."""
+    routes between by the kernels' vector width; with AVX2 or AVX-512 kernels, weights
+    packed once past the small-M kernel's rows (:func:`prepacked_from_rows`). Returns the
+    bytes of the bf16 copies, of the packed copies, and of the plain weights released."""
     wide = cpu_ops.vector_lanes() >= 16
     routes = AVX512_ROUTES if wide else {}
     bf16 = use_small_m_kernel(model, cpu_ops.linear_small_m, cpu_ops.small_m_max_rows(),
                               bf16_weights=bf16_weights, large_m_kernel=cpu_ops.linear_tiled,
                               **routes)
     packed = freed = 0
-    if wide and AVX512_PREPACKED:
+    if prepacked_from_rows() is not None:
         gate_up = (cpu_ops.pack_gate_up_weight, cpu_ops.linear_packed_gate_up,
                    partial(cpu_ops.linear_packed_gate_up, silu_mul=True),
-                   cpu_ops.vector_lanes())
+                   cpu_ops.load_ops().vector_lanes())  # the build's panels
         packed = use_prepacked_weights(model, cpu_ops.pack_linear_weight,
-                                       cpu_ops.linear_packed, AVX512_PACKED_FROM_ROWS, gate_up)
+                                       cpu_ops.linear_packed, prepacked_from_rows(), gate_up)
         freed = release_plain_weights(model)
     return bf16, packed, freed
 

@@ -14,7 +14,7 @@
 - ``pack_linear_weight`` / ``linear_packed``: the tiled fp32 kernel on a weight packed once
   at load time (MKL's sgemm and ``linear_tiled`` repack the weight on every call), each
   panel prefetched from memory while the previous one is in use: past the small-M kernel's
-  rows, decode batches and prefill chunks on AVX-512.
+  rows, decode batches and prefill chunks (AVX-512 and AVX2).
 - ``rms_norm``, ``rotary_inplace``, ``silu_and_mul``: a decoder layer's elementwise work,
   one call each.
 - ``decode_layer`` (the extension's, used by :func:`kvray.models.llama.use_fused_decode_layer`):

@@ -210,11 +210,12 @@ static void pack_w_panel(const float* w, int64_t N, int64_t K, int64_t p, float*
 // rows, 0.86-0.88x at 256, 0.86-0.93x at 128, 0.84-0.93x at 64, 0.79-0.85x at 40
 // (~300-315 GFLOP/s at 256-2,048 rows against a torch.mm peak of ~350).
 //
-// x rows per block: 12 with AVX-512 (24 of its 32 registers), 5 with AVX2 (10 of 16). The
-// AVX2 build on the AVX-512 Xeon (8 lanes), the 30 layers' linears against the old kernel:
-// 6 rows 1.08-1.09x its time at 2,048 rows (even at 64-256), 4 rows 1.08x, 5 rows even at
-// 2,048 and 0.93x at 256 (not measured on an AVX2-only machine).
-constexpr int kXRows = Vec::kWidth == 16 ? 12 : 5;
+// x rows per block: 12 with AVX-512 (24 of its 32 registers), 6 with AVX2 (12 of 16). On
+// a 2-core AVX2 EPYC (Zen 3), the 30 layers' linears on packed weights, alternating in one
+// process (median of 5): 6 rows 0.88-0.93x the time of 5 at 2,048 rows, even at 64 and
+// 256; 4 rows 1.2-1.4x slower. (The AVX2 build on an AVX-512 Xeon had measured 5 rows
+// even with 6 at 2,048 and 0.93x at 256.)
+constexpr int kXRows = Vec::kWidth == 16 ? 12 : 6;
 
 // How far ahead the first row block prefetches a panel packed once (it meets the panel
 // straight from memory). On a 2-core AVX-512 Xeon (fp32, two threads), every linear of the
@@ -314,9 +315,9 @@ static void block_rows_any(int64_t rows, const float* x, int64_t ldx, const floa
     block_rows_panel<n, prefetch>(x, ldx, wp, K, o, cols, pf, pf_lines);  \
     break;
   switch (rows) {
-    KVRAY_ROWS(1) KVRAY_ROWS(2) KVRAY_ROWS(3) KVRAY_ROWS(4) KVRAY_ROWS(5)
+    KVRAY_ROWS(1) KVRAY_ROWS(2) KVRAY_ROWS(3) KVRAY_ROWS(4) KVRAY_ROWS(5) KVRAY_ROWS(6)
 #if defined(__AVX512F__)
-    KVRAY_ROWS(6) KVRAY_ROWS(7) KVRAY_ROWS(8) KVRAY_ROWS(9) KVRAY_ROWS(10) KVRAY_ROWS(11)
+    KVRAY_ROWS(7) KVRAY_ROWS(8) KVRAY_ROWS(9) KVRAY_ROWS(10) KVRAY_ROWS(11)
     KVRAY_ROWS(12)
 #endif
     default: break;
