@@ -15,7 +15,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from ports import free_port
 
 CACHE_DIR = Path(os.environ.get("KVRAY_PROMETHEUS_CACHE",
                                 "~/.cache/kvray/prometheus")).expanduser()
@@ -93,12 +93,6 @@ def find_prometheus_tools(fetch: bool = True) -> tuple[Path, Path]:
         raise ToolsMissing("prometheus/promtool not found on PATH or in "
                            f"{CACHE_DIR / 'usr' / 'bin'}")
     return tools
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

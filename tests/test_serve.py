@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import httpx
 import openai
 import pytest
 from conftest import wait_for_health
+from ports import free_port
 from tiny_models import make_tiny_model
 
 from kvray import LLM, SamplingParams
@@ -28,12 +28,6 @@ from kvray import LLM, SamplingParams
 API_KEY = "test-key-123"
 ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "4", "--max-model-len", "1024",
                 "--max-num-seqs", "16", "--num-gpu-blocks-override", "400"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +38,7 @@ def model_dir(tmp_path_factory):
 @contextlib.contextmanager
 def launch_server(model_dir, extra: list[str] = ()):
     """Run `kvray serve` (its own loopback Ray cluster) until the block exits; yield its URL."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
     # A file, not a pipe: nobody reads a pipe while the server runs, and once its buffer

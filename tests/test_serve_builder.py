@@ -6,7 +6,6 @@ on a config file against a loopback Ray cluster (`ray start`) serves completions
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ import psutil
 import pytest
 import yaml
 from conftest import wait_for_health
+from ports import free_port
 from test_serve import stop_process
 from tiny_models import make_tiny_model
 
@@ -27,12 +27,6 @@ from kvray.serve import build_app
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_CONFIGS = sorted((ROOT / "configs" / "serve").glob("*.yaml"))
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("path", SERVE_CONFIGS, ids=[p.name for p in SERVE_CONFIGS])
@@ -72,7 +66,7 @@ def ray_head():
     """`ray start --head` on 127.0.0.1 in a private temp dir; its processes are found by
     that dir and killed at the end (`ray stop` would stop every Ray on the machine)."""
     temp = Path(tempfile.gettempdir()) / f"kvr-{uuid.uuid4().hex[:6]}"
-    port = _free_port()
+    port = free_port()
     # Auth off explicitly: Ray >= 2.5x turns token auth on when ~/.ray/auth_token exists.
     # KVRAY_API_KEY in the nodes' environment, as a Secret would put it in KubeRay's pods.
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
@@ -96,7 +90,7 @@ def ray_head():
 def test_serve_run_on_a_config_file_serves_the_openai_client(ray_head, tmp_path):
     address, env = ray_head
     model = make_tiny_model("llama_gqa", tmp_path / "tiny-llama")
-    http_port = _free_port()
+    http_port = free_port()
     config = {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": http_port},
