@@ -213,8 +213,8 @@ static void pack_w_panel(const float* w, int64_t N, int64_t K, int64_t p, float*
 // x rows per block: 12 with AVX-512 (24 of its 32 registers), 6 with AVX2 (12 of 16). On
 // a 2-core AVX2 EPYC (Zen 3), the 30 layers' linears on packed weights, alternating in one
 // process (median of 5): 6 rows 0.88-0.93x the time of 5 at 2,048 rows, even at 64 and
-// 256; 4 rows 1.2-1.4x slower. (The AVX2 build on an AVX-512 Xeon had measured 5 rows
-// even with 6 at 2,048 and 0.93x at 256.)
+// 256; 4 rows 1.2-1.4x slower. (The AVX2 build run on an AVX-512 Xeon had preferred 5:
+// against the kernel before this one, 6 rows 1.08-1.09x its time at 2,048 rows, 5 even.)
 constexpr int kXRows = Vec::kWidth == 16 ? 12 : 6;
 
 // How far ahead the first row block prefetches a panel packed once (it meets the panel
