@@ -161,12 +161,13 @@ def _use_cpu_linear_kernels(model: torch.nn.Module,
                               bf16_weights=bf16_weights, large_m_kernel=cpu_ops.linear_tiled,
                               **routes)
     packed = freed = 0
-    if prepacked_from_rows() is not None:
+    from_rows = prepacked_from_rows()
+    if from_rows is not None:
         gate_up = (cpu_ops.pack_gate_up_weight, cpu_ops.linear_packed_gate_up,
                    partial(cpu_ops.linear_packed_gate_up, silu_mul=True),
                    cpu_ops.load_ops().vector_lanes())  # the build's panels
         packed = use_prepacked_weights(model, cpu_ops.pack_linear_weight,
-                                       cpu_ops.linear_packed, prepacked_from_rows(), gate_up)
+                                       cpu_ops.linear_packed, from_rows, gate_up)
         freed = release_plain_weights(model)
     return bf16, packed, freed
 
