@@ -2,8 +2,9 @@
 exactly what the Python layer computes with the same kernels: the output, the residual
 stream and the K/V written into the paged cache, on every architecture's variant (biases,
 per-head q/k norms, GQA, sliding window), for the first layer (no residual yet) and later
-ones; and the engine takes it only for pure-decode batches of few rows. A bf16 model's
-fused layer is the fp32 layer over the same values (K/V rounded into its bf16 cache)."""
+ones; ``decode_layers`` (all of a stage's layers in one call) is those layers in turn; and
+the engine takes them only for pure-decode batches of few rows. A bf16 model's fused layer
+is the fp32 layer over the same values (K/V rounded into its bf16 cache)."""
 
 from __future__ import annotations
 
@@ -95,23 +96,60 @@ def test_fused_decode_layer_equals_the_python_layer(llms, variant, rows, first_l
         assert got[1].data_ptr() == hidden_in.data_ptr()
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_decode_stack_equals_the_layers_one_by_one(llms, variant, rows, with_residual):
+    """``decode_layers`` (every layer of the stage in one call) computes exactly what the
+    layers' own fused calls compute in turn: output, residual stream and every layer's
+    cache."""
+    runner = _runner(llms(variant))
+    model = runner.model.model
+    assert model.fused_decode_stack is not None, "the engine should have installed the stack"
+    meta, kv, hidden, residual = _decode_batch(runner, rows, seed=10 + rows)
+    layers = [model.layers[i] for i in range(model.start_layer, model.end_layer)]
+    res = residual if with_residual else None
+    caches_one = [kv.clone() for _ in layers]
+    caches_stack = [kv.clone() for _ in layers]
+    with torch.inference_mode():
+        h, r = hidden.clone(), None if res is None else res.clone()
+        for layer, cache in zip(layers, caches_one, strict=True):
+            h, r = layer(h, r, meta, cache)
+        all_caches = [None] * model.start_layer + caches_stack
+        got = model._fused_decode_stack(hidden.clone(), None if res is None else res.clone(),
+                                        meta, all_caches)
+    assert got is not None, "a pure-decode batch of few rows takes the stack"
+    assert torch.equal(got[0], h), "stack output"
+    assert torch.equal(got[1], r), "residual stream"
+    for i, (a, b) in enumerate(zip(caches_stack, caches_one, strict=True)):
+        assert torch.equal(a, b), f"layer {i}'s cache"
+
+
 def test_fused_decode_layer_only_for_pure_decode_batches_of_few_rows(llms, monkeypatch):
     llm = llms("llama_gqa")
     runner = _runner(llm)
-    calls = []
+    model = runner.model.model
+    calls, stacked = [], []
     fused = LlamaDecoderLayer._fused_decode
+    stack = model.fused_decode_stack
 
     def spy(self, hidden, *args):
         calls.append(hidden.shape[0])
         return fused(self, hidden, *args)
 
+    def stack_spy(hidden, *args):
+        stacked.append((hidden.shape[0], len(args[1])))
+        return stack(hidden, *args)
+
     monkeypatch.setattr(LlamaDecoderLayer, "_fused_decode", spy)
+    monkeypatch.setattr(model, "fused_decode_stack", stack_spy)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 20)]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
-    # the first step prefills all three (32 rows, the Python layers); then 3 decode rows
-    assert calls and set(calls) == {3}
-    assert len(calls) == 3 * runner.spec.num_layers  # 3 decode steps x every layer
+    # the first step prefills all three (32 rows, the Python layers); then 3 decode steps
+    # of 3 rows, each every layer in one call
+    assert stacked == [(3, runner.spec.num_layers)] * 3
+    assert calls == []
 
     calls.clear()
     layer = runner.model.model.layers[0]
@@ -200,23 +238,24 @@ def test_a_bf16_engine_decodes_through_the_fused_layer_and_returns_bf16(bf16_pai
     max_rows = runner.model.model.layers[0].fused_decode_max_rows
     assert 1 <= max_rows < 16, "bf16: only the smallest batches (oneDNN's matmuls beyond)"
     calls, dtypes = [], []
-    fused = LlamaDecoderLayer._fused_decode
-    forward = type(runner.model.model).forward
+    model = runner.model.model
+    stack = model.fused_decode_stack
+    forward = type(model).forward
 
-    def spy(self, hidden, *args):
-        calls.append(hidden.shape[0])
-        return fused(self, hidden, *args)
+    def spy(hidden, *args):
+        calls.append((hidden.shape[0], len(args[1])))
+        return stack(hidden, *args)
 
     def spy_model(self, *args, **kwargs):
         out = forward(self, *args, **kwargs)
         dtypes.append(out.dtype)
         return out
 
-    monkeypatch.setattr(LlamaDecoderLayer, "_fused_decode", spy)
-    monkeypatch.setattr(type(runner.model.model), "forward", spy_model)
+    monkeypatch.setattr(model, "fused_decode_stack", spy)
+    monkeypatch.setattr(type(model), "forward", spy_model)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     out16 = llm16.generate(prompts, params, use_tqdm=False)
-    assert set(calls) == {2} and len(calls) == 5 * runner.spec.num_layers
+    assert calls == [(2, runner.spec.num_layers)] * 5, "5 decode steps, every layer at once"
     assert set(dtypes) == {torch.bfloat16}, "the LM head gets the model's dtype"
     assert all(len(o.outputs[0].token_ids) == 6 for o in out16)

@@ -18,7 +18,8 @@
 - ``rms_norm``, ``rotary_inplace``, ``silu_and_mul``: a decoder layer's elementwise work,
   one call each.
 - ``decode_layer`` (the extension's, used by :func:`kvray.models.llama.use_fused_decode_layer`):
-  a whole decoder layer of a decode batch in one call, the kernels above back to back.
+  a whole decoder layer of a decode batch in one call, the kernels above back to back;
+  ``decode_layers`` all of a pipeline stage's layers in one call.
 
 The sources under ``csrc/`` are compiled with the system C++ compiler through
 ``torch.utils.cpp_extension`` the first time they are needed (cached under

@@ -111,12 +111,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self._decode_args: tuple | None = None
 
+    def takes_fused_decode(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                           meta: AttentionMetadata, kv_cache: torch.Tensor | None) -> bool:
+        """Whether this batch runs the layer as ``fused_decode``: a pure-decode batch of at
+        most ``fused_decode_max_rows`` rows, contiguous, over a paged cache."""
+        return self.fused_decode is not None and kv_cache is not None \
+            and meta.num_decodes == hidden.shape[0] <= self.fused_decode_max_rows \
+            and hidden.is_contiguous() and (residual is None or residual.is_contiguous())
+
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata, kv_cache: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused_decode is not None and kv_cache is not None \
-                and meta.num_decodes == hidden.shape[0] <= self.fused_decode_max_rows \
-                and hidden.is_contiguous() and (residual is None or residual.is_contiguous()):
+        if self.takes_fused_decode(hidden, residual, meta, kv_cache):
             return self._fused_decode(hidden, residual, meta, kv_cache)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
@@ -130,6 +136,15 @@ class LlamaDecoderLayer(nn.Module):
                       meta: AttentionMetadata, kv_cache: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer through ``fused_decode``: no Python between its kernels."""
+        weights, biases, dims, eps, scale, window = self.decode_args()
+        cos, sin = self.self_attn.rotary.tables(meta.positions)
+        return self.fused_decode(hidden, residual, weights, biases, dims, eps, meta.positions,
+                                 cos, sin, kv_cache, meta.block_tables, meta.seq_lens,
+                                 meta.slot_mapping, scale, window)
+
+    def decode_args(self) -> tuple:
+        """This layer's part of a ``decode_layer`` call: (weights, biases, dims, eps, scale,
+        window), built on first use."""
         attn = self.self_attn
         if self._decode_args is None:  # the weights the small-M kernel reads, once
             norm = self.input_layernorm
@@ -150,11 +165,7 @@ class LlamaDecoderLayer(nn.Module):
                 weights, [f32(qkv.bias), f32(o.bias), f32(gate_up.bias), f32(down.bias)],
                 [attn.num_heads, attn.num_kv_heads, attn.head_dim], norm.eps,
                 attn.scale, attn.sliding_window or -1)
-        weights, biases, dims, eps, scale, window = self._decode_args
-        cos, sin = attn.rotary.tables(meta.positions)
-        return self.fused_decode(hidden, residual, weights, biases, dims, eps, meta.positions,
-                                 cos, sin, kv_cache, meta.block_tables, meta.seq_lens,
-                                 meta.slot_mapping, scale, window)
+        return self._decode_args
 
 
 class LlamaModel(nn.Module):
@@ -188,15 +199,49 @@ class LlamaModel(nn.Module):
         Returns the final normed hidden states on the last stage, else (hidden, residual)."""
         if self.ctx.is_first_stage:
             hidden, residual = self.embed_tokens(input_ids), None
-        for i in range(self.start_layer, self.end_layer):
-            cache = kv_caches[i] if kv_caches is not None else None
-            hidden, residual = self.layers[i](hidden, residual, meta, cache)
+        stacked = self._fused_decode_stack(hidden, residual, meta, kv_caches)
+        if stacked is not None:
+            hidden, residual = stacked
+        else:
+            for i in range(self.start_layer, self.end_layer):
+                cache = kv_caches[i] if kv_caches is not None else None
+                hidden, residual = self.layers[i](hidden, residual, meta, cache)
         # A bf16 model's fused decode layers leave fp32 activations: the next stage and
         # the LM head get the model's dtype.
         if not self.ctx.is_last_stage:
             return hidden.to(self.dtype), residual.to(self.dtype)
         hidden, _ = self.norm(hidden, residual)
         return hidden.to(self.dtype)
+
+
+    # All of the stage's layers as one call of ``decode_layers`` (set by
+    # use_fused_decode_layer): where every layer would take its fused call anyway.
+    fused_decode_stack: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _fused_decode_stack(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                            meta: AttentionMetadata,
+                            kv_caches: list[torch.Tensor | None] | None
+                            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stage's layers in one C++ call when the batch is one each layer would run
+        as ``fused_decode`` (a layer's own check, on the first layer: the others see the
+        same rows, contiguous outputs and their own caches); else None. At batch 1 the
+        Python between 30 layer calls was ~0.5 ms of a ~23 ms step, and each call let
+        the engine thread give up the GIL to the server's threads and wait to get it back."""
+        if self.fused_decode_stack is None or kv_caches is None \
+                or self.start_layer == self.end_layer:
+            return None
+        layers = [self.layers[i] for i in range(self.start_layer, self.end_layer)]
+        caches = kv_caches[self.start_layer:self.end_layer]
+        if any(c is None for c in caches) \
+                or not layers[0].takes_fused_decode(hidden, residual, meta, caches[0]):
+            return None
+        args = [layer.decode_args() for layer in layers]
+        _, _, dims, eps, scale, _ = args[0]
+        cos, sin = layers[0].self_attn.rotary.tables(meta.positions)
+        return self.fused_decode_stack(
+            hidden, residual, [a[0] for a in args], [a[1] for a in args], dims, eps,
+            meta.positions, cos, sin, caches, meta.block_tables, meta.seq_lens,
+            meta.slot_mapping, scale, [a[5] for a in args])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -225,19 +270,22 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
 
-def use_fused_decode_layer(model: nn.Module, kernel: Callable[..., tuple], max_rows: int
-                           ) -> None:
+def use_fused_decode_layer(model: nn.Module, kernel: Callable[..., tuple], max_rows: int,
+                           stack: Callable[..., tuple] | None = None) -> None:
     """Run each decoder layer of decode batches of at most ``max_rows`` rows as one call of
     ``kernel`` (``decode_layer`` of :mod:`kvray.kernels.cpu_ops`' extension, which computes
     exactly what :meth:`LlamaDecoderLayer.forward` does with the same kernels in fp32; a
     bf16 model's layers compute there on fp32 activations: more precise than its bf16 path,
     and the small-M kernel's input). Only for one tensor-parallel rank (a TP layer
     all-reduces mid-layer, in Python) and the CPU kernels' paged cache; inputs that are not
-    contiguous take the Python layer."""
+    contiguous take the Python layer. With ``stack`` (``decode_layers``) a batch that every
+    layer would take that way runs all of the stage's layers in one call."""
     for module in model.modules():
         if isinstance(module, LlamaDecoderLayer):
             module.fused_decode, module.fused_decode_max_rows = kernel, max_rows
             module._decode_args = None
+        elif isinstance(module, LlamaModel):
+            module.fused_decode_stack = stack
 
 
 def use_fused_ops(model: nn.Module, ops: ModuleType) -> None:

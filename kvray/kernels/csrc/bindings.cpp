@@ -34,4 +34,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, nogil(), "first index of each row's largest value");
   m.def("decode_layer", &decode_layer, nogil(),
         "one decoder layer for a decode batch (fp32 activations)");
+  m.def("decode_layers", &decode_layers, nogil(),
+        "decode_layer for each of a stage's layers in turn, in one call");
 }

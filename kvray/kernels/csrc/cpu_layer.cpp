@@ -123,3 +123,22 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   at::Tensor act = silu_and_mul(linear_small_m(x, gate_up_w, opt(bias[2])));
   return {linear_small_m(act, down_w, opt(bias[3])), residual};
 }
+
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    at::Tensor hidden, c10::optional<at::Tensor> residual, std::vector<std::vector<at::Tensor>> w,
+    std::vector<std::vector<c10::optional<at::Tensor>>> bias, std::vector<int64_t> dims,
+    double eps, at::Tensor positions, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kv,
+    at::Tensor tables, at::Tensor seq_lens, at::Tensor slots, double scale,
+    std::vector<int64_t> windows) {
+  const size_t n = w.size();
+  TORCH_CHECK(n > 0 && bias.size() == n && kv.size() == n && windows.size() == n,
+              "decode_layers: weights, biases, caches and windows for each layer expected");
+  c10::optional<at::Tensor> res = residual;
+  for (size_t i = 0; i < n; ++i) {
+    auto out = decode_layer(hidden, res, w[i], bias[i], dims, eps, positions, cos, sin, kv[i],
+                            tables, seq_lens, slots, scale, windows[i]);
+    hidden = std::get<0>(out);
+    res = std::get<1>(out);
+  }
+  return {hidden, *res};
+}

@@ -101,6 +101,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor tables,
     at::Tensor seq_lens, at::Tensor slots, double scale, int64_t window);
 
+// decode_layer for each of a pipeline stage's layers in turn (w[i], bias[i], kv[i],
+// windows[i]: layer i's), in one call: no Python and no GIL between the layers.
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    at::Tensor hidden, c10::optional<at::Tensor> residual,
+    std::vector<std::vector<at::Tensor>> w,
+    std::vector<std::vector<c10::optional<at::Tensor>>> bias, std::vector<int64_t> dims,
+    double eps, at::Tensor positions, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kv,
+    at::Tensor tables, at::Tensor seq_lens, at::Tensor slots, double scale,
+    std::vector<int64_t> windows);
+
 // Index of each row's largest value of x [B, V] (fp32/bf16/fp16, unit stride along V), as
 // torch.argmax(dim=-1) picks it: the first of equal maxima; a NaN beats everything.
 at::Tensor argmax_rows(at::Tensor x);
