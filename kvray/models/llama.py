@@ -217,6 +217,7 @@ class LlamaModel(nn.Module):
     # All of the stage's layers as one call of ``decode_layers`` (set by
     # use_fused_decode_layer): where every layer would take its fused call anyway.
     fused_decode_stack: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    _stack_args: tuple | None = None
 
     def _fused_decode_stack(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                             meta: AttentionMetadata,
@@ -230,18 +231,22 @@ class LlamaModel(nn.Module):
         if self.fused_decode_stack is None or kv_caches is None \
                 or self.start_layer == self.end_layer:
             return None
-        layers = [self.layers[i] for i in range(self.start_layer, self.end_layer)]
+        first = self.layers[self.start_layer]
         caches = kv_caches[self.start_layer:self.end_layer]
         if any(c is None for c in caches) \
-                or not layers[0].takes_fused_decode(hidden, residual, meta, caches[0]):
+                or not first.takes_fused_decode(hidden, residual, meta, caches[0]):
             return None
-        args = [layer.decode_args() for layer in layers]
-        _, _, dims, eps, scale, _ = args[0]
-        cos, sin = layers[0].self_attn.rotary.tables(meta.positions)
+        if self._stack_args is None:  # the layers' arguments, gathered once
+            args = [self.layers[i].decode_args()
+                    for i in range(self.start_layer, self.end_layer)]
+            _, _, dims, eps, scale, _ = args[0]
+            self._stack_args = ([a[0] for a in args], [a[1] for a in args], dims, eps, scale,
+                                [a[5] for a in args])
+        weights, biases, dims, eps, scale, windows = self._stack_args
+        cos, sin = first.self_attn.rotary.tables(meta.positions)
         return self.fused_decode_stack(
-            hidden, residual, [a[0] for a in args], [a[1] for a in args], dims, eps,
-            meta.positions, cos, sin, caches, meta.block_tables, meta.seq_lens,
-            meta.slot_mapping, scale, [a[5] for a in args])
+            hidden, residual, weights, biases, dims, eps, meta.positions, cos, sin, caches,
+            meta.block_tables, meta.seq_lens, meta.slot_mapping, scale, windows)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -285,7 +290,7 @@ def use_fused_decode_layer(model: nn.Module, kernel: Callable[..., tuple], max_r
             module.fused_decode, module.fused_decode_max_rows = kernel, max_rows
             module._decode_args = None
         elif isinstance(module, LlamaModel):
-            module.fused_decode_stack = stack
+            module.fused_decode_stack, module._stack_args = stack, None
 
 
 def use_fused_ops(model: nn.Module, ops: ModuleType) -> None:
