@@ -372,7 +372,6 @@ constexpr int64_t kStepTokens = 32;
 // step was 0.89-0.94x the time of the two-pass loop (all K, a softmax, all V) with its
 // 16 KiB prefetch; prefetching 16 or 32 KiB ahead in this loop was slower than one block,
 // vectorising the softmax or taking all KV heads of a sequence as one item even.
-
 template <typename TQ, typename T, int64_t DK>
 static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
                             const at::Tensor& seq_lens, double scale, int64_t window,
