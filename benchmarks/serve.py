@@ -185,12 +185,14 @@ def launch_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
 
 
 def stop_server(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
-    """SIGINT (a clean shutdown), then SIGKILL if it takes longer than ``grace_s``."""
-    proc.send_signal(signal.SIGINT)
+    """SIGTERM (a drain and a clean shutdown, like Ctrl-C), then SIGKILL if it takes longer
+    than ``grace_s``. Not SIGINT: a benchmark started in the background of a
+    non-interactive shell runs with SIGINT ignored, and so does the server it starts."""
+    proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        print(f"  kvray serve did not stop within {grace_s:.0f} s of SIGINT; killed",
+        print(f"  kvray serve did not stop within {grace_s:.0f} s of SIGTERM; killed",
               flush=True)
         proc.kill()
         proc.wait()
