@@ -225,9 +225,7 @@ class ModelRunner:
             self._weights_to_huge_pages(self.model)
         self._pick_attention_backend(config.model.attention_backend)
         if self._fused_decode_layer_fits(ctx.tp_size):
-            ops = cpu_ops.load_ops()
-            use_fused_decode_layer(self.model, ops.decode_layer,
-                                   self._fused_decode_max_rows(self.model), ops.decode_layers)
+            self._install_fused_decode(self.model)
         self.drafter: DraftRunner | None = None
         spec = config.model.speculative_config
         if spec is not None and spec.method == "draft_model" and ctx.is_output_rank:
@@ -323,9 +321,14 @@ class ModelRunner:
                 use_packed_weights(model)
             self._weights_to_huge_pages(model)
             if self._fused_decode_layer_fits(tp_size=1):  # the draft runs on one rank
-                ops = cpu_ops.load_ops()
-                use_fused_decode_layer(model, ops.decode_layer, self._fused_decode_max_rows(model),
-                                       ops.decode_layers)
+                self._install_fused_decode(model)
+
+    def _install_fused_decode(self, model: torch.nn.Module) -> None:
+        """``model``'s small decode batches through the extension's ``decode_layer`` (one
+        call per layer) and ``decode_layers`` (all the stage's layers in one call)."""
+        ops = cpu_ops.load_ops()
+        use_fused_decode_layer(model, ops.decode_layer, self._fused_decode_max_rows(model),
+                               ops.decode_layers)
 
     def _triton_works(self) -> bool:
         """Whether the Triton kernels compile and agree with the reference here; by default
