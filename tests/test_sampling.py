@@ -374,3 +374,26 @@ def test_from_params_builds_tensors_and_flags():
     assert busy.top_k.dtype == torch.int64 and busy.top_k.tolist() == [5, -1]
     assert busy.temperature.tolist() == [1.0, 0.0]  # is_greedy rows are stored as 0.0
     assert busy.seeded_random_rows == [0]  # the greedy seeded row draws nothing
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, ignore_eos=True, min_tokens=3),
+    SamplingParams(temperature=0.0, min_tokens=3, eos_token_ids=(1,)),
+    SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[4], ignore_eos=True),
+    SamplingParams(temperature=0.0, logprobs=0),
+    SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+    SamplingParams(temperature=0.0, repetition_penalty=1.2),
+    SamplingParams(temperature=0.0, presence_penalty=0.5),
+    SamplingParams(temperature=0.0, frequency_penalty=-0.5),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.1, seed=3),
+])
+@pytest.mark.parametrize("num_outputs", [0, 2, 3, 5])
+def test_the_runners_argmax_shortcut_is_taken_exactly_when_the_batch_is_plain_greedy(
+        params, num_outputs):
+    # The model runner skips building a SamplingBatch when every row is plain greedy after
+    # its outputs so far: the shortcut must agree with the batch's own verdict.
+    batch = make_batch([params], outputs=[[5] * num_outputs])
+    want = batch.plain_greedy and not batch.need_logprobs
+    assert params.plain_greedy_after(num_outputs) == want

@@ -34,6 +34,7 @@ from kvray.kernels.sampling import (
     SamplerOutput,
     SamplingBatch,
     SpecSpan,
+    row_argmax,
     sample,
     sample_speculative,
 )
@@ -716,7 +717,17 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[dict[int, float]] | None] = {}
         sampled_lp: dict[str, list[float]] = {}
-        plain = [i for i in range(len(states)) if i not in inputs.spans]
+        if not inputs.spans and bitmask is None and all(
+                s.params.plain_greedy_after(len(s.output_token_ids)) for s in states):
+            # Every row takes its argmax: no sampling batch to build (its seven columns
+            # and their checks were ~0.2-0.5 ms of a ~20 ms batch-1 step on a 2-core CPU).
+            rows = inputs.first_rows
+            picked = row_argmax(logits[rows] if len(rows) < logits.shape[0] else logits)
+            for state, token in zip(states, picked.tolist(), strict=True):
+                sampled[state.req_id] = [token]
+            plain = []
+        else:
+            plain = [i for i in range(len(states)) if i not in inputs.spans]
         if plain:
             rows = [inputs.first_rows[i] for i in plain]
             group = [states[i] for i in plain]
