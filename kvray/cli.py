@@ -99,8 +99,31 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-class _Stop(Exception):
-    """SIGTERM arrived: drain and stop."""
+class _Stop(BaseException):
+    """SIGTERM arrived: drain and stop. A BaseException, like KeyboardInterrupt: the signal
+    handler raises it wherever the main thread is, and an ``except Exception`` there (the
+    throughput line's guard around its Ray calls) would otherwise swallow it, leaving the
+    server admitting requests after a SIGTERM (seen once in CI)."""
+
+
+# SIGTERM state of `kvray serve` (main thread only). During start-up the first SIGTERM
+# is only noted: the HTTP app may already be admitting requests before serve.run returns,
+# so the server drains as soon as it is up; a second one stops it at once (a start-up
+# that hangs). Once serving, the handler raises _Stop into the main loop.
+_STOP_REQUESTED = False
+_RAISE_ON_STOP = False
+
+
+def _on_sigterm(signum, frame) -> None:
+    """``kvray serve``'s SIGTERM handler: cancel Ray's crash-handler alarm, note the
+    request, and unwind the main thread to the drain (see above for start-up)."""
+    import signal
+
+    global _STOP_REQUESTED
+    signal.alarm(0)
+    again, _STOP_REQUESTED = _STOP_REQUESTED, True
+    if _RAISE_ON_STOP or again:
+        raise _Stop
 
 
 def proxy_location(host: str) -> str:
@@ -160,12 +183,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     app_args = {**flat, "num_replicas": args.num_replicas, "api_key": api_key,
                 "ingress": "replica" if args.ingress == "replica" else "separate"}
 
-    def on_sigterm(signum, frame):
-        signal.alarm(0)
-        raise _Stop
-
     # After ray.init, which installs its own SIGTERM handler (sys.exit, no drain).
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    global _STOP_REQUESTED, _RAISE_ON_STOP
+    _STOP_REQUESTED = _RAISE_ON_STOP = False
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         serve.start(http_options={"host": args.host, "port": args.port},
                     proxy_location=proxy_location(args.host))
@@ -174,6 +195,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               f"({args.num_replicas} replica(s)); Ctrl-C or SIGTERM drains and stops",
               flush=True)
         try:
+            _RAISE_ON_STOP = True  # then look: a SIGTERM during start-up drains now
+            if _STOP_REQUESTED:
+                raise _Stop
             _log_throughput(name, time)
         except (KeyboardInterrupt, _Stop):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one drain at a time
@@ -190,6 +214,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         signal.alarm(0)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _RAISE_ON_STOP = False
         print("kvray: shutting down", flush=True)
         _bounded(serve.shutdown, 30, "serve shutdown")
         if started:
@@ -292,6 +317,8 @@ def _log_throughput(name: str, time_mod, period: float = 10.0) -> None:
     last = None
     while True:
         time_mod.sleep(period)
+        if _STOP_REQUESTED:  # a SIGTERM whose _Stop something below swallowed after all
+            raise _Stop
         try:
             board = ray.get_actor("kvray-stats-kvray", namespace=STATS_NAMESPACE)
             snap = ray.get(board.snapshot.remote(), timeout=5)
