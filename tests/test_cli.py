@@ -140,51 +140,14 @@ def test_serve_runs_a_proxy_per_node_only_for_a_wildcard_host(host, where):
     assert proxy_location(host) == where
 
 
-def test_a_sigterm_landing_in_the_throughput_lines_ray_calls_still_stops_the_server(
-        monkeypatch):
-    # Regression (CI, once): `kvray serve` stayed admitting after SIGTERM. The handler's
-    # _Stop was raised inside the throughput line's `try: ray... except Exception:` and
-    # swallowed, so the main thread never reached the drain.
-    import signal
+def _throughput_ticks_until_stopped(monkeypatch, get_actor) -> int:
+    """Run `kvray serve`'s throughput loop (serving, no wait per tick) with ``get_actor``
+    standing in for Ray's; the ticks it took before _Stop ended it (at most 3)."""
     from types import SimpleNamespace
 
     import ray
 
     from kvray import cli
-
-    def get_actor(*args, **kwargs):  # the signal arrives while Ray is being asked
-        cli._on_sigterm(signal.SIGTERM, None)
-
-    sleeps = []
-
-    def sleep(seconds):
-        if len(sleeps) >= 3:
-            raise RuntimeError("the throughput loop went on after SIGTERM")
-        sleeps.append(seconds)
-
-    monkeypatch.setattr(ray, "get_actor", get_actor)
-    monkeypatch.setattr(cli, "_STOP_REQUESTED", False)
-    monkeypatch.setattr(cli, "_RAISE_ON_STOP", True)  # serving
-    with pytest.raises(cli._Stop):
-        cli._log_throughput("m", SimpleNamespace(sleep=sleep), period=0.0)
-    assert len(sleeps) == 1
-
-
-def test_a_swallowed_stop_is_still_seen_by_the_next_throughput_tick(monkeypatch):
-    # Whatever catches the handler's _Stop (a BaseException now, but Ray's internals may
-    # catch those too), the flag it set ends the loop at the next tick.
-    import contextlib
-    import signal
-    from types import SimpleNamespace
-
-    import ray
-
-    from kvray import cli
-
-    def get_actor(*args, **kwargs):
-        with contextlib.suppress(cli._Stop):  # something caught it
-            cli._on_sigterm(signal.SIGTERM, None)
-        raise ValueError("no board")
 
     ticks = []
 
@@ -195,10 +158,41 @@ def test_a_swallowed_stop_is_still_seen_by_the_next_throughput_tick(monkeypatch)
 
     monkeypatch.setattr(ray, "get_actor", get_actor)
     monkeypatch.setattr(cli, "_STOP_REQUESTED", False)
-    monkeypatch.setattr(cli, "_RAISE_ON_STOP", True)  # serving
+    monkeypatch.setattr(cli, "_RAISE_ON_STOP", True)
     with pytest.raises(cli._Stop):
         cli._log_throughput("m", SimpleNamespace(sleep=sleep), period=0.0)
-    assert len(ticks) == 2
+    return len(ticks)
+
+
+def test_a_sigterm_landing_in_the_throughput_lines_ray_calls_still_stops_the_server(
+        monkeypatch):
+    # Regression (CI, once): `kvray serve` stayed admitting after SIGTERM. The handler's
+    # _Stop was raised inside the throughput line's `try: ray... except Exception:` and
+    # swallowed, so the main thread never reached the drain.
+    import signal
+
+    from kvray import cli
+
+    def get_actor(*args, **kwargs):  # the signal arrives while Ray is being asked
+        cli._on_sigterm(signal.SIGTERM, None)
+
+    assert _throughput_ticks_until_stopped(monkeypatch, get_actor) == 1
+
+
+def test_a_swallowed_stop_is_still_seen_by_the_next_throughput_tick(monkeypatch):
+    # Whatever catches the handler's _Stop (a BaseException now, but Ray's internals may
+    # catch those too), the flag it set ends the loop at the next tick.
+    import contextlib
+    import signal
+
+    from kvray import cli
+
+    def get_actor(*args, **kwargs):
+        with contextlib.suppress(cli._Stop):  # something caught it
+            cli._on_sigterm(signal.SIGTERM, None)
+        raise ValueError("no board")
+
+    assert _throughput_ticks_until_stopped(monkeypatch, get_actor) == 2
 
 
 def test_a_sigterm_during_start_up_is_noted_for_a_drain_and_a_second_stops_at_once(
