@@ -185,7 +185,7 @@ class SamplingParams:
         """Whether the next token, after ``num_output_tokens`` outputs, is the argmax of the
         raw logits with nothing else to compute: greedy, no penalty, bias or logprobs, and
         no stop id banned by ``min_tokens`` (a grammar is the runner's to check)."""
-        return (self.temperature < _GREEDY_EPS and self.logprobs is None
+        return (self.is_greedy and self.logprobs is None
                 and not self.logit_bias and self.repetition_penalty == 1.0
                 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
                 and (num_output_tokens >= self.min_tokens or not self.all_stop_token_ids))
