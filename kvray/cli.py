@@ -214,7 +214,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         signal.alarm(0)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _RAISE_ON_STOP = False
         print("kvray: shutting down", flush=True)
         _bounded(serve.shutdown, 30, "serve shutdown")
         if started:
