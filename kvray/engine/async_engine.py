@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -200,6 +200,24 @@ class AsyncLLM:
         anything: InvalidRequestError (a ValueError) for an invalid request,
         ServerBusyError when it is not admitted; later, RequestTimeoutError past the
         deadline and EngineUnavailableError when the engine failed under it."""
+        stream = await self.open_stream(request_id, prompt, params, priority)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()
+
+    async def open_stream(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+        """Admit the request (raising what :meth:`generate` raises before its first output)
+        and return its output stream, already started: closing it at any point, even
+        before the first output, aborts the request unless it finished."""
+        stream = self._stream(request_id, prompt, params, priority)
+        await stream.__anext__()  # admission; then the stream waits inside its try
+        return stream
+
+    async def _stream(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                      priority: int) -> AsyncGenerator[Any, None]:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         timeout = self.config.server.request_timeout_s
@@ -223,6 +241,7 @@ class AsyncLLM:
         sent_tokens = False
         finished = False
         try:
+            yield None  # admitted (open_stream's marker, never an output)
             while not finished:
                 if deadline is None:
                     item = await q.get()
@@ -296,6 +315,16 @@ class AsyncLLM:
             return len(ids)
 
         return await asyncio.wrap_future(self._call(abort))
+
+    async def abort(self, request_ids: list[str], message: str) -> None:
+        """End these requests (those still in flight) with ServerBusyError(``message``)."""
+        def abort() -> None:
+            for request_id in request_ids:
+                if request_id in self._streams:
+                    self.engine.abort_request(request_id)
+                    self._deliver(request_id, ServerBusyError(message))
+
+        await asyncio.wrap_future(self._call(abort))
 
     def stats(self):
         """The engine counters as of its last update, copied by the engine thread (never

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 import uuid
@@ -28,8 +29,9 @@ from ray import serve
 from kvray.actors.executor import executor_backend
 from kvray.actors.placement import worker_bundles
 from kvray.config import ConfigError, config_from_flat
+from kvray.errors import EngineUnavailableError
 from kvray.outputs import RequestOutput
-from kvray.sampling_params import SamplingParams
+from kvray.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kvray.serve")
 STATS_PERIOD_S = 0.5
@@ -37,6 +39,8 @@ STATS_NAMESPACE = "kvray"
 HEALTH_TIMEOUT_S = 5.0
 INGRESS_QUEUE = 8192  # requests Serve's proxy may queue for the ingress (see build_app)
 INGRESS_KINDS = ("separate", "replica")
+CARRIER_IDLE_S = 2.0  # a channel's carrier ends after this long with no request
+CARRIER_RETRIES = 3  # tries to open a carrier on the replica that admitted a request
 
 
 def _stats_board(name: str):
@@ -123,8 +127,10 @@ class LLMServer:
 
     async def __init__(self, engine_config: dict, board_name: str) -> None:
         self.engine = _start_engine(engine_config)
+        self.replica_id = _replica_name()
+        self._channels: dict[str, _OutputChannel] = {}  # ingress channel -> its outputs
         self._reporter = asyncio.create_task(
-            _report_stats(self.engine, _replica_name(), board_name))
+            _report_stats(self.engine, self.replica_id, board_name))
 
     async def check_health(self) -> None:
         """Serve's probe: raises when the engine loop is dead or wedged."""
@@ -146,21 +152,105 @@ class LLMServer:
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
                        priority: int = 0):
+        """One request's outputs on its own stream (one Ray item per output)."""
         async for out in self.engine.generate(request_id, prompt, params, priority):
             yield out
+
+    def _channel(self, channel: str) -> _OutputChannel:
+        ch = self._channels.get(channel)
+        if ch is None:
+            ch = self._channels[channel] = _OutputChannel()
+        return ch
+
+    async def submit(self, channel: str, request_id: str, prompt: Any, params: SamplingParams,
+                     priority: int = 0):
+        """Admit a request whose outputs travel on ``channel``'s carrier (:meth:`carry`).
+        Raises what admission raises; once admitted, yields this replica's id and then
+        nothing: the call stays open while the request runs, so that cancelling it (the
+        client went away) aborts the request and a dead replica fails it at the caller."""
+        stream = await self.engine.open_stream(request_id, prompt, params, priority)
+        ch = self._channel(channel)
+        ch.requests.add(request_id)
+        try:
+            yield self.replica_id
+            async for out in stream:
+                ch.push(request_id, out)
+        except Exception as err:  # past its deadline, or the engine failed under it
+            ch.push(request_id, err)
+        finally:
+            ch.requests.discard(request_id)
+            await stream.aclose()
+
+    async def carry(self, channel: str, replica: str | None = None):
+        """``channel``'s carrier: every output of its requests on this replica, one Ray
+        item per engine step (a list of (request id, output or error)) instead of one per
+        request per step. The first item is this replica's id. Ends at once when the
+        channel has a carrier already, and after CARRIER_IDLE_S with no request (Serve
+        waits for open calls when it stops a replica); ``replica`` is for the router."""
+        ch = self._channel(channel)
+        if ch.carried:
+            return
+        ch.carried = True
+        try:
+            yield self.replica_id
+            while True:
+                try:
+                    await asyncio.wait_for(ch.ready.wait(), CARRIER_IDLE_S)
+                except TimeoutError:
+                    if not ch.requests and not ch.pending:
+                        return
+                    continue
+                await asyncio.sleep(0)  # the rest of this step's outputs land meanwhile
+                ch.ready.clear()
+                batch, ch.pending = ch.pending, []
+                if batch:
+                    yield batch
+        finally:
+            ch.carried = False
+            if ch.requests:  # cancelled or failed mid-stream (the ingress died): no reader
+                asyncio.ensure_future(self.engine.abort(
+                    list(ch.requests), "the server lost this request's output stream; "
+                    "retry it"))
+            if not ch.pending:
+                self._channels.pop(channel, None)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.engine.shutdown()
 
 
-class _ServeClient:
-    """The engine-client interface of OpenAIServer, over a Serve handle to LLMServer."""
+class _OutputChannel:
+    """One ingress' outputs on a model replica, gathered between two carrier items."""
 
-    def __init__(self, handle, tokenizer, board_name: str) -> None:
+    def __init__(self) -> None:
+        self.pending: list[tuple[str, Any]] = []
+        self.ready = asyncio.Event()
+        self.requests: set[str] = set()
+        self.carried = False  # a carrier call is open
+
+    def push(self, request_id: str, item: Any) -> None:
+        self.pending.append((request_id, item))
+        self.ready.set()
+
+
+class _ServeClient:
+    """The engine-client interface of OpenAIServer, over a Serve handle to LLMServer.
+
+    With ``channels`` (the default), each request's outputs come back on its model
+    replica's carrier for this ingress (one Ray item per engine step for all of them:
+    ``LLMServer.carry``), while the request's own call only admits it and stays open, so
+    that cancelling it aborts the request and a dead replica fails it. Without, each
+    request streams its outputs on its own call (one Ray item per output)."""
+
+    def __init__(self, handle, tokenizer, board_name: str, channels: bool = True) -> None:
         self.handle, self.tokenizer, self.board_name = handle, tokenizer, board_name
         self.board = _stats_board(board_name)
         self._stats: list[tuple[str, dict]] = []
+        self.channels = channels
+        self.channel = uuid.uuid4().hex  # this ingress' outputs on every model replica
+        self._queues: dict[str, asyncio.Queue] = {}  # request id -> outputs to hand out
+        self._on_replica: dict[str, set[str]] = {}  # replica id -> its requests from here
+        self._carriers: dict[str, asyncio.Task] = {}  # replica id -> the task reading it
 
     async def refresh_stats(self) -> None:
         while True:
@@ -181,6 +271,111 @@ class _ServeClient:
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
                        priority: int = 0):
+        if not self.channels:
+            async for out in self._generate_streamed(request_id, prompt, params, priority):
+                yield out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        # Made outside the HTTP request's Serve context, like the carrier: Serve would make
+        # it that request's child, and a custom router (the carrier's, which Serve then
+        # uses for every call) matches calls to replicas by the parent's id, which the
+        # calls for one request's several prompts share. The client going away still
+        # aborts it: ``finally`` below cancels it.
+        call = contextvars.Context().run(
+            self.handle.options(stream=True).submit.remote,
+            self.channel, request_id, prompt, params, priority)
+        replica = watcher = None
+        finished = False
+        try:
+            replica = await call.__anext__()  # admitted; admission errors raise here
+            self._on_replica.setdefault(replica, set()).add(request_id)
+            if replica not in self._carriers:
+                self._start_carrier(replica)
+            watcher = asyncio.create_task(self._watch(call, q))
+            fold = params.output_kind is RequestOutputKind.DELTA
+            while not finished:
+                item = await q.get()
+                # a lagging consumer gets what queued up as one output (deltas add up)
+                while fold and not q.empty() and not isinstance(item, BaseException):
+                    later = q.get_nowait()
+                    if isinstance(later, BaseException):
+                        q.put_nowait(later)  # after the outputs before it
+                        break
+                    item.add(later)
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if replica is not None:
+                self._on_replica.get(replica, set()).discard(request_id)
+            if watcher is not None:
+                watcher.cancel()
+            if not finished:  # the client went away (or an error): abort it there too
+                call.cancel()
+
+    @staticmethod
+    async def _watch(call, q: asyncio.Queue) -> None:
+        """Wait out a request's open call; its failure (the replica died) is the
+        request's error."""
+        try:
+            async for _ in call:
+                pass
+        except Exception as err:
+            q.put_nowait(err)
+
+    def _start_carrier(self, replica: str) -> None:
+        # In a context of its own: a call made under an HTTP request's context is that
+        # request's child, and Serve cancels it when that client goes away.
+        self._carriers[replica] = asyncio.create_task(self._carry(replica),
+                                                      context=contextvars.Context())
+
+    async def _carry(self, replica: str) -> None:
+        """Read ``replica``'s carrier for this ingress and hand each output to its
+        request; when it fails, the requests still waiting on it fail with it."""
+        error: BaseException | None = None
+        try:
+            for attempt in range(CARRIER_RETRIES):
+                call = self.handle.options(stream=True).carry.remote(self.channel,
+                                                                     replica=replica)
+                landed = await call.__anext__()
+                if landed == replica:
+                    break
+                call.cancel()  # routed elsewhere: the replica is full or gone
+                await asyncio.sleep(0.2 * (attempt + 1))
+            else:
+                raise EngineUnavailableError("the model replica serving this request "
+                                             "cannot be reached; retry it")
+            async for batch in call:
+                for request_id, item in batch:
+                    q = self._queues.get(request_id)
+                    if q is not None:
+                        q.put_nowait(item)
+        except StopAsyncIteration:  # a carrier of this channel was open there already
+            error = EngineUnavailableError("lost the model replica's outputs; retry it")
+        except BaseException as err:  # failed, or this ingress is stopping (cancelled)
+            error = err
+        if self._carriers.get(replica) is asyncio.current_task():
+            del self._carriers[replica]
+        waiting = self._on_replica.get(replica, set())
+        if error is None and waiting:  # ended idle just as a request came: carry on
+            self._start_carrier(replica)
+            return
+        cancelled = isinstance(error, asyncio.CancelledError)
+        if cancelled:
+            error = EngineUnavailableError("the server stopped reading the model "
+                                           "replica's outputs; retry it")
+        for request_id in list(waiting):
+            q = self._queues.get(request_id)
+            if q is not None:
+                q.put_nowait(error)
+        if cancelled:
+            raise asyncio.CancelledError
+
+    async def _generate_streamed(self, request_id: str, prompt: Any, params: SamplingParams,
+                                 priority: int = 0):
         gen = self.handle.options(stream=True).generate.remote(request_id, prompt, params,
                                                                priority)
         finished = False
@@ -199,14 +394,14 @@ class _ServeClient:
 class OpenAIIngress:
     async def __init__(self, llm_handle, model_path: str, model_name: str,
                        api_key: str | None, engine_config: dict, board_name: str,
-                       api_key_file: str | None = None) -> None:
+                       api_key_file: str | None = None, channels: bool = True) -> None:
         from kvray.serve.openai_app import OpenAIServer
         from kvray.tokenizer import load_tokenizer
 
         api_key = _api_key(api_key, api_key_file)
         config = config_from_flat(engine_config)
         tokenizer = load_tokenizer(model_path, config.model.tokenizer)
-        client = _ServeClient(llm_handle, tokenizer, board_name)
+        client = _ServeClient(llm_handle, tokenizer, board_name, channels)
         info = await llm_handle.model_info.remote()
         self.server = OpenAIServer(client, model_name, info["max_model_len"], api_key,
                                    config.server)
@@ -314,6 +509,18 @@ def build_app(engine_config: dict, model_path: str, model_name: str,
                        **backpressure)
         return LLMServerIngress.options(name="LLMServer", **options).bind(
             engine_config, model_path, model_name, api_key, board, api_key_file)
+    # Outputs on one carrier per model replica (see _ServeClient), which names its replica:
+    # Serve routes by that name, however many replicas a config or autoscaling makes.
+    try:
+        from ray.serve.config import RequestRouterConfig
+
+        from kvray.serve.routing import ReplicaTargetRouter
+    except ImportError:  # a Ray without custom routers: one stream per request
+        channels = False
+    else:
+        channels = True
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=ReplicaTargetRouter)
     llm = LLMServer.options(**options).bind(engine_config, board)
     # The ingress answers every request at once (admitted, or refused with OpenAI's JSON),
     # so its queue only holds a burst while Serve's router assigns it: bounded, but far
@@ -321,4 +528,4 @@ def build_app(engine_config: dict, model_path: str, model_name: str,
     front = {"max_queued_requests": INGRESS_QUEUE, "graceful_shutdown_timeout_s": drain + 10,
              **backpressure}
     return OpenAIIngress.options(**front).bind(
-        llm, model_path, model_name, api_key, engine_config, board, api_key_file)
+        llm, model_path, model_name, api_key, engine_config, board, api_key_file, channels)

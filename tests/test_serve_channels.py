@@ -1,0 +1,78 @@
+"""Two model replicas behind Ray Serve's OpenAI ingress. Each request's outputs come back
+on its replica's carrier for the ingress (one Ray item per engine step for all of them),
+a call Serve routes to that replica by name: concurrent streams spread over both replicas
+each get exactly their own tokens, and both replicas served some."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+from test_serve import API_KEY, launch_server
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def two_replicas(tmp_path_factory):
+    model = make_tiny_model("llama_gqa", tmp_path_factory.mktemp("channels") / "tiny-llama")
+    with launch_server(model, ["--num-replicas", "2"]) as base:
+        yield base, model.name
+
+
+def _decode_tokens_by_replica(base: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    found = re.findall(r'^kvray:engine_decode_tokens_total\{[^}]*replica="([^"]+)"[^}]*\} (\S+)',
+                       text, re.M)
+    return {replica: float(value) for replica, value in found}
+
+
+def test_streams_on_two_replicas_each_get_their_own_tokens(two_replicas):
+    base, name = two_replicas
+    prompts = [f"Story {i}: once upon a time" + " and then" * (i % 5) for i in range(16)]
+    lengths = [6 + 9 * (i % 4) for i in range(16)]
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
+    expected = [client.completions.create(model=name, prompt=p, max_tokens=n, temperature=0)
+                .choices[0].text for p, n in zip(prompts, lengths, strict=True)]
+
+    async def stream(aclient: openai.AsyncOpenAI, prompt: str, n: int) -> tuple[str, str, int]:
+        text, finish, chunks = "", None, 0
+        events = await aclient.completions.create(model=name, prompt=prompt, max_tokens=n,
+                                                  temperature=0, stream=True)
+        async for chunk in events:
+            chunks += 1
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish, chunks
+
+    async def batch(aclient: openai.AsyncOpenAI) -> list[str]:
+        # several prompts in one request: their calls share one HTTP request's context
+        resp = await aclient.completions.create(model=name, prompt=prompts[:4], max_tokens=6,
+                                                temperature=0)
+        return [c.text for c in sorted(resp.choices, key=lambda c: c.index)]
+
+    async def all_streams() -> tuple[list[tuple[str, str, int]], list[str]]:
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=API_KEY,
+                                      max_retries=0) as aclient:
+            many = asyncio.gather(*(stream(aclient, p, n)
+                                    for p, n in zip(prompts, lengths, strict=True)))
+            return await asyncio.gather(many, batch(aclient))
+
+    for _ in range(2):  # the second round reuses carriers the first one opened
+        got, batched = asyncio.run(asyncio.wait_for(all_streams(), 120))
+        assert [(t, f) for t, f, _ in got] == [(e, "length") for e in expected]
+        assert all(chunks >= 2 for _, _, chunks in got)
+        assert batched == [client.completions.create(model=name, prompt=p, max_tokens=6,
+                                                     temperature=0).choices[0].text
+                           for p in prompts[:4]]
+
+    deadline = time.monotonic() + 15  # replica stats reach the ingress every ~0.5 s
+    while True:
+        served = {r: v for r, v in _decode_tokens_by_replica(base).items() if v > 0}
+        if len(served) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(served) == 2, f"one replica served every request: {served}"
