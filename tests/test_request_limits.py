@@ -167,6 +167,12 @@ def test_lone_surrogates_are_400s_naming_the_field(client, path, body, param):
     _assert_400(resp, param)
 
 
+def test_a_suffix_is_a_400_naming_it_not_silently_dropped(client):
+    _assert_400(client.post("/v1/completions", json=_completion(suffix=" the end.")), "suffix")
+    ok = client.post("/v1/completions", json=_completion(suffix=""))  # nothing to insert
+    assert ok.status_code == 200, ok.text
+
+
 def test_a_valid_surrogate_pair_is_accepted(client):
     body = '{"model": "m", "prompt": "smile \\ud83d\\ude42", "max_tokens": 1}'
     resp = client.post("/v1/completions", content=body.encode(),

@@ -208,11 +208,14 @@ class LLMServer:
         finally:
             ch.carried = False
             if ch.requests:  # cancelled or failed mid-stream (the ingress died): no reader
-                asyncio.ensure_future(self.engine.abort(
-                    list(ch.requests), "the server lost this request's output stream; "
-                    "retry it"))
+                asyncio.ensure_future(self._abort_quietly(list(ch.requests)))
             if not ch.pending:
                 self._channels.pop(channel, None)
+
+    async def _abort_quietly(self, request_ids: list[str]) -> None:
+        with contextlib.suppress(Exception):  # the engine may be stopping with the replica
+            await self.engine.abort(request_ids, "the server lost this request's output "
+                                    "stream; retry it")
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

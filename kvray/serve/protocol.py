@@ -232,6 +232,9 @@ class CompletionRequest(_Sampling):
 
     def check_limits(self, limits: ServerConfig, num_prompts: int) -> None:
         super().check_limits(limits, num_prompts)
+        if self.suffix:  # text after the insertion point: not a plain continuation
+            raise ProtocolError("suffix: not supported; this server only continues the "
+                                "prompt", "suffix")
         cap = min(OPENAI_MAX_COMPLETION_LOGPROBS, limits.max_logprobs)
         if self.logprobs is not None and not 0 <= self.logprobs <= cap:
             raise ProtocolError(f"logprobs = {self.logprobs}: must be in [0, {cap}]",
