@@ -307,24 +307,21 @@ class AsyncLLM:
     async def abort_all(self, message: str = "the server shut down before the request "
                         "finished") -> int:
         """End every request in flight with ServerBusyError(``message``); their number."""
-        def abort() -> int:
-            ids = list(self._streams)
-            for request_id in ids:
-                self.engine.abort_request(request_id)
-                self._deliver(request_id, ServerBusyError(message))
-            return len(ids)
-
-        return await asyncio.wrap_future(self._call(abort))
+        return await asyncio.wrap_future(self._call(
+            lambda: self._end(list(self._streams), message)))
 
     async def abort(self, request_ids: list[str], message: str) -> None:
         """End these requests (those still in flight) with ServerBusyError(``message``)."""
-        def abort() -> None:
-            for request_id in request_ids:
-                if request_id in self._streams:
-                    self.engine.abort_request(request_id)
-                    self._deliver(request_id, ServerBusyError(message))
+        await asyncio.wrap_future(self._call(lambda: self._end(request_ids, message)))
 
-        await asyncio.wrap_future(self._call(abort))
+    def _end(self, request_ids: list[str], message: str) -> int:
+        """On the engine thread: abort those of ``request_ids`` still in flight and end
+        their streams with ServerBusyError(``message``); their number."""
+        ended = [r for r in request_ids if r in self._streams]
+        for request_id in ended:
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, ServerBusyError(message))
+        return len(ended)
 
     def stats(self):
         """The engine counters as of its last update, copied by the engine thread (never
