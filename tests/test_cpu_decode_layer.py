@@ -3,7 +3,8 @@ exactly what the Python layer computes with the same kernels: the output, the re
 stream and the K/V written into the paged cache, on every architecture's variant (biases,
 per-head q/k norms, GQA, sliding window), for the first layer (no residual yet) and later
 ones; ``decode_layers`` (all of a stage's layers in one call) is those layers in turn; and
-the engine takes them only for pure-decode batches of few rows. A bf16 model's fused layer
+the engine takes them only for pure-decode batches of few rows — of any size where the
+linears have weights packed once (an fp32 run of bf16 values). A bf16 model's fused layer
 is the fp32 layer over the same values (K/V rounded into its bf16 cache)."""
 
 from __future__ import annotations
@@ -259,3 +260,99 @@ def test_a_bf16_engine_decodes_through_the_fused_layer_and_returns_bf16(bf16_pai
     assert calls == [(2, runner.spec.num_layers)] * 5, "5 decode steps, every layer at once"
     assert set(dtypes) == {torch.bfloat16}, "the LM head gets the model's dtype"
     assert all(len(o.outputs[0].token_ids) == 6 for o in out16)
+
+
+# ---- an fp32 run of bf16-exact weights: linears packed once, the fused layer at any size
+
+
+@pytest.fixture(scope="module")
+def packed_llms(tmp_path_factory, cpu_kernels):
+    """variant -> LLM running that variant's bf16 checkpoint in fp32: where the build has
+    vector kernels every decoder linear gets a packed copy (see
+    ``model_runner.prepacked_from_rows``) and the fused layer takes them past the small-M
+    kernel's rows."""
+    from tiny_models import load_hf, make_tiny_model
+
+    cache = {}
+
+    def get(variant):
+        if variant not in cache:
+            arch, overrides = VARIANTS[variant]
+            src = make_tiny_model(arch, tmp_path_factory.mktemp(variant), **overrides)
+            dst = tmp_path_factory.mktemp(variant + "_bf16")
+            load_hf(src).to(torch.bfloat16).save_pretrained(dst)
+            for file in src.iterdir():  # the tokenizer's files
+                if not (dst / file.name).exists():
+                    (dst / file.name).write_bytes(file.read_bytes())
+            cache[variant] = LLM(str(dst), dtype="float32", block_size=BLOCK,
+                                 num_gpu_blocks_override=600, max_num_seqs=48)
+        return cache[variant]
+
+    return get
+
+
+PACKED_VARIANTS = ["llama_gqa", "qwen2_bias", "qwen3_qknorm_headdim", "mistral_window"]
+
+
+@pytest.mark.parametrize("variant", PACKED_VARIANTS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 40])
+@pytest.mark.parametrize("first_layer", [True, False])
+def test_fused_decode_layer_on_packed_weights_equals_the_python_layer(
+        packed_llms, variant, rows, first_layer):
+    """Decode batches on both sides of the small-M kernel's rows: the fused layer takes the
+    packed weights (the MLP's activation from the paired GEMM) exactly as the Python layer
+    does: output, residual stream and K/V bit for bit, at any batch size."""
+    from kvray.kernels import cpu_ops
+
+    if cpu_ops.vector_lanes() < 8:
+        pytest.skip("no packed weights without AVX2 kernels")
+    runner = _runner(packed_llms(variant))
+    layer = runner.model.model.layers[1]
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+               layer.mlp.down_proj)
+    assert all(m.prepacked_weight is not None for m in linears)
+    assert layer.fused_decode_max_rows >= 1 << 20, "any decode batch takes the fused layer"
+    meta, kv, hidden, residual = _decode_batch(runner, rows, seed=100 + rows)
+    res = None if first_layer else residual
+    kv_py, kv_fused = kv.clone(), kv.clone()
+    with torch.inference_mode():
+        want = _python_layer(layer, hidden.clone(), None if res is None else res.clone(), meta,
+                             kv_py)
+        got = layer(hidden.clone(), None if res is None else res.clone(), meta, kv_fused)
+    assert torch.equal(got[0], want[0]), "layer output"
+    assert torch.equal(got[1], want[1]), "residual stream"
+    assert torch.equal(kv_fused, kv_py), "K/V written into the cache"
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias"])
+def test_an_engine_on_packed_weights_decodes_every_batch_in_one_call_with_the_same_tokens(
+        packed_llms, variant, monkeypatch):
+    """40 requests decoding together take the whole stack in one call per step (no Python
+    layer), and greedy tokens equal those of each request alone (1-row batches, the small-M
+    kernel) and of the engine with the fused layer switched off."""
+    from kvray.kernels import cpu_ops
+
+    if cpu_ops.vector_lanes() < 8:
+        pytest.skip("no packed weights without AVX2 kernels")
+    llm = packed_llms(variant)
+    model = _runner(llm).model.model
+    stack = model.fused_decode_stack
+    rows = []
+
+    def spy(hidden, *args):
+        rows.append(hidden.shape[0])
+        return stack(hidden, *args)
+
+    prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 300 + 5 for j in range(3 + i % 5)]}
+               for i in range(40)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    monkeypatch.setattr(model, "fused_decode_stack", spy)
+    together = llm.generate(prompts, params, use_tqdm=False)
+    assert rows and max(rows) == 40, "the 40-row decode steps took the stack"
+    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[:6]]
+    monkeypatch.setattr(model, "fused_decode_stack", None)
+    unfused = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(together[:6], alone, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    for a, b in zip(together, unfused, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -115,14 +115,14 @@ def test_linear_on_a_packed_weight_takes_strided_inputs_and_empty_ones(ops):
 def test_linear_on_a_packed_weight_rejects_a_weight_of_another_shape(ops):
     # (out_features within the same panel of 16 or 32 rows share the packed size)
     packed = ops.pack_linear_weight(torch.randn(5, 8))
-    with pytest.raises(RuntimeError, match="does not hold 70 x 8 floats"):
+    with pytest.raises(RuntimeError, match="does not hold 70 x 8 fp32 or bf16 values"):
         ops.linear_packed(torch.randn(4, 8), packed, 70, None)
-    with pytest.raises(RuntimeError, match="does not hold 5 x 9 floats"):
+    with pytest.raises(RuntimeError, match="does not hold 5 x 9 fp32 or bf16 values"):
         ops.linear_packed(torch.randn(4, 9), packed, 5, None)
     with pytest.raises(RuntimeError, match="fp32 bias \\[N\\]"):
         ops.linear_packed(torch.randn(4, 8), packed, 5, torch.randn(4))
-    with pytest.raises(RuntimeError, match="fp32 CPU weight"):
-        ops.pack_linear_weight(torch.randn(5, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="fp32 or bf16 CPU weight"):
+        ops.pack_linear_weight(torch.randn(5, 8, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("rows,half,in_features", [(1, 1, 8), (13, 3, 100), (300, 4, 64),
@@ -151,6 +151,35 @@ def test_gate_up_packed_paired_gives_f_linear_and_the_mlp_activation(
         ops.pack_gate_up_weight(torch.randn(2 * inter + 2, 8))
     with pytest.raises(RuntimeError, match="does not hold"):
         ops.linear_packed_gate_up(x, paired, 2 * inter + 2 * lanes, b, silu_mul=True)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 16, 17, 33, 300])
+@pytest.mark.parametrize("out_features,in_features", [(1, 3), (129, 577), (40, 1600)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_bf16_weight_packed_as_bf16_gives_the_fp32_panels_results_bit_for_bit(
+        ops, rows, out_features, in_features, with_bias):
+    """A bf16 weight packs into bf16 panels (half the bytes), which the kernel widens in
+    registers: the very products and sums of fp32 panels holding the same values, for the
+    plain layout and the paired gate_up one with its fused activation."""
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    w16 = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if with_bias else None
+    packed16 = ops.pack_linear_weight(w16)
+    assert packed16.dtype == torch.bfloat16
+    assert packed16.numel() == ops.pack_linear_weight(w16.float()).numel()
+    got = ops.linear_packed(x, packed16, out_features, b)
+    want = ops.linear_packed(x, ops.pack_linear_weight(w16.float()), out_features, b)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, F.linear(x, w16.float(), b), rtol=1e-5, atol=5e-4)
+    inter = ops.vector_lanes() * 2
+    g16 = torch.randn(2 * inter, in_features, generator=gen).bfloat16()
+    for silu_mul in (False, True):
+        got = ops.linear_packed_gate_up(x, ops.pack_gate_up_weight(g16), 2 * inter, None,
+                                        silu_mul=silu_mul)
+        want = ops.linear_packed_gate_up(x, ops.pack_gate_up_weight(g16.float()), 2 * inter,
+                                         None, silu_mul=silu_mul)
+        assert torch.equal(got, want)
 
 
 def test_the_mlp_takes_its_activation_from_the_gemm_on_paired_weights(ops, monkeypatch):
@@ -452,7 +481,9 @@ def test_the_runner_prepacks_only_bf16_exact_layers_and_only_with_vector_kernels
     assert bf16 == (8 * 16 + 40 * 16) * 2
     small = cpu_ops.small_m_max_rows()
     cut = model_runner.prepacked_from_rows()
-    assert cut == {16: model_runner.AVX512_PACKED_FROM_ROWS, 8: small + 1, 1: None}[lanes]
+    avx2_cut = model_runner.AVX2_PACKED_FROM_ROWS if model_runner.AVX2_BF16_PANELS \
+        else small + 1
+    assert cut == {16: model_runner.AVX512_PACKED_FROM_ROWS, 8: avx2_cut, 1: None}[lanes]
     if cut is None:
         assert (packed, freed) == (0, 0) and layer.weight.shape == (8, 16)
         assert all(m.prepacked_weight is None for m in (layer, head))
@@ -471,7 +502,10 @@ def test_the_runner_prepacks_only_bf16_exact_layers_and_only_with_vector_kernels
     assert 1 < cut <= small + 1
     panel = 2 * cpu_ops.load_ops().vector_lanes()  # the build's panels (padded)
     padded = -(-8 // panel) * panel + -(-40 // panel) * panel
-    assert (packed, freed) == (padded * 16 * 4, 8 * 16 * 4)
+    # with 8 lanes the panels hold the bf16 copies' values (2 bytes each)
+    panel_bytes = 2 if lanes == 8 and model_runner.AVX2_BF16_PANELS else 4
+    assert (packed, freed) == (padded * 16 * panel_bytes, 8 * 16 * 4)
+    assert all(m.prepacked_weight.element_size() == panel_bytes for m in (layer, head))
     assert layer.weight.numel() == 0
     assert got == {(name, n): "small" if n < cut else "packed" for name, n in got}
     assert model_runner._small_m_rows(model) == cut - 1  # the fused layer's range

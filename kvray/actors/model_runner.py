@@ -48,7 +48,7 @@ from kvray.models.layers import (
     use_prepacked_weights,
     use_small_m_kernel,
 )
-from kvray.models.llama import use_fused_decode_layer, use_fused_ops
+from kvray.models.llama import LlamaDecoderLayer, use_fused_decode_layer, use_fused_ops
 from kvray.models.loader import load_model, resolve_max_model_len
 from kvray.parallel import ParallelContext
 from kvray.sampling_params import SamplingParams
@@ -111,9 +111,10 @@ AVX512_ROUTES = dict(weight_major_max_rows=0, lm_head_weight_major_max_rows=0,
 # packed fp32 matmul was about as fast but grew memory per row count (design.md).
 AVX512_PREPACKED = True
 # Those layers take inputs of this many rows on through their packed weights, not the
-# small-M kernel's bf16 copies (and such decode batches leave the fused layer, which runs
-# the small-M kernel): the packed kernel's time grows with the rows more slowly than the
-# small-M kernel's. Measured on a 2-core AVX-512 Xeon
+# small-M kernel's bf16 copies (such decode batches left the fused layer when these were
+# measured; since 2026-12-03 the fused layer takes the packed weights there too): the packed
+# kernel's time grows with the rows more slowly than the small-M kernel's. Measured on a
+# 2-core AVX-512 Xeon
 # (fp32, weights on huge pages, cold, median of 7), the 30 layers' linears small-M /
 # packed: 16 rows 32.7 / 33.3 ms, 20 40.7 / 44.2, 24 47.9 / 45.4, 28 56.2 / 45.4, 32 60.3 /
 # 45.7; the 49,152 x 576 LM head: 16 7.4 / 7.0, 20 9.5 / 9.5, 24 11.0 / 9.3, 28 11.9 /
@@ -135,6 +136,14 @@ AVX512_PACKED_FROM_ROWS = 24
 # 0.70x the time for 32 requests decoding together, 0.83x for 64 and 128, 0.87x for a
 # prefill of 8 x 1,024 tokens.
 AVX2_PREPACKED = True
+# With 8 lanes the panels hold the bf16 copy's values (use_prepacked_weights' ``bf16``:
+# half the bytes to stream, widened exactly; the same products), which beat the small-M
+# kernel from a few rows on, and every decode batch of that size stays in the fused layer
+# (decode_layer on the packed weights). On a 2-core AVX2 EPYC (Zen 3, fp32, two threads),
+# the 30 layers' linears (median of 7), small-M / bf16 panels ms: 1 row 7.1 / 7.9, 2 8.2 /
+# 8.8, 4 9.0 / 8.3, 6 13.3 / 8.9, 8 14.9 / 13.4, 12 21.0 / 15.9, 16 27.8 / 21.0.
+AVX2_BF16_PANELS = True
+AVX2_PACKED_FROM_ROWS = 3
 
 
 def prepacked_from_rows() -> int | None:
@@ -145,7 +154,7 @@ def prepacked_from_rows() -> int | None:
     if lanes >= 16 and AVX512_PREPACKED:
         return AVX512_PACKED_FROM_ROWS
     if lanes == 8 and AVX2_PREPACKED:
-        return cpu_ops.small_m_max_rows() + 1
+        return AVX2_PACKED_FROM_ROWS if AVX2_BF16_PANELS else cpu_ops.small_m_max_rows() + 1
     return None
 
 
@@ -168,7 +177,8 @@ def _use_cpu_linear_kernels(model: torch.nn.Module,
                    partial(cpu_ops.linear_packed_gate_up, silu_mul=True),
                    cpu_ops.load_ops().vector_lanes())  # the build's panels
         packed = use_prepacked_weights(model, cpu_ops.pack_linear_weight,
-                                       cpu_ops.linear_packed, from_rows, gate_up)
+                                       cpu_ops.linear_packed, from_rows, gate_up,
+                                       bf16=not wide and AVX2_BF16_PANELS)
         freed = release_plain_weights(model)
     return bf16, packed, freed
 
@@ -299,10 +309,18 @@ class ModelRunner:
 
     def _fused_decode_max_rows(self, model: torch.nn.Module) -> int:
         """Decode batches of ``model`` up to this size take the fused layer. fp32: the
-        small-M kernel's range (:func:`_small_m_rows`). bf16: past a few rows oneDNN's packed
-        bf16 matmuls (AMX where the CPU has it) beat the small-M kernel by more than the
-        fused layer saves (measured on a 2-core AMX Xeon: see :data:`BF16_FUSED_ROWS`)."""
-        return _small_m_rows(model) if self.dtype == torch.float32 else BF16_FUSED_ROWS
+        small-M kernel's range (:func:`_small_m_rows`), or any size where every decoder
+        linear also has its weights packed once (the fused layer takes those past the
+        small-M kernel's rows: the same kernels as the Python layer, without the Python
+        between them). bf16: past a few rows oneDNN's packed bf16 matmuls (AMX where the CPU
+        has it) beat the small-M kernel by more than the fused layer saves (measured on a
+        2-core AMX Xeon: see :data:`BF16_FUSED_ROWS`)."""
+        if self.dtype != torch.float32:
+            return BF16_FUSED_ROWS
+        layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+        if layers and all(layer.decode_args()[0][8:] for layer in layers):
+            return 1 << 30
+        return _small_m_rows(model)
 
     @property
     def kernels(self) -> dict:
@@ -362,7 +380,7 @@ class ModelRunner:
             logger.info("kvray: bf16 copies of the weights for decode steps: %.0f MiB",
                         bf16 / 2**20)
         if packed and self.ctx.world_rank == 0:
-            logger.info("kvray: fp32 weights packed for larger batches: %.0f MiB; plain "
+            logger.info("kvray: weights packed for larger batches: %.0f MiB; plain "
                         "copies released: %.0f MiB", packed / 2**20, freed / 2**20)
 
     # ---- KV cache ---------------------------------------------------------------------

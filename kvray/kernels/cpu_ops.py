@@ -14,7 +14,8 @@
 - ``pack_linear_weight`` / ``linear_packed``: the tiled fp32 kernel on a weight packed once
   at load time (MKL's sgemm and ``linear_tiled`` repack the weight on every call), each
   panel prefetched from memory while the previous one is in use: past the small-M kernel's
-  rows, decode batches and prefill chunks (AVX-512 and AVX2).
+  rows, decode batches and prefill chunks (AVX-512 and AVX2). A bf16 weight packs as bf16
+  (half the bytes), widened exactly in registers: the same results as fp32 panels.
 - ``rms_norm``, ``rotary_inplace``, ``silu_and_mul``: a decoder layer's elementwise work,
   one call each.
 - ``decode_layer`` (the extension's, used by :func:`kvray.models.llama.use_fused_decode_layer`):
@@ -165,7 +166,8 @@ def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 weight [N, K] in ``linear_packed``'s layout (a 1-D tensor of about N x K)."""
+    """A weight [N, K] in ``linear_packed``'s layout (a 1-D tensor of about N x K), in its
+    own dtype: fp32, or bf16 (the kernel widens it to fp32 exactly)."""
     ext = load_ops()
     assert ext is not None, "call load_ops() first and check it is available"
     return ext.pack_linear_weight(weight)
@@ -180,7 +182,7 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 
 
 def pack_gate_up_weight(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 gate_up weight [2I, K] (gate rows, then up rows) in
+    """An fp32 or bf16 gate_up weight [2I, K] (gate rows, then up rows) in
     ``linear_packed_gate_up``'s layout: each panel a vector of gate rows and the same rows
     of up. I must be a multiple of :func:`vector_lanes`."""
     ext = load_ops()

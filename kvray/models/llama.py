@@ -161,10 +161,17 @@ class LlamaDecoderLayer(nn.Module):
                        f32(attn.k_norm.weight) if attn.k_norm is not None else none,
                        o.kernel_weight, f32(self.post_attention_layernorm.weight),
                        gate_up.kernel_weight, down.kernel_weight]
+            dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim]
+            linears = (qkv, o, gate_up, down)
+            if all(m.prepacked_weight is not None for m in linears) \
+                    and gate_up.prepacked_silu_mul is not None:
+                # batches past the small-M kernel's rows: the weights packed once
+                weights += [m.prepacked_weight for m in linears]
+                dims += [min(m.small_m_max_rows if m.small_m_kernel is not None else 0
+                             for m in linears)] + [m.out_features for m in linears]
             self._decode_args = (
                 weights, [f32(qkv.bias), f32(o.bias), f32(gate_up.bias), f32(down.bias)],
-                [attn.num_heads, attn.num_kv_heads, attn.head_dim], norm.eps,
-                attn.scale, attn.sliding_window or -1)
+                dims, norm.eps, attn.scale, attn.sliding_window or -1)
         return self._decode_args
 
 

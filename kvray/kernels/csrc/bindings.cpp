@@ -19,11 +19,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_tiled", &linear_tiled, nogil(),
         "x [M, K] @ w[N, K]^T (+ bias) as tiles the threads take one at a time (many rows)");
   m.def("pack_linear_weight", &pack_linear_weight, nogil(),
-        "fp32 w [N, K] packed once for linear_packed");
+        "fp32 or bf16 w [N, K] packed once (in its dtype) for linear_packed");
   m.def("linear_packed", &linear_packed, nogil(),
         "x [M, K] @ w^T (+ bias) on a weight packed by pack_linear_weight");
   m.def("pack_gate_up_weight", &pack_gate_up_weight, nogil(),
-        "fp32 gate_up w [2I, K] packed once, gate and up rows paired, for linear_packed_gate_up");
+        "fp32 or bf16 gate_up w [2I, K] packed once, gate and up rows paired, for "
+        "linear_packed_gate_up");
   m.def("linear_packed_gate_up", &linear_packed_gate_up, nogil(),
         "x [M, K] @ w^T on a paired gate_up weight: [M, 2I], or silu(gate) * up [M, I]");
   m.def("vector_lanes", &vector_lanes, "fp32 lanes of this build's vector kernels");

@@ -71,9 +71,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     std::vector<c10::optional<at::Tensor>> bias, std::vector<int64_t> dims, double eps,
     at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor tables,
     at::Tensor seq_lens, at::Tensor slots, double scale, int64_t window) {
-  TORCH_CHECK(w.size() == 8 && bias.size() == 4 && dims.size() == 3,
+  TORCH_CHECK((w.size() == 8 && dims.size() == 3) || (w.size() == 12 && dims.size() == 8),
               "decode_layer: weights [in_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, "
-              "down], biases [qkv, o, gate_up, down] and dims [Hq, Hk, D] expected");
+              "down] and dims [Hq, Hk, D], or those with packed [qkv, o, gate_up, down] and "
+              "[small-M rows, their N] after them expected");
+  TORCH_CHECK(bias.size() == 4, "decode_layer: biases [qkv, o, gate_up, down] expected");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() &&
               (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == kv.scalar_type()),
               "decode_layer: hidden [T, H], fp32 or of the cache's dtype");
@@ -87,9 +89,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   if (hidden.scalar_type() != at::kFloat) hidden = hidden.to(at::kFloat);
   const int64_t T = hidden.size(0), Hq = dims[0], Hk = dims[1], D = dims[2];
   TORCH_CHECK(kv.size(1) == Hk && kv.size(4) == D, "decode_layer: cache shape");
-  const at::Tensor &in_norm = w[0], &qkv_w = w[1], &q_norm = w[2], &k_norm = w[3],
-                   &o_w = w[4], &post_norm = w[5], &gate_up_w = w[6], &down_w = w[7];
+  const at::Tensor &in_norm = w[0], &q_norm = w[2], &k_norm = w[3], &post_norm = w[5],
+                   &gate_up_w = w[6];
   const int64_t q_size = Hq * D, kv_size = Hk * D;
+  // The packed weights for a batch past the small-M kernel's rows (where there are any).
+  const bool packed = w.size() == 12 && T > dims[3];
+  const auto linear = [&](const at::Tensor& in, int which) {  // 0 qkv, 1 o, 3 down
+    static constexpr int kPlain[] = {1, 4, 6, 7};
+    if (packed) return linear_packed(in, w[8 + which], dims[4 + which], bias[which]);
+    return linear_small_m(in, w[kPlain[which]], opt(bias[which]));
+  };
 
   // input norm (+ the previous layer's output added into the residual stream)
   at::Tensor residual = opt(residual_in), x;
@@ -99,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     x = rms_norm(hidden, in_norm, eps, c10::nullopt);
     residual = hidden;
   }
-  at::Tensor qkv = linear_small_m(x, qkv_w, opt(bias[0]));  // [T, q + 2 kv]
+  at::Tensor qkv = linear(x, 0);  // [T, q + 2 kv]
   at::Tensor v = qkv.slice(1, q_size + kv_size).view({T, Hk, D});
   at::Tensor q, k;
   if (!q_norm.defined() || q_norm.numel() == 0) {  // rotate q, k in place in the QKV output
@@ -117,11 +126,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   }
   write_kv(k, v, kv, slots);
   at::Tensor attn = paged_decode(q, kv, tables, seq_lens, scale, window);
-  at::Tensor o = linear_small_m(attn.view({T, q_size}), o_w, opt(bias[1]));
+  at::Tensor o = linear(attn.view({T, q_size}), 1);
 
   x = rms_norm(o, post_norm, eps, residual);  // residual += o
-  at::Tensor act = silu_and_mul(linear_small_m(x, gate_up_w, opt(bias[2])));
-  return {linear_small_m(act, down_w, opt(bias[3])), residual};
+  at::Tensor act = packed ? linear_packed_gate_up(x, w[10], dims[6], bias[2], true)
+                          : silu_and_mul(linear_small_m(x, gate_up_w, opt(bias[2])));
+  return {linear(act, 3), residual};
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_layers(

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -173,7 +174,7 @@ constexpr int64_t kWPanel = 16;
 // Panels holding N weight rows (the last one padded).
 static int64_t num_panels(int64_t N) { return (N + kWPanel - 1) / kWPanel; }
 
-// Floats in a weight [N, K] packed by pack_linear_weight (N rounded up to whole panels).
+// Elements in a weight [N, K] packed by pack_linear_weight (N rounded up to whole panels).
 static int64_t packed_linear_numel(int64_t N, int64_t K) {
   return num_panels(N) * kWPanel * K;
 }
@@ -183,16 +184,17 @@ static int64_t packed_linear_numel(int64_t N, int64_t K) {
 // panel's first half holds gate rows [p * h, (p + 1) * h), its second half the up rows
 // [I + p * h, I + (p + 1) * h), h = kWPanel / 2, so that one panel's two accumulator
 // vectors are a gate and its up.
-static void pack_w_panel(const float* w, int64_t N, int64_t K, int64_t p, float* dst,
+template <typename S, typename D>
+static void pack_w_panel(const S* w, int64_t N, int64_t K, int64_t p, D* dst,
                          bool paired = false) {
   constexpr int64_t h = kWPanel / 2;
   for (int64_t j = 0; j < kWPanel; ++j) {
     const int64_t n = paired ? (j < h ? p * h + j : N / 2 + p * h + j - h) : p * kWPanel + j;
     if (n < N) {
-      const float* src = w + n * K;
-      for (int64_t k = 0; k < K; ++k) dst[k * kWPanel + j] = src[k];
+      const S* src = w + n * K;
+      for (int64_t k = 0; k < K; ++k) dst[k * kWPanel + j] = static_cast<D>(src[k]);
     } else {
-      for (int64_t k = 0; k < K; ++k) dst[k * kWPanel + j] = 0.f;
+      for (int64_t k = 0; k < K; ++k) dst[k * kWPanel + j] = static_cast<D>(0.f);
     }
   }
 }
@@ -248,9 +250,9 @@ struct PanelOut {
 // one line per k, so a share longer than K is cut short (a tile of two row blocks
 // prefetches half the next panel; prefetching all of it, two lines per k, was 1.05-1.14x
 // slower at 24 rows).
-template <int R, bool prefetch>
+template <int R, bool prefetch, typename WT>
 static void block_rows_panel(const float* __restrict__ x, int64_t ldx,
-                             const float* __restrict__ wp, int64_t K, const PanelOut& o,
+                             const WT* __restrict__ wp, int64_t K, const PanelOut& o,
                              int64_t cols, const char* pf, int64_t pf_lines) {
   constexpr int W = Vec::kWidth;
   using V = Vec::T;
@@ -260,10 +262,10 @@ static void block_rows_panel(const float* __restrict__ x, int64_t ldx,
   const int64_t pf_every = pf_lines > 0 ? std::max<int64_t>(1, K / pf_lines) : K + 1;
   int64_t pf_next = 0, pf_done = 0;
   for (int64_t k = 0; k < K; ++k) {
-    const float* a = wp + k * kWPanel;
+    const WT* a = wp + k * kWPanel;
     if constexpr (prefetch) {
       _mm_prefetch(reinterpret_cast<const char*>(a) + kPackedPrefetchBytes, _MM_HINT_T0);
-      if constexpr (kWPanel * sizeof(float) > 64)
+      if constexpr (kWPanel * sizeof(WT) > 64)
         _mm_prefetch(reinterpret_cast<const char*>(a) + kPackedPrefetchBytes + 64, _MM_HINT_T0);
     }
     if (k == pf_next && pf_done < pf_lines) {
@@ -306,13 +308,13 @@ static void block_rows_panel(const float* __restrict__ x, int64_t ldx,
 }
 
 // block_rows_panel for `rows` (1..kXRows) rows.
-template <bool prefetch>
-static void block_rows_any(int64_t rows, const float* x, int64_t ldx, const float* wp,
+template <bool prefetch, typename WT>
+static void block_rows_any(int64_t rows, const float* x, int64_t ldx, const WT* wp,
                            int64_t K, const PanelOut& o, int64_t cols, const char* pf,
                            int64_t pf_lines) {
 #define KVRAY_ROWS(n)                                                      \
   case n:                                                                  \
-    block_rows_panel<n, prefetch>(x, ldx, wp, K, o, cols, pf, pf_lines);  \
+    block_rows_panel<n, prefetch, WT>(x, ldx, wp, K, o, cols, pf, pf_lines);  \
     break;
   switch (rows) {
     KVRAY_ROWS(1) KVRAY_ROWS(2) KVRAY_ROWS(3) KVRAY_ROWS(4) KVRAY_ROWS(5) KVRAY_ROWS(6)
@@ -333,7 +335,8 @@ constexpr int64_t kTilePanels = 3;
 // the tile's arithmetic). Tiles of y: up to 256 rows of x (fewer for long K, so that they
 // stay in L2) x kTilePanels panels, taken by the threads one at a time; within a tile,
 // panel by panel, row blocks of kXRows (the last two split evenly: no block of a few rows).
-static void linear_fp32(const float* x, int64_t ldx, const float* w, const float* packed,
+template <typename WT = float>
+static void linear_fp32(const float* x, int64_t ldx, const float* w, const WT* packed,
                         const float* bias, float* y, int64_t M, int64_t K, int64_t N,
                         GateUp gate_up = GateUp::kNo) {
   const bool paired = gate_up != GateUp::kNo;
@@ -344,17 +347,18 @@ static void linear_fp32(const float* x, int64_t ldx, const float* w, const float
   const int64_t panels = num_panels(N);
   const int64_t tiles_n = (panels + kTilePanels - 1) / kTilePanels;
   const int64_t tiles = (M + tile_rows - 1) / tile_rows * tiles_n;
-  const int64_t panel_lines = kWPanel * K * static_cast<int64_t>(sizeof(float)) / 64;
+  const int64_t panel_lines = kWPanel * K * static_cast<int64_t>(sizeof(WT)) / 64;
   parallel_dynamic(tiles, 1, [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<float> buf;  // a panel packed here (plain weights)
+    thread_local std::vector<WT> buf;  // a panel packed here (plain fp32 weights)
     if (packed == nullptr) buf.resize(static_cast<size_t>(kWPanel * K));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t m0 = t / tiles_n * tile_rows, m1 = std::min(M, m0 + tile_rows);
       const int64_t q0 = t % tiles_n * kTilePanels, q1 = std::min(panels, q0 + kTilePanels);
       for (int64_t q = q0; q < q1; ++q) {
-        const float* wp = buf.data();
+        const WT* wp = buf.data();
         if (packed != nullptr) wp = packed + q * kWPanel * K;
-        else pack_w_panel(w, N, K, q, buf.data(), paired);
+        else if constexpr (std::is_same_v<WT, float>)  // (bf16 weights come packed)
+          pack_w_panel(w, N, K, q, buf.data(), paired);
         const int64_t n = q * kWPanel, cols = std::min<int64_t>(kWPanel, N - n);
         // The panel's columns: [n, n + kWPanel) of a plain weight; of a paired one
         // [q * W, (q + 1) * W) and the same columns of the up half.
@@ -410,7 +414,7 @@ at::Tensor linear_tiled(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
     const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
     const at::Tensor wc = w.contiguous();
     const at::Tensor bc = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    linear_fp32(xc.data_ptr<float>(), xc.stride(0), wc.data_ptr<float>(), nullptr,
+    linear_fp32<float>(xc.data_ptr<float>(), xc.stride(0), wc.data_ptr<float>(), nullptr,
                 has_bias ? bc.data_ptr<float>() : nullptr, y.data_ptr<float>(), M,
                 xc.size(1), N);
     return y;
@@ -438,19 +442,24 @@ at::Tensor linear_tiled(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
 }
 
 static at::Tensor pack_weight(const at::Tensor& w, bool paired, const char* name) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
-              name, ": an fp32 CPU weight [N, K] expected");
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              name, ": an fp32 or bf16 CPU weight [N, K] expected");
   const at::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1);
   TORCH_CHECK(!paired || N % kWPanel == 0, name, ": N (", N,
               ") must be a whole number of panels: twice ", kWPanel / 2, " x a count");
   auto out = at::empty({packed_linear_numel(N, K)}, wc.options());
-  const float* src = wc.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, num_panels(N), 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      pack_w_panel(src, N, K, p, dst + p * kWPanel * K, paired);
-  });
+  const auto pack_all = [&](auto* dst, const auto* src) {
+    at::parallel_for(0, num_panels(N), 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        pack_w_panel(src, N, K, p, dst + p * kWPanel * K, paired);
+    });
+  };
+  if (wc.scalar_type() == at::kFloat)
+    pack_all(out.data_ptr<float>(), wc.data_ptr<float>());
+  else  // a bf16 weight packs as bf16: half the bytes, widened exactly in the kernel
+    pack_all(out.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>());
   return out;
 }
 
@@ -468,9 +477,10 @@ static at::Tensor packed_matmul(const at::Tensor& x, const at::Tensor& packed, i
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               name, ": fp32 CPU x [M, K] expected");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kFloat &&
+  TORCH_CHECK(packed.dim() == 1 &&
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16) &&
                   packed.is_contiguous() && N > 0 && packed.numel() == packed_linear_numel(N, K),
-              name, ": the packed weight does not hold ", N, " x ", K, " floats");
+              name, ": the packed weight does not hold ", N, " x ", K, " fp32 or bf16 values");
   TORCH_CHECK(gate_up == 0 || N % kWPanel == 0, name, ": N (", N,
               ") is not a paired gate_up weight's");
   const bool has_bias = bias.has_value() && bias->defined();
@@ -484,8 +494,13 @@ static at::Tensor packed_matmul(const at::Tensor& x, const at::Tensor& packed, i
     const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
     const at::Tensor bc = has_bias ? bias->contiguous() : at::Tensor();
     const GateUp mode = gate_up == 0 ? GateUp::kNo : silu_mul ? GateUp::kSiluMul : GateUp::kPlain;
-    linear_fp32(xc.data_ptr<float>(), xc.stride(0), nullptr, packed.data_ptr<float>(),
-                has_bias ? bc.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N, mode);
+    const float* b = has_bias ? bc.data_ptr<float>() : nullptr;
+    if (packed.scalar_type() == at::kFloat)
+      linear_fp32(xc.data_ptr<float>(), xc.stride(0), nullptr, packed.data_ptr<float>(), b,
+                  y.data_ptr<float>(), M, K, N, mode);
+    else
+      linear_fp32(xc.data_ptr<float>(), xc.stride(0), nullptr,
+                  packed.data_ptr<c10::BFloat16>(), b, y.data_ptr<float>(), M, K, N, mode);
   } else {
     y.zero_();
     if (has_bias && M > 0 && !silu_mul) y.add_(*bias);

@@ -53,8 +53,9 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> 
 // kernel at vector_lanes() width, other dtypes one single-threaded sgemm each.
 at::Tensor linear_tiled(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 
-// fp32 w [N, K] packed once for linear_packed: panels of 2 x vector_lanes() weight rows,
-// k-major within a panel (the last panel padded with zero rows).
+// w [N, K] (fp32, or bf16: packed as bf16, widened exactly in the kernel) packed once for
+// linear_packed: panels of 2 x vector_lanes() weight rows, k-major within a panel (the
+// last panel padded with zero rows).
 at::Tensor pack_linear_weight(at::Tensor w);
 
 // linear_tiled's fp32 kernel on a weight packed by pack_linear_weight (out_features N):
@@ -93,7 +94,11 @@ at::Tensor silu_and_mul(at::Tensor gate_up);
 // QKV, optional per-head q/k norms, rotary, K/V write, paged decode attention, O, post norm
 // (+ residual), gate/up, SiLU-and-mul, down. w: [in_norm, qkv, q_norm, k_norm, o,
 // post_norm, gate_up, down] (q_norm/k_norm empty when absent); bias: [qkv, o, gate_up,
-// down]; dims: [Hq, Hk, D]. Returns (layer output, residual); the residual is updated in
+// down]; dims: [Hq, Hk, D]. With weights packed once (pack_linear_weight; gate_up by
+// pack_gate_up_weight), w holds four more, [qkv, o, gate_up, down] packed, and dims five
+// more, [small-M rows, N of qkv, o, gate_up, down]: a batch of more rows than the first
+// takes the packed weights (gate_up with the activation in its epilogue), a smaller one
+// the small-M kernel on w's. Returns (layer output, residual); the residual is updated in
 // place (it is `hidden` itself on the first layer).
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     at::Tensor hidden, c10::optional<at::Tensor> residual, std::vector<at::Tensor> w,
