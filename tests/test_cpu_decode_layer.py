@@ -277,7 +277,7 @@ def packed_llms(tmp_path_factory, cpu_kernels):
 
     def get(variant):
         if variant not in cache:
-            arch, overrides = VARIANTS[variant]
+            arch, overrides = {**VARIANTS, **PACKED_ONLY}[variant]
             src = make_tiny_model(arch, tmp_path_factory.mktemp(variant), **overrides)
             dst = tmp_path_factory.mktemp(variant + "_bf16")
             load_hf(src).to(torch.bfloat16).save_pretrained(dst)
@@ -291,7 +291,10 @@ def packed_llms(tmp_path_factory, cpu_kernels):
     return get
 
 
-PACKED_VARIANTS = ["llama_gqa", "qwen2_bias", "qwen3_qknorm_headdim", "mistral_window"]
+# an MLP of 100 (not a whole number of vectors): gate_up packed plain, not paired
+PACKED_ONLY = {"llama_odd_mlp": ("llama_gqa", dict(intermediate_size=100))}
+PACKED_VARIANTS = ["llama_gqa", "qwen2_bias", "qwen3_qknorm_headdim", "mistral_window",
+                   "llama_odd_mlp"]
 
 
 @pytest.mark.parametrize("variant", PACKED_VARIANTS)
@@ -311,6 +314,8 @@ def test_fused_decode_layer_on_packed_weights_equals_the_python_layer(
     linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                layer.mlp.down_proj)
     assert all(m.prepacked_weight is not None for m in linears)
+    paired = layer.mlp.gate_up_proj.prepacked_silu_mul is not None
+    assert paired == (variant != "llama_odd_mlp")
     assert layer.fused_decode_max_rows >= 1 << 20, "any decode batch takes the fused layer"
     meta, kv, hidden, residual = _decode_batch(runner, rows, seed=100 + rows)
     res = None if first_layer else residual
@@ -324,7 +329,7 @@ def test_fused_decode_layer_on_packed_weights_equals_the_python_layer(
     assert torch.equal(kv_fused, kv_py), "K/V written into the cache"
 
 
-@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias"])
+@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias", "llama_odd_mlp"])
 def test_an_engine_on_packed_weights_decodes_every_batch_in_one_call_with_the_same_tokens(
         packed_llms, variant, monkeypatch):
     """40 requests decoding together take the whole stack in one call per step (no Python

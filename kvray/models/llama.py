@@ -163,12 +163,13 @@ class LlamaDecoderLayer(nn.Module):
                        gate_up.kernel_weight, down.kernel_weight]
             dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim]
             linears = (qkv, o, gate_up, down)
-            if all(m.prepacked_weight is not None for m in linears) \
-                    and gate_up.prepacked_silu_mul is not None:
-                # batches past the small-M kernel's rows: the weights packed once
+            if all(m.prepacked_weight is not None for m in linears):
+                # batches past the small-M kernel's rows: the weights packed once (gate_up
+                # paired where it could be: the activation from the GEMM)
                 weights += [m.prepacked_weight for m in linears]
                 dims += [min(m.small_m_max_rows if m.small_m_kernel is not None else 0
                              for m in linears)] + [m.out_features for m in linears]
+                dims.append(int(gate_up.prepacked_silu_mul is not None))
             self._decode_args = (
                 weights, [f32(qkv.bias), f32(o.bias), f32(gate_up.bias), f32(down.bias)],
                 dims, norm.eps, attn.scale, attn.sliding_window or -1)

@@ -71,10 +71,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     std::vector<c10::optional<at::Tensor>> bias, std::vector<int64_t> dims, double eps,
     at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor tables,
     at::Tensor seq_lens, at::Tensor slots, double scale, int64_t window) {
-  TORCH_CHECK((w.size() == 8 && dims.size() == 3) || (w.size() == 12 && dims.size() == 8),
+  TORCH_CHECK((w.size() == 8 && dims.size() == 3) || (w.size() == 12 && dims.size() == 9),
               "decode_layer: weights [in_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, "
               "down] and dims [Hq, Hk, D], or those with packed [qkv, o, gate_up, down] and "
-              "[small-M rows, their N] after them expected");
+              "[small-M rows, their N, gate_up paired] after them expected");
   TORCH_CHECK(bias.size() == 4, "decode_layer: biases [qkv, o, gate_up, down] expected");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() &&
               (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == kv.scalar_type()),
@@ -129,8 +129,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   at::Tensor o = linear(attn.view({T, q_size}), 1);
 
   x = rms_norm(o, post_norm, eps, residual);  // residual += o
-  at::Tensor act = packed ? linear_packed_gate_up(x, w[10], dims[6], bias[2], true)
-                          : silu_and_mul(linear_small_m(x, gate_up_w, opt(bias[2])));
+  at::Tensor act;
+  if (packed && dims[8] != 0)  // paired: the activation from the GEMM's epilogue
+    act = linear_packed_gate_up(x, w[10], dims[6], bias[2], true);
+  else
+    act = silu_and_mul(packed ? linear_packed(x, w[10], dims[6], bias[2])
+                              : linear_small_m(x, gate_up_w, opt(bias[2])));
   return {linear(act, 3), residual};
 }
 

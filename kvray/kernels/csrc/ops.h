@@ -95,10 +95,10 @@ at::Tensor silu_and_mul(at::Tensor gate_up);
 // (+ residual), gate/up, SiLU-and-mul, down. w: [in_norm, qkv, q_norm, k_norm, o,
 // post_norm, gate_up, down] (q_norm/k_norm empty when absent); bias: [qkv, o, gate_up,
 // down]; dims: [Hq, Hk, D]. With weights packed once (pack_linear_weight; gate_up by
-// pack_gate_up_weight), w holds four more, [qkv, o, gate_up, down] packed, and dims five
-// more, [small-M rows, N of qkv, o, gate_up, down]: a batch of more rows than the first
-// takes the packed weights (gate_up with the activation in its epilogue), a smaller one
-// the small-M kernel on w's. Returns (layer output, residual); the residual is updated in
+// pack_gate_up_weight when paired), w holds four more, [qkv, o, gate_up, down] packed, and
+// dims six more, [small-M rows, N of qkv, o, gate_up, down, gate_up paired (0/1)]: a batch
+// of more rows than the first takes the packed weights (a paired gate_up with the
+// activation in its epilogue), a smaller one the small-M kernel on w's. Returns (layer output, residual); the residual is updated in
 // place (it is `hidden` itself on the first layer).
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     at::Tensor hidden, c10::optional<at::Tensor> residual, std::vector<at::Tensor> w,
