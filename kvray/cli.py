@@ -106,6 +106,15 @@ class _Stop(BaseException):
     server admitting requests after a SIGTERM (seen once in CI)."""
 
 
+# Ray settings for the Serve front ends, set on the private cluster `kvray serve` starts
+# (a variable already in the environment wins); the Helm chart and the `ray up` configs set
+# them on every node. Ray Serve's gRPC transport between its proxy and the replicas and for
+# deployment handles (the ingress' calls to the engine replicas) instead of Ray actor calls:
+# each streamed token crosses both. On a 2-core AVX2 EPYC, 32 requests at 16 streams,
+# alternated fresh servers: 1.03-1.09x the output tok/s over six rounds (mean 1.06x); the
+# proxy's half alone 1.02-1.06x.
+SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+
 # SIGTERM state of `kvray serve` (main thread only). During start-up the first SIGTERM
 # is only noted: the HTTP app may already be admitting requests before serve.run returns,
 # so the server drains as soon as it is up; a second one stops it at once (a start-up
@@ -150,6 +159,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # Not when joining a cluster: there the driver must find its node by its own IP.
     if not (args.address or os.environ.get("RAY_ADDRESS")):
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        # The private cluster's Serve processes inherit it (a cluster we join has its own:
+        # the chart and cluster configs set it).
+        os.environ.update({k: v for k, v in SERVE_ENV.items() if k not in os.environ})
     from kvray.default_model import resolve_model_path
     from kvray.serve.builder import build_app, served_model_name
 

@@ -93,6 +93,21 @@ def test_shipped_configs_pin_versions_and_start_kvray_serve():
         assert "--api-key-file" in head
 
 
+def test_shipped_configs_start_ray_with_the_serve_env():
+    """Every `ray start` of every shipped config carries `kvray serve`'s SERVE_ENV (Serve's
+    processes read it at start-up; `kvray serve --address auto` cannot set it there)."""
+    from kvray.cli import SERVE_ENV
+
+    for path in SHIPPED:
+        config = yaml.safe_load(path.read_text())
+        starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands")
+                  for c in config[key] if "ray start" in c]
+        assert len(starts) == 2, path.name
+        for command in starts:
+            for key, value in SERVE_ENV.items():
+                assert f"{key}={value} " in command.split("ray start")[0], (path.name, command)
+
+
 # ---- bad fixtures -------------------------------------------------------------------------
 BAD = {
     "typo-max-worker.yaml": (None, "ray schema: at available_node_types.gpu_4x: Additional "

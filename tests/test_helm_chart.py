@@ -346,6 +346,23 @@ def test_api_key_wiring(rendered):
         assert "api_key" not in serve_config(rayservice(docs))["applications"][0]["args"]
 
 
+def test_serve_grpc_transport_env_on_every_ray_pod(rendered):
+    """serveGrpcTransport puts `kvray serve`'s SERVE_ENV on every Ray pod (Serve's proxy,
+    controller and replicas read it at start-up); false leaves Ray's default."""
+    from kvray.cli import SERVE_ENV
+
+    seen = set()
+    for name, docs in rendered.items():
+        on = values_of(name)["serveGrpcTransport"]
+        seen.add(on)
+        for group_name, group in groups(rayservice(docs)):
+            (container,) = group["template"]["spec"]["containers"]
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            for key, value in SERVE_ENV.items():
+                assert env.get(key) == (value if on else None), (name, group_name, key)
+    assert seen == {True, False}  # both branches rendered (ci/cpu-workers-values.yaml)
+
+
 def test_pod_monitors(rendered):
     docs = rendered["gpu-1-values.yaml"]
     monitors = of_kind(docs, "PodMonitor")

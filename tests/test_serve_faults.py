@@ -235,6 +235,20 @@ def _fuzz_positive(op, model: str, findings) -> None:
     run()
 
 
+def test_the_private_clusters_serve_processes_use_the_grpc_transport(served):
+    """`kvray serve` sets SERVE_ENV for the Ray cluster it starts: Serve's proxy, the
+    ingress and the engine replica all run with it (the fault tests below then run over
+    that transport)."""
+    from kvray.cli import SERVE_ENV
+
+    base, _ = served
+    for title in ("ray::ProxyActor", "ray::ServeReplica:kvray:OpenAIIngress",
+                  "ray::ServeReplica:kvray:LLMServer"):
+        env = _ray_process(base, title).environ()
+        for key, value in SERVE_ENV.items():
+            assert env.get(key) == value, (title, key, env.get(key))
+
+
 def test_a_killed_worker_fails_its_requests_and_the_server_recovers(served):
     killed_worker_fails_its_requests_and_the_server_recovers(*served)
 

@@ -109,6 +109,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
       name: {{ include "kvray.apiKeySecretName" . }}
       key: {{ .Values.apiKey.secretKey }}
 {{- end }}
+{{- if .Values.serveGrpcTransport }}
+- name: RAY_SERVE_USE_GRPC_BY_DEFAULT
+  value: "1"
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
