@@ -161,7 +161,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         # The private cluster's Serve processes inherit it (a cluster we join has its own:
         # the chart and cluster configs set it).
-        os.environ.update({k: v for k, v in SERVE_ENV.items() if k not in os.environ})
+        for key, value in SERVE_ENV.items():
+            os.environ.setdefault(key, value)
     from kvray.default_model import resolve_model_path
     from kvray.serve.builder import build_app, served_model_name
 
