@@ -76,3 +76,47 @@ def test_streams_on_two_replicas_each_get_their_own_tokens(two_replicas):
             break
         time.sleep(0.5)
     assert len(served) == 2, f"one replica served every request: {served}"
+
+
+def test_a_dead_ingress_leaves_no_channel_on_the_model_replica(tiny_model_dir):
+    """The ingress dies mid-stream: its carrier call on the model replica is cancelled, the
+    replica aborts the channel's requests, and the channel (with the outputs nobody will
+    read) is gone once they end; a new carrier of the same name starts afresh."""
+    from kvray.config import config_from_flat
+    from kvray.engine.async_engine import AsyncLLM
+    from kvray.sampling_params import RequestOutputKind, SamplingParams
+    from kvray.serve.deployment import LLMServer
+
+    engine = AsyncLLM(config_from_flat(dict(model=str(tiny_model_dir("llama_gqa")),
+                                            dtype="float32", block_size=4, max_model_len=128,
+                                            num_gpu_blocks_override=64)))
+    replica = LLMServer.func_or_class.__new__(LLMServer.func_or_class)
+    replica.engine, replica.replica_id, replica._channels = engine, "r1", {}
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+
+    async def drain(gen) -> list:
+        return [item async for item in gen]
+
+    async def main() -> tuple[dict, list, list]:
+        submit = replica.submit("ingress-a", "req-1", "Hello world", params)
+        assert await submit.__anext__() == "r1"
+        submitted = asyncio.create_task(drain(submit))
+        carrier = replica.carry("ingress-a")
+        assert await carrier.__anext__() == "r1"
+        first = await carrier.__anext__()  # outputs flow
+        await asyncio.sleep(0.02)  # more of them pile up, unread
+        assert replica._channels["ingress-a"].pending
+        await carrier.aclose()  # the ingress died: Serve cancels its carrier call
+        await asyncio.wait_for(submitted, 30)  # aborted by the replica (or finished)
+        left = dict(replica._channels)
+        again = replica.carry("ingress-a")  # the same name later: a fresh channel
+        return left, first, [await again.__anext__(), replica._channels["ingress-a"].pending]
+
+    try:
+        left, first, (landed, pending) = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert first and all(rid == "req-1" for rid, _ in first)
+    assert left == {}
+    assert landed == "r1" and pending == []

@@ -209,8 +209,12 @@ class LLMServer:
             ch.carried = False
             if ch.requests:  # cancelled or failed mid-stream (the ingress died): no reader
                 asyncio.ensure_future(self._abort_quietly(list(ch.requests)))
-            if not ch.pending:
-                self._channels.pop(channel, None)
+            # Nothing reads this channel any more (a new carrier starts a new one): drop
+            # what it holds and what its aborted requests push later, or a dead ingress'
+            # channel would stay here with its last outputs for good.
+            ch.close()
+            if self._channels.get(channel) is ch:
+                del self._channels[channel]
 
     async def _abort_quietly(self, request_ids: list[str]) -> None:
         with contextlib.suppress(Exception):  # the engine may be stopping with the replica
@@ -230,10 +234,17 @@ class _OutputChannel:
         self.ready = asyncio.Event()
         self.requests: set[str] = set()
         self.carried = False  # a carrier call is open
+        self.closed = False  # its carrier ended: nothing will read it
 
     def push(self, request_id: str, item: Any) -> None:
+        if self.closed:
+            return
         self.pending.append((request_id, item))
         self.ready.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.pending.clear()
 
 
 class _ServeClient:
