@@ -120,3 +120,47 @@ def test_a_dead_ingress_leaves_no_channel_on_the_model_replica(tiny_model_dir):
     assert first and all(rid == "req-1" for rid, _ in first)
     assert left == {}
     assert landed == "r1" and pending == []
+
+
+def test_a_channel_whose_carrier_never_comes_is_dropped_and_one_that_comes_late_is_read(
+        tiny_model_dir, monkeypatch):
+    """Requests admitted on a channel whose ingress died before opening its carrier: the
+    channel goes after UNCARRIED_CHANNEL_S. A carrier that opens after a short request
+    already ended still gets all of its outputs."""
+    from kvray.config import config_from_flat
+    from kvray.engine.async_engine import AsyncLLM
+    from kvray.sampling_params import RequestOutputKind, SamplingParams
+    from kvray.serve import deployment
+
+    monkeypatch.setattr(deployment, "UNCARRIED_CHANNEL_S", 0.3)
+    engine = AsyncLLM(config_from_flat(dict(model=str(tiny_model_dir("llama_gqa")),
+                                            dtype="float32", block_size=4, max_model_len=128,
+                                            num_gpu_blocks_override=64)))
+    cls = deployment.LLMServer.func_or_class
+    replica = cls.__new__(cls)
+    replica.engine, replica.replica_id, replica._channels = engine, "r1", {}
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+
+    async def run_uncarried(channel: str, request_id: str) -> None:
+        async for _ in replica.submit(channel, request_id, "Hello world", params):
+            pass
+
+    async def main() -> tuple[bool, bool, list]:
+        await run_uncarried("dead", "req-dead")
+        await run_uncarried("late", "req-late")
+        carrier = replica.carry("late")  # opens after its request ended
+        assert await carrier.__anext__() == "r1"
+        batch = await carrier.__anext__()
+        await carrier.aclose()
+        await asyncio.sleep(0.6)
+        return "dead" in replica._channels, "late" in replica._channels, batch
+
+    try:
+        dead_left, late_left, batch = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert not dead_left and not late_left
+    assert [rid for rid, _ in batch] == ["req-late"] * len(batch)
+    assert sum(len(out.outputs[0].token_ids) for _, out in batch) == 3
+    assert batch[-1][1].finished

@@ -40,6 +40,7 @@ HEALTH_TIMEOUT_S = 5.0
 INGRESS_QUEUE = 8192  # requests Serve's proxy may queue for the ingress (see build_app)
 INGRESS_KINDS = ("separate", "replica")
 CARRIER_IDLE_S = 2.0  # a channel's carrier ends after this long with no request
+UNCARRIED_CHANNEL_S = 60.0  # a channel whose carrier never came is dropped after this long
 CARRIER_RETRIES = 3  # tries to open a carrier on the replica that admitted a request
 
 
@@ -180,6 +181,8 @@ class LLMServer:
         finally:
             ch.requests.discard(request_id)
             await stream.aclose()
+            if not ch.carried and not ch.requests:  # its ingress may have died before carrying
+                asyncio.ensure_future(self._drop_uncarried(channel, ch))
 
     async def carry(self, channel: str, replica: str | None = None):
         """``channel``'s carrier: every output of its requests on this replica, one Ray
@@ -215,6 +218,15 @@ class LLMServer:
             ch.close()
             if self._channels.get(channel) is ch:
                 del self._channels[channel]
+
+    async def _drop_uncarried(self, channel: str, ch: _OutputChannel) -> None:
+        """Drop ``ch`` if no carrier has come for it in UNCARRIED_CHANNEL_S (the ingress
+        that admitted its requests died before opening one); a carrier that comes reads it
+        (a short request can end before its ingress opens the carrier)."""
+        await asyncio.sleep(UNCARRIED_CHANNEL_S)
+        if self._channels.get(channel) is ch and not ch.carried and not ch.requests:
+            ch.close()
+            del self._channels[channel]
 
     async def _abort_quietly(self, request_ids: list[str]) -> None:
         with contextlib.suppress(Exception):  # the engine may be stopping with the replica
