@@ -78,13 +78,13 @@ def test_streams_on_two_replicas_each_get_their_own_tokens(two_replicas):
     assert len(served) == 2, f"one replica served every request: {served}"
 
 
-def test_a_dead_ingress_leaves_no_channel_on_the_model_replica(tiny_model_dir):
-    """The ingress dies mid-stream: its carrier call on the model replica is cancelled, the
-    replica aborts the channel's requests, and the channel (with the outputs nobody will
-    read) is gone once they end; a new carrier of the same name starts afresh."""
+
+@pytest.fixture
+def bare_replica(tiny_model_dir):
+    """The model replica's class over a real in-process engine, without Ray Serve: its
+    channel bookkeeping driven call by call."""
     from kvray.config import config_from_flat
     from kvray.engine.async_engine import AsyncLLM
-    from kvray.sampling_params import RequestOutputKind, SamplingParams
     from kvray.serve.deployment import LLMServer
 
     engine = AsyncLLM(config_from_flat(dict(model=str(tiny_model_dir("llama_gqa")),
@@ -92,8 +92,24 @@ def test_a_dead_ingress_leaves_no_channel_on_the_model_replica(tiny_model_dir):
                                             num_gpu_blocks_override=64)))
     replica = LLMServer.func_or_class.__new__(LLMServer.func_or_class)
     replica.engine, replica.replica_id, replica._channels = engine, "r1", {}
-    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
+    try:
+        yield replica
+    finally:
+        engine.shutdown()
+
+
+def _delta_params(max_tokens: int):
+    from kvray.sampling_params import RequestOutputKind, SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                          output_kind=RequestOutputKind.DELTA)
+
+
+def test_a_dead_ingress_leaves_no_channel_on_the_model_replica(bare_replica):
+    """The ingress dies mid-stream: its carrier call on the model replica is cancelled, the
+    replica aborts the channel's requests, and the channel (with the outputs nobody will
+    read) is gone once they end; a new carrier of the same name starts afresh."""
+    replica, params = bare_replica, _delta_params(100)
 
     async def drain(gen) -> list:
         return [item async for item in gen]
@@ -113,34 +129,21 @@ def test_a_dead_ingress_leaves_no_channel_on_the_model_replica(tiny_model_dir):
         again = replica.carry("ingress-a")  # the same name later: a fresh channel
         return left, first, [await again.__anext__(), replica._channels["ingress-a"].pending]
 
-    try:
-        left, first, (landed, pending) = asyncio.run(main())
-    finally:
-        engine.shutdown()
+    left, first, (landed, pending) = asyncio.run(main())
     assert first and all(rid == "req-1" for rid, _ in first)
     assert left == {}
     assert landed == "r1" and pending == []
 
 
 def test_a_channel_whose_carrier_never_comes_is_dropped_and_one_that_comes_late_is_read(
-        tiny_model_dir, monkeypatch):
+        bare_replica, monkeypatch):
     """Requests admitted on a channel whose ingress died before opening its carrier: the
     channel goes after UNCARRIED_CHANNEL_S. A carrier that opens after a short request
     already ended still gets all of its outputs."""
-    from kvray.config import config_from_flat
-    from kvray.engine.async_engine import AsyncLLM
-    from kvray.sampling_params import RequestOutputKind, SamplingParams
     from kvray.serve import deployment
 
     monkeypatch.setattr(deployment, "UNCARRIED_CHANNEL_S", 0.3)
-    engine = AsyncLLM(config_from_flat(dict(model=str(tiny_model_dir("llama_gqa")),
-                                            dtype="float32", block_size=4, max_model_len=128,
-                                            num_gpu_blocks_override=64)))
-    cls = deployment.LLMServer.func_or_class
-    replica = cls.__new__(cls)
-    replica.engine, replica.replica_id, replica._channels = engine, "r1", {}
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
+    replica, params = bare_replica, _delta_params(3)
 
     async def run_uncarried(channel: str, request_id: str) -> None:
         async for _ in replica.submit(channel, request_id, "Hello world", params):
@@ -156,10 +159,7 @@ def test_a_channel_whose_carrier_never_comes_is_dropped_and_one_that_comes_late_
         await asyncio.sleep(0.6)
         return "dead" in replica._channels, "late" in replica._channels, batch
 
-    try:
-        dead_left, late_left, batch = asyncio.run(main())
-    finally:
-        engine.shutdown()
+    dead_left, late_left, batch = asyncio.run(main())
     assert not dead_left and not late_left
     assert [rid for rid, _ in batch] == ["req-late"] * len(batch)
     assert sum(len(out.outputs[0].token_ids) for _, out in batch) == 3

@@ -215,9 +215,13 @@ class LLMServer:
             # Nothing reads this channel any more (a new carrier starts a new one): drop
             # what it holds and what its aborted requests push later, or a dead ingress'
             # channel would stay here with its last outputs for good.
-            ch.close()
-            if self._channels.get(channel) is ch:
-                del self._channels[channel]
+            self._drop_channel(channel, ch)
+
+    def _drop_channel(self, channel: str, ch: _OutputChannel) -> None:
+        """Close ``ch`` and forget it, unless a newer channel of that name replaced it."""
+        ch.close()
+        if self._channels.get(channel) is ch:
+            del self._channels[channel]
 
     async def _drop_uncarried(self, channel: str, ch: _OutputChannel) -> None:
         """Drop ``ch`` if no carrier has come for it in UNCARRIED_CHANNEL_S (the ingress
@@ -225,8 +229,7 @@ class LLMServer:
         (a short request can end before its ingress opens the carrier)."""
         await asyncio.sleep(UNCARRIED_CHANNEL_S)
         if self._channels.get(channel) is ch and not ch.carried and not ch.requests:
-            ch.close()
-            del self._channels[channel]
+            self._drop_channel(channel, ch)
 
     async def _abort_quietly(self, request_ids: list[str]) -> None:
         with contextlib.suppress(Exception):  # the engine may be stopping with the replica
