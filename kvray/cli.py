@@ -369,8 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(srv)
     srv.set_defaults(func=_cmd_serve)
 
-    from kvray.cluster_check import add_cluster_parser
-    from kvray.grafana import add_grafana_parser
+    from kvray.ops.cluster_check import add_cluster_parser
+    from kvray.ops.grafana import add_grafana_parser
 
     add_cluster_parser(sub)
     add_grafana_parser(sub)

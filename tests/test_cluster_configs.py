@@ -17,7 +17,7 @@ import pytest
 import ray.autoscaler
 import yaml
 
-from kvray.cluster_check import (
+from kvray.ops.cluster_check import (
     VERIFIED_RAY_VERSION,
     add_cluster_parser,
     check_cluster,

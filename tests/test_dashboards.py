@@ -50,7 +50,7 @@ from prometheus_tools import (
 from test_serve import API_KEY, launch_server
 from tiny_models import make_tiny_model
 
-from kvray import grafana
+from kvray.ops import grafana
 from kvray.serve.metrics import ServerMetrics
 
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"

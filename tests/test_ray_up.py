@@ -18,7 +18,7 @@ import yaml
 from conftest import skip_or_fail_in_ci, wait_for_health
 from tiny_models import make_tiny_model
 
-from kvray.cluster_check import check_cluster
+from kvray.ops.cluster_check import check_cluster
 from kvray.testing import netns
 
 CONFIG = Path(__file__).resolve().parents[1] / "cluster" / "netns.yaml"

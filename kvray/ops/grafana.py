@@ -42,7 +42,7 @@ class GrafanaError(RuntimeError):
 
 def default_dashboards_dir() -> Path:
     """``dashboards/`` beside the ``kvray`` package (present in a source checkout)."""
-    return Path(__file__).resolve().parent.parent / "dashboards"
+    return Path(__file__).resolve().parents[2] / "dashboards"
 
 
 def folder_uid(title: str) -> str:

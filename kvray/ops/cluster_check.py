@@ -434,7 +434,7 @@ def _serve_command(config: dict, report: ClusterReport) -> _Serve | None:
         if not m:
             continue
         serve = _Serve(command=command)
-        if w := re.search(r"kvray[. ]cluster(?:_check)?\s+wait-gpus\s+(\d+)", command):
+        if w := re.search(r"kvray(?:\.ops)?[. ]cluster(?:_check)?\s+wait-gpus\s+(\d+)", command):
             serve.wait_gpus = int(w[1])
         from kvray.cli_flags import add_serve_arguments
 
@@ -669,8 +669,8 @@ def add_cluster_parser(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvray.cluster_check check FILE`` / ``wait-gpus N``."""
-    parser = argparse.ArgumentParser(prog="python -m kvray.cluster_check",
+    """``python -m kvray.ops.cluster_check check FILE`` / ``wait-gpus N``."""
+    parser = argparse.ArgumentParser(prog="python -m kvray.ops.cluster_check",
                                      description="`ray up` cluster configs for kvray.")
     _add_actions(parser)
     args = parser.parse_args(argv)
