@@ -17,6 +17,7 @@ import pytest
 import ray.autoscaler
 import yaml
 
+from kvray.config import load_config
 from kvray.ops.cluster_check import (
     VERIFIED_RAY_VERSION,
     add_cluster_parser,
@@ -24,7 +25,6 @@ from kvray.ops.cluster_check import (
     check_cluster_config,
     wait_for_gpus,
 )
-from kvray.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "cluster"
