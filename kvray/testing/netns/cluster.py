@@ -1,39 +1,17 @@
-"""A Ray cluster of several "hosts" on one machine, each in its own network namespace.
+"""The namespace cluster itself: its nodes, their life cycle, and running things on them.
 
-Each node is a network namespace (own IP on a private test subnet, joined by veth pairs to
-a bridge the harness creates), its own PID namespace (so ``ray stop`` or a crash there
-touches only that node's processes, and killing the namespace's init kills the whole
-"host"), its own UTS namespace (own hostname, which — as on Debian — resolves to
-``127.0.1.1`` through the node's private ``/etc/hosts``) and its own mount namespace with a
-private ``/tmp``, ``/dev/shm`` and ``$HOME``. Ray, gloo and the object store therefore talk
-over a network between processes that cannot see each other's files. One directory,
-:attr:`NetnsCluster.shared`, is visible to every node (as an NFS mount would be): put the
-model there.
-
-The subnet is ``10.213.7.0/24`` unless ``KVRAY_NETNS_SUBNET`` names another ``/24`` prefix
-(``10.213.7``): the bridge is ``.1`` (the host's address on it), node ``i`` is ``.(10+i)``.
-The namespaces get no default route, so nothing but these addresses and loopback can be
-reached from a node; :meth:`NetnsCluster.routes` lets a test check it.
-
-Needs root, ``ip`` (iproute2), ``unshare`` and ``nsenter`` (util-linux). Used by the tests
-(``tests/test_multinode.py``) and by hand::
-
-    sudo python -m kvray.testing.netns up --nodes 3     # prints the head address; Ctrl-C ends it
-    sudo python -m kvray.testing.netns cleanup          # removes what a killed run left behind
-
-Teardown kills every node, deletes the namespaces, links and bridge and the directories,
-even when a test fails; :meth:`NetnsCluster.leftovers` lists anything that survived.
+Node ``i`` is network namespace ``kvray-<run>-<i>`` at ``<subnet>.(10+i)``, joined by a veth
+pair to the bridge ``kvb<run>`` at ``<subnet>.1``; its init (:mod:`.node_init`) holds its PID,
+UTS and mount namespaces, and everything run on the node enters them with ``nsenter``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,36 +19,32 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
-DEFAULT_SUBNET = "10.213.7"
-NS_PREFIX = "kvray-"  # every namespace the harness creates starts with this
-LINK_PREFIX = "kv"  # ... and every link: kvb<id> bridge, kvv<id><i> host side of a veth
-RUN_ENV = "KVRAY_NETNS_RUN"  # set in every node process: how leftovers are found
-BASE_DIR = Path("/var/tmp")  # not /tmp: each node mounts its own over /tmp
+from kvray.testing.netns.host import (
+    BASE_DIR,
+    DEFAULT_SUBNET,
+    LINK_PREFIX,
+    NS_PREFIX,
+    RUN_ENV,
+    available,
+    kill_run_processes,
+    only_child,
+    pid_alive,
+    run_processes,
+    sh,
+)
+from kvray.testing.netns.ssh import make_keys, sshd_config, wait_for_sshd
+
 RAY_PORT = 6379
 
 # Ray notices a dead node after period x threshold; its default (~30 s) is tuned for clouds.
-FAST_HEALTH_CHECKS = {
+FAST_HEALTH_CHECKS = MappingProxyType({
     "RAY_health_check_initial_delay_ms": "1000",
     "RAY_health_check_period_ms": "1000",
     "RAY_health_check_timeout_ms": "1000",
     "RAY_health_check_failure_threshold": "3",
-}
-
-
-def available() -> str | None:
-    """None when this machine can host a namespace cluster, else why not."""
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    for tool in ("ip", "unshare", "nsenter", "mount"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is not installed"
-    return None
-
-
-def _sh(*argv: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
-    return subprocess.run(list(argv), check=check, capture_output=True, text=True,
-                          timeout=timeout)
+})
 
 
 @dataclass
@@ -157,27 +131,27 @@ class NetnsCluster:
             raise
 
     def _make_network(self) -> None:
-        taken = _sh("ip", "-4", "-o", "addr", "show").stdout
+        taken = sh("ip", "-4", "-o", "addr", "show").stdout
         if f" {self.bridge_ip}/" in taken:
             raise RuntimeError(
                 f"{self.bridge_ip} is already assigned on this host (a leftover run? "
                 "`python -m kvray.testing.netns cleanup`; or set KVRAY_NETNS_SUBNET)")
         self.shared.mkdir(parents=True)
-        _sh("ip", "link", "add", self.bridge, "type", "bridge")
-        _sh("ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
-        _sh("ip", "link", "set", self.bridge, "up")
+        sh("ip", "link", "add", self.bridge, "type", "bridge")
+        sh("ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
+        sh("ip", "link", "set", self.bridge, "up")
         for node in self.nodes:
             host_end, node_end = self._veth(node)
-            _sh("ip", "netns", "add", node.netns)
-            _sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
-            _sh("ip", "link", "set", node_end, "netns", node.netns)
-            _sh("ip", "link", "set", host_end, "master", self.bridge)
-            _sh("ip", "link", "set", host_end, "up")
+            sh("ip", "netns", "add", node.netns)
+            sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
+            sh("ip", "link", "set", node_end, "netns", node.netns)
+            sh("ip", "link", "set", host_end, "master", self.bridge)
+            sh("ip", "link", "set", host_end, "up")
             ns = ("ip", "-n", node.netns)
-            _sh(*ns, "link", "set", node_end, "name", "eth0")
-            _sh(*ns, "addr", "add", f"{node.ip}/24", "dev", "eth0")
-            _sh(*ns, "link", "set", "eth0", "up")
-            _sh(*ns, "link", "set", "lo", "up")
+            sh(*ns, "link", "set", node_end, "name", "eth0")
+            sh(*ns, "addr", "add", f"{node.ip}/24", "dev", "eth0")
+            sh(*ns, "link", "set", "eth0", "up")
+            sh(*ns, "link", "set", "lo", "up")
 
     def _veth(self, node: Node) -> tuple[str, str]:
         suffix = f"{self.run_id}{node.index}"
@@ -210,7 +184,7 @@ class NetnsCluster:
                                    f"{(node.root / 'init.log').read_text()[-2000:]}")
             time.sleep(0.05)
         # `unshare --fork` is the namespace's parent; PID 1 inside it is its only child.
-        node.pid = _only_child(node.init.pid)
+        node.pid = only_child(node.init.pid)
 
     def _start_ray(self, timeout_s: float) -> None:
         for node in self.nodes:
@@ -235,7 +209,7 @@ class NetnsCluster:
     def is_alive(self, index: int) -> bool:
         """Whether node ``index``'s init (and so the node) still runs."""
         node = self.nodes[index]
-        return bool(node.pid) and _pid_alive(node.pid)
+        return bool(node.pid) and pid_alive(node.pid)
 
     def restart_node(self, index: int, timeout_s: float = 120.0) -> None:
         """Boot a killed worker node again (fresh /tmp and /dev/shm) and rejoin Ray."""
@@ -271,12 +245,10 @@ class NetnsCluster:
         for node in self.nodes:
             self._kill_init(node)
         for node in self.nodes:
-            _sh("ip", "netns", "del", node.netns, check=False)
-            _sh("ip", "link", "del", self._veth(node)[0], check=False)
-        _sh("ip", "link", "del", self.bridge, check=False)
-        for pid in self._processes():  # anything that escaped its PID namespace
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+            sh("ip", "netns", "del", node.netns, check=False)
+            sh("ip", "link", "del", self._veth(node)[0], check=False)
+        sh("ip", "link", "del", self.bridge, check=False)
+        kill_run_processes(self.run_id)  # anything that escaped its PID namespace
         shutil.rmtree(self.base, ignore_errors=True)
         self._started = False
 
@@ -296,7 +268,7 @@ class NetnsCluster:
         node = self.nodes[index]
         self._kill_init(node)
         deadline = time.monotonic() + 10
-        while node.pid and _pid_alive(node.pid) and time.monotonic() < deadline:
+        while node.pid and pid_alive(node.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
 
     # ---- running things on a node ------------------------------------------------------
@@ -361,12 +333,7 @@ class NetnsCluster:
             raise RuntimeError("sshd is not installed (Debian: apt-get install "
                                "openssh-server rsync)")
         keys = self.shared / "ssh"
-        keys.mkdir(mode=0o700, exist_ok=True)
-        for name in ("host_ed25519", "id_ed25519"):
-            if not (keys / name).exists():
-                _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"kvray-{name}",
-                    "-f", str(keys / name))
-        (keys / "authorized_keys").write_text((keys / "id_ed25519.pub").read_text())
+        make_keys(keys)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation
         env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:"
                        "/usr/sbin:/usr/bin:/sbin:/bin",
@@ -376,46 +343,32 @@ class NetnsCluster:
             # A login shell resets PATH (/etc/profile); `ray up` sources ~/.bashrc first.
             (node.root / "home" / ".bashrc").write_text(f'export PATH="{env["PATH"]}"\n')
             conf = keys / f"sshd_{node.index}.conf"
-            conf.write_text("\n".join([
-                f"ListenAddress {node.ip}:22", f"HostKey {keys / 'host_ed25519'}",
-                f"AuthorizedKeysFile {keys / 'authorized_keys'}",
-                "PermitRootLogin prohibit-password", "PasswordAuthentication no",
-                "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
-                "PidFile /tmp/sshd.pid", "MaxStartups 100", "MaxSessions 100",
-                "SetEnv " + " ".join(f"{k}={v}" for k, v in env.items()), ""]))
+            conf.write_text(sshd_config(node.ip, keys, env))
             with open(keys / f"sshd_{node.index}.log", "wb") as log:
                 self.sshd.append(self.popen(node, [sshd, "-D", "-e", "-f", str(conf)],
                                             stdout=subprocess.DEVNULL, stderr=log))
         deadline = time.monotonic() + timeout_s
         for node in self.nodes:
-            while True:
-                with contextlib.suppress(OSError), socket.create_connection((node.ip, 22), 1):
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"sshd on node {node.index} did not start: "
-                                       f"{(keys / f'sshd_{node.index}.log').read_text()}")
-                time.sleep(0.1)
+            wait_for_sshd(node.ip, deadline, keys / f"sshd_{node.index}.log",
+                              f"node {node.index}")
         return keys / "id_ed25519"
 
     # ---- checks ---------------------------------------------------------------------------
     def routes(self, node: Node) -> list[str]:
         """The node's IPv4 routes: only its own subnet (no default route)."""
-        out = _sh("ip", "-n", node.netns, "-4", "route", "show").stdout
+        out = sh("ip", "-n", node.netns, "-4", "route", "show").stdout
         return [line.strip() for line in out.splitlines() if line.strip()]
-
-    def _processes(self) -> list[int]:
-        return [pid for pid in _all_pids() if _has_env(pid, f"{RUN_ENV}={self.run_id}")]
 
     def leftovers(self) -> list[str]:
         """Whatever of this run is still on the host (empty after :meth:`stop`)."""
         found = []
-        names = _sh("ip", "netns", "list", check=False).stdout
+        names = sh("ip", "netns", "list", check=False).stdout
         found += [f"netns {n.netns}" for n in self.nodes if n.netns in names]
-        links = _sh("ip", "-o", "link", "show", check=False).stdout
+        links = sh("ip", "-o", "link", "show", check=False).stdout
         found += [f"link {name}" for name in
                   [self.bridge, *(self._veth(n)[0] for n in self.nodes)]
                   if f" {name}:" in links or f" {name}@" in links]
-        found += [f"process {pid}" for pid in self._processes()]
+        found += [f"process {pid}" for pid in run_processes(self.run_id)]
         if self.base.exists():
             found.append(f"directory {self.base}")
         return found
@@ -423,132 +376,4 @@ class NetnsCluster:
 
 def _repo_root() -> str:
     """The directory holding the ``kvray`` package (a checkout, or site-packages)."""
-    return str(Path(__file__).resolve().parents[2])
-
-
-def _only_child(pid: int, timeout_s: float = 5.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            if children:
-                return int(children[0])
-        time.sleep(0.02)
-    raise RuntimeError(f"process {pid} has no child")
-
-
-def _all_pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def _has_env(pid: int, entry: str) -> bool:
-    try:
-        return entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def cleanup_stale() -> list[str]:
-    """Remove namespaces, links and directories of earlier runs (killed before teardown)."""
-    removed = []
-    names = _sh("ip", "netns", "list", check=False).stdout.split()
-    for name in names:
-        if name.startswith(NS_PREFIX):
-            for pid in _sh("ip", "netns", "pids", name, check=False).stdout.split():
-                with contextlib.suppress(OSError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
-            _sh("ip", "netns", "del", name, check=False)
-            removed.append(f"netns {name}")
-    for line in _sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
-        name = line.split(":")[1].strip().split("@")[0]
-        if name.startswith((f"{LINK_PREFIX}b", f"{LINK_PREFIX}v")) and len(name) >= 9:
-            _sh("ip", "link", "del", name, check=False)
-            removed.append(f"link {name}")
-    for path in BASE_DIR.glob("kvray-netns-*"):
-        for pid in _all_pids():
-            if _has_env(pid, f"{RUN_ENV}={path.name.rsplit('-', 1)[1]}"):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(f"directory {path}")
-    return removed
-
-
-# ---- the node's init (runs as PID 1 of the node's PID namespace) ----------------------------
-def _node_init(hostname: str, root: str, hide: str, ready: str, home: str,
-               keep: Sequence[str]) -> None:
-    def mount(*argv: str) -> None:
-        subprocess.run(["mount", *argv], check=True)
-
-    def private(mountpoint: str, source: str) -> None:
-        """Mount ``source`` over ``mountpoint``, with the kept paths under it bound back."""
-        for path in keep:
-            rel = os.path.relpath(path, mountpoint)
-            if rel.startswith(".."):
-                continue
-            target = os.path.join(source, rel)
-            if os.path.isdir(path):
-                os.makedirs(target, exist_ok=True)
-            else:
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                Path(target).touch()
-            mount("--bind", path, target)
-        mount("--rbind", source, mountpoint)
-
-    private("/tmp", f"{root}/tmp")
-    private(home, f"{root}/home")
-    mount("-t", "tmpfs", "-o", "size=512m", "tmpfs", "/dev/shm")
-    mount("--bind", f"{root}/hosts", "/etc/hosts")
-    Path(ready).write_text("ok")
-    mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", hide)  # the other nodes' files
-    socket.sethostname(hostname)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    while True:  # reap orphans (Ray's daemons are reparented here)
-        try:
-            os.wait()
-        except ChildProcessError:
-            time.sleep(0.5)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvray.testing.netns")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    init = sub.add_parser("init", help=argparse.SUPPRESS)
-    for name in ("--hostname", "--root", "--hide", "--ready", "--home"):
-        init.add_argument(name, required=True)
-    init.add_argument("--keep", action="append", default=[])
-    up = sub.add_parser("up", help="start a namespace cluster until Ctrl-C")
-    up.add_argument("--nodes", type=int, default=3)
-    up.add_argument("--num-cpus", type=int, default=2)
-    up.add_argument("--ssh", action="store_true",
-                    help="start sshd on every node and no Ray (for `ray up cluster/netns.yaml`)")
-    sub.add_parser("cleanup", help="remove what killed runs left behind")
-    args = parser.parse_args(argv)
-    if args.cmd == "init":
-        _node_init(args.hostname, args.root, args.hide, args.ready, args.home, args.keep)
-    elif args.cmd == "cleanup":
-        for item in cleanup_stale():
-            print("removed", item)
-    else:
-        with NetnsCluster(args.nodes, args.num_cpus, start_ray=not args.ssh) as cluster:
-            if args.ssh:
-                print(f"sshd on every node; ssh -i {cluster.enable_ssh()} root@<node ip>")
-            print(f"Ray head at {cluster.address}; nodes: "
-                  + ", ".join(f"{n.hostname}={n.ip} (pid {n.pid})" for n in cluster.nodes)
-                  + f"; shared dir {cluster.shared}. Run on a node: "
-                  f"nsenter --target <pid> --net --mount --uts --pid. Ctrl-C stops.",
-                  flush=True)
-            with contextlib.suppress(KeyboardInterrupt):
-                signal.pause()
-
-
-if __name__ == "__main__":
-    main()
+    return str(Path(__file__).resolve().parents[3])

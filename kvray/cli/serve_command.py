@@ -1,0 +1,140 @@
+"""``kvray serve``: check the command line, then run one of the three front ends (Ray Serve
+with a separate ingress, Ray Serve with the ingress in the replica, or in this process)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from kvray.cli.flags import config_from_args
+from kvray.cli.serve_lifecycle import run_bounded
+from kvray.config import ConfigError, EngineConfig
+
+# Ray settings for the Serve front ends, set on the private cluster `kvray serve` starts
+# (a variable already in the environment wins); the Helm chart and the `ray up` configs set
+# them on every node. Ray Serve's gRPC transport between its proxy and the replicas and for
+# deployment handles: each streamed token crosses both (about 1.06x the output tok/s).
+SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The API key from ``--api-key-file`` (first line), ``--api-key`` or ``KVRAY_API_KEY``
+    (argv is visible to every local user in ``ps``: prefer the file or the variable)."""
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip().splitlines()
+        except OSError as err:
+            raise ConfigError(f"--api-key-file: cannot read {args.api_key_file}: "
+                              f"{err.strerror}") from None
+        if not key or not key[0].strip():
+            raise ConfigError(f"--api-key-file: {args.api_key_file} is empty")
+        return key[0].strip()
+    key = args.api_key or os.environ.get("KVRAY_API_KEY") or None
+    if key is not None and not key.strip():
+        raise ConfigError("--api-key / KVRAY_API_KEY is empty")
+    return key.strip() if key else None
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _joins_a_cluster(args: argparse.Namespace) -> bool:
+    return bool(args.address or os.environ.get("RAY_ADDRESS"))
+
+
+def _set_private_cluster_env(args: argparse.Namespace) -> None:
+    """Ray reads these at import; with 127.0.0.1 as node address every listener is loopback.
+    Not when joining a cluster: there the driver must find its node by its own IP, and the
+    cluster has its own settings (the chart and cluster configs set them)."""
+    if _joins_a_cluster(args):
+        return
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    for key, value in SERVE_ENV.items():  # the private cluster's Serve processes inherit it
+        os.environ.setdefault(key, value)
+
+
+def _warn_if_open(host: str, api_key: str | None) -> None:
+    if api_key is None and not _is_loopback(host):
+        print(f"kvray: WARNING: serving on {host} without an API key: anyone who can "
+              "reach this address can use the model. Set KVRAY_API_KEY or --api-key-file "
+              "(see docs/security.md).", file=sys.stderr, flush=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the OpenAI-compatible API until SIGTERM or Ctrl-C, then drain and stop."""
+    _set_private_cluster_env(args)
+    from kvray.default_model import resolve_model_path
+    from kvray.serve.builder import served_model_name
+
+    if args.model_positional is not None:
+        args.model = args.model_positional
+    config = config_from_args(args)
+    api_key = resolve_api_key(args)
+    model_path = resolve_model_path(config.model.model)
+    if not model_path.exists():
+        raise FileNotFoundError(f"model path {model_path} does not exist")
+    name = served_model_name(config, model_path)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _warn_if_open(args.host, api_key)
+    if args.ingress in ("process", "replica") and args.num_replicas != 1:
+        raise ConfigError(f"--num-replicas {args.num_replicas}: --ingress {args.ingress} "
+                          "serves one replica; use --ingress serve for data parallelism")
+    if args.ingress == "process":
+        return _serve_in_process(args, config, model_path, name, api_key)
+    return _serve_on_ray_serve(args, config, model_path, name, api_key)
+
+
+def _serve_on_ray_serve(args: argparse.Namespace, config: EngineConfig, model_path: Path,
+                        name: str, api_key: str | None) -> int:
+    """``--ingress serve`` / ``replica``: the Serve app on a Ray cluster (joined with
+    --address / RAY_ADDRESS, else a private one, stopped at exit)."""
+    from kvray.actors.ray_executor import ensure_ray, stop_ray
+    from kvray.cli.serve_lifecycle import ServeLifecycle
+    from kvray.serve.builder import build_app
+
+    world = config.parallel.world_size
+    started = ensure_ray(args.address, num_cpus=max(8, args.num_replicas * (world + 1) + 2),
+                         log_to_driver=True)
+    flat = {k: v for k, v in config.to_flat().items() if v is not None}
+    flat["model"] = str(model_path)
+    app_args = {**flat, "num_replicas": args.num_replicas, "api_key": api_key,
+                "ingress": "replica" if args.ingress == "replica" else "separate"}
+    lifecycle = ServeLifecycle(name, config.server.drain_timeout_s,
+                               on_shutdown=stop_ray if started else None)
+    lifecycle.run(lambda: build_app(app_args), args.host, args.port, args.num_replicas)
+    return 0
+
+
+def _serve_in_process(args: argparse.Namespace, config: EngineConfig, model_path: Path,
+                      name: str, api_key: str | None) -> int:
+    """``--ingress process``: uvicorn and the engine here; a Ray cluster only for TP x PP
+    workers (joined with --address / RAY_ADDRESS, else a private one, stopped at exit)."""
+    from kvray.actors.executor import executor_backend
+    from kvray.actors.ray_executor import ensure_ray, stop_ray
+    from kvray.serve.process import serve_in_process
+
+    config = config.model_copy(update={"model": config.model.model_copy(
+        update={"model": str(model_path)})})
+    world = config.parallel.world_size
+    started = False
+    if executor_backend(config) == "ray" or _joins_a_cluster(args):
+        started = ensure_ray(args.address, num_cpus=max(4, world + 2), log_to_driver=True)
+    try:
+        return serve_in_process(config, name, args.host, args.port, api_key)
+    except KeyboardInterrupt:
+        print("kvray: stopped during start-up", flush=True)
+        return 0
+    finally:
+        if started:
+            run_bounded(stop_ray, 30, "ray shutdown")
