@@ -49,15 +49,8 @@ _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 # The instruction set the kernels are built for: this CPU's own by default. Tests set
 # KVRAY_CPU_MARCH=haswell on AVX-512 machines to run the AVX2 code paths too.
 MARCH_ENV = "KVRAY_CPU_MARCH"
-# linear_small_m takes 1..32 rows; the engine uses it up to 16 with 8-lane (AVX2) kernels:
-# past that MKL catches up (measured on an AVX2 EPYC: 1.1-2.7x MKL at 8-16 rows, 0.9-1.3x
-# at 24-32), and up to 32 with 16-lane (AVX-512) ones. On a 2-core AVX-512 Xeon, the
-# decoder's shapes with cold weights, bf16 copies vs MKL's best fp32 route: 1.32x at 20
-# rows, 1.22x at 24, even at 32 (and 0.9x at 40-64, so no further); whole decode steps,
-# where the range also sets the fused layer's: 1.45x at 20 rows, 1.32x at 24, 1.13-1.2x at
-# 28, 1.05-1.1x at 32. With 8-row passes over each weight tile (AVX-512 builds, 2026-12-01),
-# the 30 layers' linears: 1.8x F.linear at 16 rows, 1.2x at 32, par at 40, 0.9-0.95x at
-# 48-64 (and the LM head 1.1x at 32, 0.8-1.0x past it): still no further than 32.
+# linear_small_m takes 1..32 rows; the engine uses it up to 16 with 8-lane (AVX2) kernels
+# and up to 32 with 16-lane (AVX-512) ones: past those MKL catches up with it.
 SMALL_M_MAX_ROWS = 16
 SMALL_M_MAX_ROWS_AVX512 = 32
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvray.models.spec import SUPPORTED_ROPE_TYPES
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # the scaling rules rope_inv_freq knows
 
 
 def rope_inv_freq(rot_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

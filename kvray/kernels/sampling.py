@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvray.kernels import cpu_ops
-from kvray.sampling_params import SamplingParams
 
-_GREEDY_EPS = 1e-5  # the same threshold as SamplingParams.is_greedy
+_GREEDY_EPS = 1e-5  # the same threshold as kvray.sampling_params.SamplingParams.is_greedy
 _TENSOR_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                   "presence_penalty", "frequency_penalty")
 
@@ -32,8 +31,8 @@ class SamplingBatch:
     """Per-row sampling state for one step; row i = i-th sequence that samples this step.
 
     The flags are derived at construction so the hot path skips work no row asks for. Deriving
-    them reads the tensors, so build on CPU and move with ``to`` (``from_params`` does this) to
-    avoid a device sync. Token ids at or beyond the vocabulary (in ``logit_bias``,
+    them reads the tensors, so build on CPU and move with ``to`` (``kvray.actors.sampling_batch``
+    does this) to avoid a device sync. Token ids at or beyond the vocabulary (in ``logit_bias``,
     ``banned_token_ids`` or the token lists) are ignored; the engine rejects them at admission.
     """
 
@@ -99,44 +98,6 @@ class SamplingBatch:
             if value is not None:
                 setattr(moved, name, value.to(device, non_blocking=True))
         return moved
-
-    @classmethod
-    def from_params(cls, params: list[SamplingParams],
-                    generators: list[torch.Generator | None],
-                    prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
-                    device: torch.device | str = "cpu",
-                    token_bitmask: torch.Tensor | None = None) -> SamplingBatch:
-        """Build the batch for rows ``params[i]`` (greedy rows get temperature 0.0). A
-        :attr:`plain_greedy` batch keeps its columns on the host, where they were built:
-        nothing reads them, and on a GPU their seven copies were a fair part of a small
-        model's decode step."""
-        assert len(params) == len(generators) == len(prompt_token_ids) == len(output_token_ids)
-
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype)
-
-        batch = cls(
-            temperature=column([0.0 if p.is_greedy else p.temperature for p in params],
-                               torch.float32),
-            top_p=column([p.top_p for p in params], torch.float32),
-            top_k=column([p.top_k for p in params], torch.int64),
-            min_p=column([p.min_p for p in params], torch.float32),
-            repetition_penalty=column([p.repetition_penalty for p in params], torch.float32),
-            presence_penalty=column([p.presence_penalty for p in params], torch.float32),
-            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32),
-            generators=list(generators),
-            prompt_token_ids=prompt_token_ids,
-            output_token_ids=output_token_ids,
-            logit_bias=[p.logit_bias or None for p in params],
-            banned_token_ids=[sorted(p.all_stop_token_ids) if len(out) < p.min_tokens else []
-                              for p, out in zip(params, output_token_ids, strict=True)],
-            num_logprobs=max((p.logprobs or 0 for p in params), default=0),
-            need_logprobs=any(p.logprobs is not None for p in params),
-            token_bitmask=token_bitmask,
-            eos_token_ids=[p.eos_token_ids for p in params] if token_bitmask is not None
-            else [],
-        )
-        return batch if batch.plain_greedy else batch.to(device)
 
 
 @dataclass
@@ -375,35 +336,11 @@ def sample_speculative(logits: torch.Tensor, batch: SamplingBatch, spans: list[S
     out_tokens: list[list[int]] = []
     rows: list[int] = []
     for span in spans:
-        first, drafts = span.first_row, span.drafts
-        emitted: list[int] = []
-        if span.greedy:
-            for j, d in enumerate(drafts):
-                emitted.append(greedy_tokens[first + j])
-                rows.append(first + j)
-                if greedy_tokens[first + j] != d:
-                    break
-            else:
-                emitted.append(greedy_tokens[first + len(drafts)])
-                rows.append(first + len(drafts))
-        else:
-            gen = span.generator if span.generator is not None else default_generator
-            k = len(drafts)
-            draft_idx = torch.tensor(drafts, dtype=torch.int64, device=probs.device)
-            p_draft = probs[first:first + k].gather(1, draft_idx[:, None])[:, 0] if k else \
-                probs.new_empty(0)
-            u = torch.rand(k, generator=gen, device=probs.device) if k else p_draft
-            accept = (u < p_draft).tolist()
-            j = accept.index(False) if False in accept else k
-            emitted.extend(drafts[:j])
-            rows.extend(range(first, first + j))
-            row = probs[first + j]
-            if j < k:  # rejected: the residual max(p - q, 0) of a point mass q at the draft
-                row = row.clone()
-                row[drafts[j]] = 0.0
-            emitted.append(int(torch.multinomial(row, 1, generator=gen)))
-            rows.append(first + j)
+        gen = span.generator if span.generator is not None else default_generator
+        emitted, span_rows = (_verify_greedy(span, greedy_tokens) if span.greedy
+                              else _verify_sampled(span, probs, gen))
         out_tokens.append(emitted)
+        rows.extend(span_rows)
     row_index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     lp = None
     if batch.need_logprobs:
@@ -411,3 +348,39 @@ def sample_speculative(logits: torch.Tensor, batch: SamplingBatch, spans: list[S
                             device=logits.device)
         lp = _output(flat, raw[row_index], batch.num_logprobs)
     return out_tokens, row_index, lp
+
+
+def _verify_greedy(span: SpecSpan, greedy_tokens: list[int]) -> tuple[list[int], list[int]]:
+    """A greedy span's tokens (its drafts while each is the argmax, then the argmax) and
+    the row each came from."""
+    first, drafts = span.first_row, span.drafts
+    emitted: list[int] = []
+    rows: list[int] = []
+    for j, d in enumerate(drafts):
+        emitted.append(greedy_tokens[first + j])
+        rows.append(first + j)
+        if greedy_tokens[first + j] != d:
+            return emitted, rows
+    emitted.append(greedy_tokens[first + len(drafts)])
+    rows.append(first + len(drafts))
+    return emitted, rows
+
+
+def _verify_sampled(span: SpecSpan, probs: torch.Tensor, gen: torch.Generator | None
+                    ) -> tuple[list[int], list[int]]:
+    """A sampled span's tokens by rejection sampling (see :func:`sample_speculative`) and
+    the row each came from."""
+    first, drafts = span.first_row, span.drafts
+    k = len(drafts)
+    draft_idx = torch.tensor(drafts, dtype=torch.int64, device=probs.device)
+    p_draft = probs[first:first + k].gather(1, draft_idx[:, None])[:, 0] if k else \
+        probs.new_empty(0)
+    u = torch.rand(k, generator=gen, device=probs.device) if k else p_draft
+    accept = (u < p_draft).tolist()
+    j = accept.index(False) if False in accept else k
+    row = probs[first + j]
+    if j < k:  # rejected: the residual max(p - q, 0) of a point mass q at the draft
+        row = row.clone()
+        row[drafts[j]] = 0.0
+    token = int(torch.multinomial(row, 1, generator=gen))
+    return [*drafts[:j], token], [*range(first, first + j), first + j]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvray.kernels.huge_pages import return_freed_heap
+from kvray.kernels.plan import UNLIMITED_ROWS, WEIGHT_MAJOR_MAX_ROWS
 from kvray.parallel import ParallelContext
 
 
@@ -96,24 +97,17 @@ class SmallMMatmul:
         return F.linear(x, self.weight, bias)
 
 
-# Past this many rows F.linear (on CPU its tiled stand-in, cpu_ops.linear_tiled) is as
-# fast as the weight-major GEMM or faster on the decoder's shapes (AVX2 EPYC, fp32,
-# 2 threads: 105-127 vs 89-114 GFLOP/s at 512 rows, 88-110 vs 69-92 at 2,048; weight-major
-# 1.1-1.4x faster at 32-48 rows), and the transpose back costs more the more rows there are.
-WEIGHT_MAJOR_MAX_ROWS = 64
-
-
 def use_small_m_kernel(model: nn.Module, kernel: SmallMKernel, max_rows: int,
                        bf16_weights: bool = False,
                        large_m_kernel: SmallMKernel | None = None,
                        weight_major_max_rows: int = WEIGHT_MAJOR_MAX_ROWS,
-                       lm_head_weight_major_max_rows: int = 1 << 62,
+                       lm_head_weight_major_max_rows: int = UNLIMITED_ROWS,
                        large_m_min_rows: int = 0, lm_head_large_m_min_rows: int = 0) -> int:
     """Route every linear layer (and the LM head) of ``model`` through ``kernel`` when the
     input has at most ``max_rows`` rows, and inputs of up to ``weight_major_max_rows`` rows
-    (``lm_head_weight_major_max_rows`` for the LM head: by default any number, 1.4-1.8x at
-    48-128 rows on an AVX2 EPYC) through the weight-major GEMM (W x^T)^T, which MKL's fp32
-    sgemm runs faster than F.linear at those sizes on that CPU (fp32 weights only); inputs
+    (``lm_head_weight_major_max_rows`` for the LM head: by default any number) through the
+    weight-major GEMM (W x^T)^T, which MKL's fp32 sgemm runs faster than F.linear at those
+    sizes on AVX2 CPUs (fp32 weights only); inputs
     of at least ``large_m_min_rows`` (``lm_head_large_m_min_rows``) rows past those through
     ``large_m_kernel`` (F.linear's signature) when given; the rest through F.linear.
     With ``bf16_weights``, give the kernel a bf16 copy of each weight that bf16 holds exactly
@@ -141,10 +135,9 @@ def use_packed_weights(model: nn.Module) -> int:
     oneDNN's blocked layout, which its matmuls then use for inputs of any number of rows.
 
     ``F.linear`` on a plain bf16 weight has oneDNN reorder the whole weight into that layout
-    on every call: on a CPU with AMX, the decode step's matmuls ran 1.4-2x slower than with
-    the weights reordered once at load time (identical products; fp32 accumulation either
-    way). The plain weight stays (the embedding may share it; other paths read it). Returns
-    the bytes the copies take."""
+    on every call, which costs more than the matmul at decode sizes (identical products;
+    fp32 accumulation either way). The plain weight stays (the embedding may share it;
+    other paths read it). Returns the bytes the copies take."""
     extra = 0
     for module in model.modules():
         if isinstance(module, SmallMMatmul) and module.weight.dtype == torch.bfloat16:
@@ -165,8 +158,9 @@ def use_prepacked_weights(model: nn.Module, pack: Callable[[torch.Tensor], torch
     (with ``from_rows``, every input of at least that many rows: the small-M kernel keeps
     fewer).
 
-    MKL's sgemm (``F.linear``) and ``cpu_ops.linear_tiled`` repack the weight on every call;
-    see ``model_runner.AVX512_ROUTES`` for what packing once gains. Only layers with a bf16
+    MKL's sgemm (``F.linear``) and ``cpu_ops.linear_tiled`` repack the weight on every call,
+    and at decode-batch sizes the packed kernel also prefetches the weight stream. Only
+    layers with a bf16
     copy: their plain weight can then be dropped (:func:`release_plain_weights`), so the
     process holds as many bytes of weights as before; an fp32 checkpoint keeps its routes
     rather than a second fp32 copy.
@@ -175,9 +169,7 @@ def use_prepacked_weights(model: nn.Module, pack: Callable[[torch.Tensor], torch
     projections (two halves of a multiple of ``lanes`` rows, no bias) are packed paired
     instead, so that the MLP can take ``silu(gate) * up`` straight from the GEMM
     (:meth:`SmallMMatmul.silu_mul_matmul`). With ``bf16``, pack the bf16 copy (the same
-    values in half the bytes; the kernel widens them exactly): on a 2-core AVX2 EPYC the
-    decoder's linears at 6 / 16 / 32 rows ran in 0.54 / 0.86 / 0.86x the time of fp32
-    panels and 0.67 / 0.76x the small-M kernel's at 6 / 16 rows; 1.03x slower at 256.
+    values in half the bytes; the kernel widens them exactly: less to stream per step).
     Returns the bytes the packed copies take."""
     extra = 0
     for module in model.modules():
@@ -218,15 +210,6 @@ def release_plain_weights(model: nn.Module) -> int:
     if freed:
         return_freed_heap()
     return freed
-
-
-def packed_weights_supported() -> bool:
-    """Whether this PyTorch build runs bf16 matmuls on oneDNN's packed weights here."""
-    try:
-        return bool(torch.backends.mkldnn.is_available()
-                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 class LinearBase(nn.Module, SmallMMatmul):

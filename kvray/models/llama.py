@@ -232,10 +232,9 @@ class LlamaModel(nn.Module):
                             ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The stage's layers in one C++ call when the batch is one each layer would run
         as ``fused_decode`` (a layer's own check, on the first layer: the others see the
-        same rows, contiguous outputs and their own caches); else None. Between 30 layer
-        calls there was Python, and each call let the engine thread give up the GIL to the
-        server's threads and wait to get it back: on a 2-core EPYC the stack's step was
-        0.94x the per-layer calls' at batch 1 (21.9 vs 23.2 ms), 0.96x at batch 8."""
+        same rows, contiguous outputs and their own caches); else None. Between per-layer
+        calls the engine thread may give up the GIL to the server's threads and wait to get
+        it back; one call for the stack avoids that."""
         if self.fused_decode_stack is None or kv_caches is None \
                 or self.start_layer == self.end_layer:
             return None
