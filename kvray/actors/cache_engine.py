@@ -1,10 +1,12 @@
-"""This worker's shard of the paged KV cache: sizing and allocation."""
+"""This worker's shard of the paged KV cache: the blocks' layout and their tensors.
+
+How many blocks a worker holds is decided in :mod:`kvray.actors.kv_sizing`.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from kvray.config import CacheConfig
 from kvray.kernels.huge_pages import zeros_on_huge_pages
 
 
@@ -13,30 +15,6 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
     """Bytes one block takes across this worker's layers (K and V)."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
-
-
-def gpu_kv_budget(total: int, utilization: float, weights: int, activation_peak: int,
-                  non_torch: int) -> int:
-    """Bytes left for the KV cache on a GPU: ``utilization`` x its memory, less the weights,
-    the peak of the profile run's activations (the largest step the scheduler may send) and
-    what lives outside torch's allocator (CUDA context, NCCL buffers, other processes)."""
-    return int(total * utilization) - weights - activation_peak - non_torch
-
-
-def num_blocks_for_budget(cache: CacheConfig, bytes_per_block: int, budget: int,
-                          breakdown: str = "") -> int:
-    """Blocks that fit: the override, else ``budget`` bytes (``kv_cache_memory`` on CPU,
-    :func:`gpu_kv_budget` on CUDA) over the bytes of one block. ``breakdown`` says where a
-    GPU budget went, for the error when not one block fits."""
-    if cache.num_gpu_blocks_override is not None:
-        return cache.num_gpu_blocks_override
-    num = budget // bytes_per_block
-    if num < 1:
-        raise ValueError(
-            f"the KV cache budget ({budget} bytes) holds no block of {bytes_per_block} bytes"
-            f"{f' ({breakdown})' if breakdown else ''}; "
-            "raise kv_cache_memory (CPU) or gpu_memory_utilization (CUDA)")
-    return int(num)
 
 
 class CacheEngine:

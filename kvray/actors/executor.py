@@ -9,6 +9,7 @@ all of them, returning the sampled tokens. Two implementations share this interf
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvray.config import EngineConfig
@@ -19,22 +20,17 @@ if TYPE_CHECKING:
 
 
 class Executor(Protocol):
-    """What the engine core calls on its workers, in this order: sizing, cache, steps."""
+    """What the engine core calls on its workers: the KV cache set-up
+    (:func:`initialize_kv_cache`, through :meth:`collective_rpc`), then steps."""
 
     spec: ModelSpec  # the model's architecture facts (read by the workers)
     max_model_len: int  # resolved context length
     broadcast_s: float  # seconds spent shipping SchedulerOutputs to workers so far
 
-    def determine_num_blocks(self) -> int:
-        """KV blocks every worker can hold within its memory budget (the minimum)."""
-        ...
-
-    def kv_bytes_per_block(self) -> int:
-        """Bytes one block takes on the largest worker shard (sizes the swap pool)."""
-        ...
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` KV blocks on every worker."""
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call the :class:`~kvray.actors.worker.Worker` method ``method`` with ``args`` on
+        every worker; their results in rank order. For start-up work (bounded by the
+        start-up timeout, not a step's), never for steps."""
         ...
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -58,6 +54,23 @@ class Executor(Protocol):
     def shutdown(self) -> None:
         """Release the workers (and any Ray actors / placement group); idempotent."""
         ...
+
+
+@dataclass(frozen=True)
+class KVCacheSize:
+    """The KV cache every worker of a replica holds, as :func:`initialize_kv_cache` sized it."""
+
+    num_blocks: int  # blocks on each worker: the smallest count any worker can hold
+    bytes_per_block: int  # on the largest worker shard (what a swapped block costs)
+
+
+def initialize_kv_cache(executor: Executor) -> KVCacheSize:
+    """Size the KV cache and allocate it on every worker: each worker finds how many blocks
+    fit its memory budget (a profile run on CUDA); all allocate the smallest count, so that
+    one block id means the same slot on every shard."""
+    num_blocks = min(executor.collective_rpc("determine_num_blocks"))
+    executor.collective_rpc("initialize_cache", num_blocks)
+    return KVCacheSize(num_blocks, max(executor.collective_rpc("kv_bytes_per_block")))
 
 
 def executor_backend(config: EngineConfig) -> str:

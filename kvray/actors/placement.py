@@ -1,7 +1,7 @@
 """Where a replica's worker actors go: one placement-group bundle per rank.
 
 No torch, no Ray: the engine (:mod:`kvray.actors.ray_executor`) and the Serve deployment
-(:mod:`kvray.serve.deployment`) build the same bundles from the config.
+(:mod:`kvray.serve.app`) build the same bundles from the config.
 """
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ import os
 import tempfile
 import time
 import uuid
+from typing import Any
 
 from kvray.actors.placement import worker_bundles
 from kvray.actors.worker import Worker, free_port
 from kvray.config import EngineConfig
-from kvray.models.spec import ModelSpec
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -132,78 +132,83 @@ class _RankedWorker:
         bind_collectives_to(self.node_address())
         self.worker = Worker(self.config, self.model_path, self.rank, init_method)
 
-    # The Worker's interface, one typed method each (Ray calls them by attribute).
-    def model_info(self) -> tuple[ModelSpec, int]:
-        return self.worker.model_info()
-
-    def determine_num_blocks(self) -> int:
-        return self.worker.determine_num_blocks()
-
-    def kv_bytes_per_block(self) -> int:
-        return self.worker.kv_bytes_per_block()
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks)
-
-    def swap_objects(self) -> int:
-        return self.worker.swap_objects()
+    def run_method(self, method: str, *args: Any) -> Any:
+        """Call the Worker's ``method`` (what :meth:`RayExecutor.collective_rpc` sends)."""
+        return getattr(self.worker, method)(*args)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.worker.execute_model(out)
+        return self.worker.execute_model(out)  # the hot path keeps a typed method
 
 
 class RayExecutor:
     """The :class:`~kvray.actors.executor.Executor` over TP x PP Ray worker actors."""
 
     def __init__(self, config: EngineConfig, model_path: str) -> None:
-        import ray
-        from ray.util.placement_group import placement_group
-
         par = config.parallel
         self.timeout_s = par.worker_timeout_s
         self.startup_timeout_s = max(STARTUP_TIMEOUT_S, self.timeout_s)
         self.tp, self.pp = par.tensor_parallel_size, par.pipeline_parallel_size
-        world = self.tp * self.pp
-        ensure_ray(num_cpus=max(world + 2, 4))
+        ensure_ray(num_cpus=max(self.tp * self.pp + 2, 4))
         bundles = worker_bundles(config, _cluster_has_gpus())
-        # Inside a Serve replica whose deployment reserved bundles for the workers (see
-        # kvray.serve.deployment), use those: Serve then accounts for the workers' resources.
-        current = ray.util.get_current_placement_group()
-        if current is not None and len(current.bundle_specs) >= world + 1:
-            self.pg, self._owns_pg, first_bundle = current, False, 1
-        else:
-            self.pg = placement_group(bundles, strategy=par.placement_strategy)
-            self._owns_pg, first_bundle = True, 0
-            self._wait_for_placement(bundles, par.placement_strategy)
-        actor_cls = ray.remote(_RankedWorker)
-        strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
-        self.workers = [
-            actor_cls.options(
-                num_cpus=bundles[rank]["CPU"], num_gpus=bundles[rank].get("GPU", 0),
-                scheduling_strategy=strategy(placement_group=self.pg,
-                                             placement_group_bundle_index=first_bundle + rank),
-            ).remote(config, model_path, rank)
-            for rank in range(world)
-        ]
+        first_bundle = self._reserve_placement(bundles, par.placement_strategy)
+        self.workers = self._spawn_workers(config, model_path, bundles, first_bundle)
         try:
-            nodes = self._get([w.node_address.remote() for w in self.workers],
-                              self.startup_timeout_s)
-            self.worker_nodes = nodes  # node IP of each rank
-            logger.info("kvray workers (rank: node): %s",
-                        ", ".join(f"{r}: {ip}" for r, ip in enumerate(nodes)))
-            init_method = self._get(
-                [self.workers[0].pick_rendezvous.remote(len(set(nodes)) == 1)])[0]
-            if world == 1:
-                init_method = "single"  # no process group, but size threads as an actor
-            self._get([w.init_worker.remote(init_method) for w in self.workers],
-                      self.startup_timeout_s)
-            self.spec, self.max_model_len = self._get(
-                [self.workers[-self.tp].model_info.remote()])[0]
+            self._init_workers()
         except BaseException:
             self.shutdown()
             raise
         self.output_rank = (self.pp - 1) * self.tp  # last stage, TP rank 0
         self.broadcast_s = 0.0  # time spent putting SchedulerOutputs in the object store
+
+    def _reserve_placement(self, bundles: list[dict], strategy: str) -> int:
+        """Set ``self.pg`` to the placement group the workers go in; returns the index of
+        the first worker's bundle."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        # Inside a Serve replica whose deployment reserved bundles for the workers (see
+        # kvray.serve.app), use those: Serve then accounts for the workers' resources.
+        current = ray.util.get_current_placement_group()
+        if current is not None and len(current.bundle_specs) >= self.tp * self.pp + 1:
+            self.pg, self._owns_pg = current, False
+            return 1
+        self.pg = placement_group(bundles, strategy=strategy)
+        self._owns_pg = True
+        self._wait_for_placement(bundles, strategy)
+        return 0
+
+    def _spawn_workers(self, config: EngineConfig, model_path: str, bundles: list[dict],
+                       first_bundle: int) -> list:
+        """One actor per rank, each in its bundle (nothing loaded yet)."""
+        import ray
+
+        actor_cls = ray.remote(_RankedWorker)
+        strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
+        return [
+            actor_cls.options(
+                num_cpus=bundles[rank]["CPU"], num_gpus=bundles[rank].get("GPU", 0),
+                scheduling_strategy=strategy(placement_group=self.pg,
+                                             placement_group_bundle_index=first_bundle + rank),
+            ).remote(config, model_path, rank)
+            for rank in range(self.tp * self.pp)
+        ]
+
+    def _init_workers(self) -> None:
+        """Find each rank's node, agree on a rendezvous, build every Worker (joining the
+        process group and loading its shard), and read the model's facts."""
+        nodes = self._get([w.node_address.remote() for w in self.workers],
+                          self.startup_timeout_s)
+        self.worker_nodes = nodes  # node IP of each rank
+        logger.info("kvray workers (rank: node): %s",
+                    ", ".join(f"{r}: {ip}" for r, ip in enumerate(nodes)))
+        init_method = self._get(
+            [self.workers[0].pick_rendezvous.remote(len(set(nodes)) == 1)])[0]
+        if len(self.workers) == 1:
+            init_method = "single"  # no process group, but size threads as an actor
+        self._get([w.init_worker.remote(init_method) for w in self.workers],
+                  self.startup_timeout_s)
+        self.spec, self.max_model_len = self._get(
+            [self.workers[-self.tp].run_method.remote("model_info")])[0]
 
     def _wait_for_placement(self, bundles: list[dict], strategy: str) -> None:
         import ray
@@ -254,19 +259,13 @@ class RayExecutor:
                     f"a kvray worker actor died ({err.__class__.__name__}): {err}") from err
         return [done[r] for r in refs]
 
-    def determine_num_blocks(self) -> int:  # profiles a forward pass: start-up bound
-        return min(self._get([w.determine_num_blocks.remote() for w in self.workers],
-                             self.startup_timeout_s))
-
-    def kv_bytes_per_block(self) -> int:
-        return max(self._get([w.kv_bytes_per_block.remote() for w in self.workers]))
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._get([w.initialize_cache.remote(num_blocks) for w in self.workers],
-                  self.startup_timeout_s)
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        # Start-up bound: determine_num_blocks profiles a forward pass.
+        return self._get([w.run_method.remote(method, *args) for w in self.workers],
+                         self.startup_timeout_s)
 
     def swap_objects(self) -> list[int]:
-        return self._get([w.swap_objects.remote() for w in self.workers])
+        return self._get([w.run_method.remote("swap_objects") for w in self.workers])
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.collect_step(self.submit_step(out))

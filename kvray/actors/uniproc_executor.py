@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvray.actors.worker import Worker
 from kvray.config import EngineConfig
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -15,14 +17,8 @@ class UniProcExecutor:
         self.spec, self.max_model_len = self.worker.model_info()
         self.broadcast_s = 0.0  # nothing crosses a process boundary
 
-    def determine_num_blocks(self) -> int:
-        return self.worker.determine_num_blocks()
-
-    def kv_bytes_per_block(self) -> int:
-        return self.worker.kv_bytes_per_block()
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks)
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(out)

@@ -15,9 +15,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kvray.actors import kv_sizing
 from kvray.actors.model_runner import ModelRunner
 from kvray.config import EngineConfig
 from kvray.hardware import available_cores
+from kvray.models.spec import ModelSpec
 from kvray.parallel import ParallelContext
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -68,6 +70,8 @@ def set_cpu_threads(in_actor: bool, world_size: int) -> None:
 
 
 class Worker:
+    """One rank of a model replica: its process group, its ModelRunner and KV cache."""
+
     def __init__(self, config: EngineConfig, model_path: str, rank: int = 0,
                  init_method: str | None = None, device: torch.device | None = None) -> None:
         self.config = config
@@ -88,17 +92,22 @@ class Worker:
             self.ctx = ParallelContext()
         self.runner = ModelRunner(config, model_path, self.ctx, self.device)
 
-    def model_info(self) -> tuple:
+    def model_info(self) -> tuple[ModelSpec, int]:
         """(spec, max_model_len) for the engine, which holds no model itself."""
         return self.runner.spec, self.runner.max_model_len
 
+    # KV cache sizing, run on every worker by the executor's collective_rpc (see
+    # kvray.actors.executor.initialize_kv_cache).
     def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks()
+        """KV blocks this worker can hold within its memory budget."""
+        return kv_sizing.determine_num_blocks(self.runner)
 
     def kv_bytes_per_block(self) -> int:
-        return self.runner.kv_bytes_per_block()
+        """Bytes one KV block takes on this worker's shard."""
+        return kv_sizing.bytes_per_block(self.runner)
 
     def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks (the minimum over all workers)."""
         self.runner.initialize_cache(num_blocks)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:

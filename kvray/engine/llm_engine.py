@@ -15,19 +15,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvray.actors.executor import Executor, make_executor
+from kvray.actors.executor import Executor, KVCacheSize, initialize_kv_cache, make_executor
 from kvray.config import EngineConfig
-from kvray.default_model import resolve_model_path
 from kvray.engine.detokenizer import IncrementalDetokenizer
 from kvray.engine.stats import EngineStats
 from kvray.errors import EngineUnavailableError, InvalidRequestError
+from kvray.models.default_model import resolve_model_path
 from kvray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
-from kvray.scheduler.ngram import NgramProposer
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvray.scheduler.preemption import PreemptionCosts, probe_steps
 from kvray.scheduler.request import Request, RequestStatus
 from kvray.scheduler.scheduler import Scheduler
+from kvray.scheduler.swap import swap_pool_blocks
 from kvray.structured_output import GrammarCompiler, compiler_for
 from kvray.tokenizer import load_tokenizer
 
@@ -111,44 +111,31 @@ class LLMEngine:
         self.executor = make_executor(config, self.model_path)
         self.spec = self.executor.spec
         self.max_model_len = self.executor.max_model_len
-        num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_cache(num_blocks)
-        mode = config.scheduler.preemption_mode
-        swap_blocks = 0
-        if mode in ("swap", "auto"):
-            swap_blocks = int(config.cache.swap_space * (1 << 30)) \
-                // self.executor.kv_bytes_per_block()
-        costs = self._measure_preemption_costs(num_blocks, swap_blocks) \
-            if mode == "auto" else None
-        spec = config.model.speculative_config
-        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                 spec.prompt_lookup_max) \
-            if spec is not None and spec.method == "ngram" else None
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
-                                   self.max_model_len, swap_blocks, costs,
-                                   config.parallel.num_micro_batches, proposer,
-                                   spec.disable_by_batch_size if spec is not None else None,
-                                   spec.num_speculative_tokens
-                                   if spec is not None and spec.method == "draft_model" else 0)
+        kv = initialize_kv_cache(self.executor)
+        swap_blocks = swap_pool_blocks(config, kv.bytes_per_block)
+        costs = self._measure_preemption_costs(kv, swap_blocks) \
+            if config.scheduler.preemption_mode == "auto" else None
+        self.scheduler = Scheduler(config, kv.num_blocks, self.max_model_len, swap_blocks,
+                                   costs)
         self._in_flight.clear()
-        self.stats.num_blocks = num_blocks
+        self.stats.num_blocks = kv.num_blocks
         if costs is not None:
             self.stats.prefill_s_per_token = costs.prefill_s_per_token
             self.stats.swap_s_per_byte = costs.swap_s_per_byte
         self.published_stats = dataclasses.replace(self.stats)
 
-    def _measure_preemption_costs(self, num_blocks: int, swap_blocks: int) -> PreemptionCosts:
+    def _measure_preemption_costs(self, kv: KVCacheSize, swap_blocks: int) -> PreemptionCosts:
         """Time :func:`probe_steps` on the fresh cache, through the executor as real steps
         run: prefill seconds per token as the slope between a long and a short prefill
         (a step's fixed cost is paid anyway), swap seconds per byte as a save plus a
         restore less two empty round trips; the long prefill and the copies are timed
         twice and the faster counts (the first call also pays one-off set-up). Bounded:
         three forward passes of at most ``_PROBE_TOKENS`` tokens and two round trips of
-        their blocks (SmolLM2-135M fp32 on 2 CPU cores: ~0.9 s, as each forward streams
-        all the weights)."""
+        their blocks."""
         sched, bs = self.config.scheduler, self.config.cache.block_size
-        bytes_per_block = self.executor.kv_bytes_per_block()
-        n = min(_PROBE_TOKENS, num_blocks * bs, self.max_model_len, sched.max_num_batched_tokens)
+        bytes_per_block = kv.bytes_per_block
+        n = min(_PROBE_TOKENS, kv.num_blocks * bs, self.max_model_len,
+                sched.max_num_batched_tokens)
         if n < 2 or swap_blocks == 0:  # no pool, or nothing to measure with: recompute
             return PreemptionCosts(0.0, math.inf, bytes_per_block)
         steps = probe_steps(n, bs, self.spec.vocab_size)
@@ -271,20 +258,8 @@ class LLMEngine:
         then waits for the oldest and applies it."""
         if self.executor is None:
             raise EngineDeadError("the engine has been shut down")
-        depth = self.scheduler.num_micro_batches
         try:
-            while len(self._in_flight) < depth and (
-                    not self._in_flight or self.scheduler.has_schedulable_requests()):
-                out = self.scheduler.schedule()
-                if out.is_noop and self._in_flight:
-                    break  # nothing fits beside the steps in flight: wait for one
-                self.stats.num_overlapped_steps += bool(self._in_flight)
-                start = time.perf_counter()  # before submitting: in-process, it runs the step
-                self._in_flight.append((out, self.executor.submit_step(out), start))
-                if out.is_empty:
-                    break
-            out, handle, start = self._in_flight.popleft()
-            result = self.executor.collect_step(handle)
+            out, result, start = self._advance_pipeline()
         except Exception as err:
             self._fail_all(err)
             raise EngineDeadError(f"engine step failed, in-flight requests aborted: {err}"
@@ -298,6 +273,28 @@ class LLMEngine:
         touched = self._apply_prompt_logprobs(result)
         touched |= self._apply_tokens(updated, result)
         self._update_gauges()
+        return self._outputs_of(touched)
+
+    def _advance_pipeline(self) -> tuple[SchedulerOutput, ModelRunnerOutput, float]:
+        """Submit steps until ``num_micro_batches`` are in flight (or nothing more can
+        run), then wait for the oldest: its SchedulerOutput, its result and when it was
+        submitted."""
+        depth = self.scheduler.num_micro_batches
+        while len(self._in_flight) < depth and (
+                not self._in_flight or self.scheduler.has_schedulable_requests()):
+            out = self.scheduler.schedule()
+            if out.is_noop and self._in_flight:
+                break  # nothing fits beside the steps in flight: wait for one
+            self.stats.num_overlapped_steps += bool(self._in_flight)
+            start = time.perf_counter()  # before submitting: in-process, it runs the step
+            self._in_flight.append((out, self.executor.submit_step(out), start))
+            if out.is_empty:
+                break
+        out, handle, start = self._in_flight.popleft()
+        return out, self.executor.collect_step(handle), start
+
+    def _outputs_of(self, touched: set[str]) -> list[RequestOutput]:
+        """The outputs of the requests this step changed; finished ones are dropped."""
         outputs = []
         for parent_id in touched:
             parent = self._parents.get(parent_id)

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from kvray.config import CacheConfig
 from kvray.scheduler.request import Request
 
 
@@ -121,6 +122,12 @@ class KVCacheManager:
 
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks)
+
+    @classmethod
+    def from_config(cls, cache: CacheConfig, num_blocks: int) -> KVCacheManager:
+        """The manager of ``num_blocks`` blocks (as the workers allocated them) laid out
+        as the cache section says."""
+        return cls(num_blocks, cache.block_size, cache.enable_prefix_caching)
 
     @property
     def usage(self) -> float:

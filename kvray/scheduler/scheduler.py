@@ -37,12 +37,10 @@ rewritten only by later steps.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
-from kvray.config import CacheConfig, SchedulerConfig
+from kvray.config import EngineConfig
 from kvray.errors import InvalidRequestError
 from kvray.scheduler.kv_cache_manager import KVCacheManager
-from kvray.scheduler.ngram import NgramProposer
 from kvray.scheduler.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -52,6 +50,8 @@ from kvray.scheduler.output import (
 from kvray.scheduler.preemption import PreemptionCosts
 from kvray.scheduler.queues import make_waiting_queue
 from kvray.scheduler.request import Request, RequestStatus, next_draft_length
+from kvray.scheduler.speculation import Speculation
+from kvray.scheduler.step_plan import StepPlan
 from kvray.scheduler.swap import SwapSpace
 
 
@@ -62,54 +62,25 @@ class RequestTooLongError(InvalidRequestError):
         super().__init__(message, param)
 
 
-@dataclass
-class StepPlan:
-    """What one :meth:`Scheduler.schedule` call has decided so far."""
-
-    budget: int  # tokens still free in this step
-    max_requests: int  # requests this step may take (its micro-batch's share)
-    num_scheduled: dict[str, int] = field(default_factory=dict)  # req -> tokens, batch order
-    new_blocks: dict[str, list[int]] = field(default_factory=dict)  # req -> block ids added
-    spec: dict[str, list[int]] = field(default_factory=dict)  # req -> drafts it verifies
-    preempted: bool = False  # a request lost its blocks this step
-    admitted_waiting: bool = False  # a waiting request joined the batch this step
-
-    @property
-    def full(self) -> bool:
-        return self.budget <= 0 or len(self.num_scheduled) >= self.max_requests
-
-    def schedule(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
-        self.num_scheduled[request.request_id] = num_tokens
-        self.new_blocks[request.request_id] = block_ids
-        self.budget -= num_tokens
-
-    def unschedule(self, request: Request) -> None:
-        """Take back a request scheduled earlier in this step (it was just preempted)."""
-        self.budget += self.num_scheduled.pop(request.request_id, 0)
-        self.new_blocks.pop(request.request_id, None)
-        self.spec.pop(request.request_id, None)
-
-
 class Scheduler:
     """Decides each step which requests advance by how many tokens, and owns their blocks."""
 
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
-                 max_model_len: int, swap_capacity_blocks: int = 0,
-                 costs: PreemptionCosts | None = None, num_micro_batches: int = 1,
-                 proposer: NgramProposer | None = None,
-                 spec_disable_batch: int | None = None, lookahead: int = 0) -> None:
-        """``costs``: measured preemption costs, required by ``preemption_mode="auto"``;
-        ``num_micro_batches``: steps that may be in flight at once (pipeline parallelism);
-        ``proposer``: n-gram drafts for speculative decoding (drafts may also come back
-        from the workers: a draft model, which writes ``lookahead`` slots ahead of each
-        request's tokens)."""
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
+                 swap_capacity_blocks: int = 0, costs: PreemptionCosts | None = None) -> None:
+        """Limits and policies come from ``config``'s scheduler section, the block layout
+        from its cache section, the steps in flight from its parallel section and drafts
+        from its ``speculative_config``. The rest is what the engine learned at start-up:
+        ``num_blocks`` and ``max_model_len`` from the workers, ``swap_capacity_blocks``
+        from :func:`~kvray.scheduler.swap.swap_pool_blocks`, and ``costs`` (required by
+        ``preemption_mode="auto"``) from timing the workers."""
+        sched = config.scheduler
         if sched.preemption_mode == "auto" and costs is None:
             raise ValueError("preemption_mode='auto' needs the measured PreemptionCosts")
         self.config = sched
         self.max_model_len = max_model_len
-        self.block_size = cache.block_size
+        self.block_size = config.cache.block_size
         self.costs = costs
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv = KVCacheManager.from_config(config.cache, num_blocks)
         self.waiting = make_waiting_queue(sched.scheduling_policy)
         self.running: list[Request] = []
         self.swap = SwapSpace(swap_capacity_blocks, sched.scheduling_policy)
@@ -121,11 +92,10 @@ class Scheduler:
         self._known_to_workers: set[str] = set()
         self._finished_since_last_step: set[str] = set()
         self._last_sent_len: dict[str, int] = {}
-        self.num_micro_batches = num_micro_batches
+        self.num_micro_batches = config.parallel.num_micro_batches
         self._in_flight: set[str] = set()  # scheduled in a step whose output is not back
-        self.proposer = proposer
-        self.spec_disable_batch = spec_disable_batch or (1 << 30)
-        self.lookahead = lookahead
+        self.speculation = Speculation.from_config(config.model.speculative_config)
+        self.lookahead = self.speculation.lookahead  # KV slots a draft model writes ahead
         self.num_draft_tokens = 0  # speculative decoding: drafts verified
         self.num_accepted_tokens = 0  # of which accepted
 
@@ -205,7 +175,7 @@ class Scheduler:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
             drafts = req.spec_token_ids[:plan.budget - 1] \
-                if num_new == 1 and len(self.running) < self.spec_disable_batch else []
+                if num_new == 1 and self.speculation.wanted(len(self.running)) else []
             la = self.lookahead
             ids = self.kv.allocate_slots(req, num_new + len(drafts), lookahead=la) \
                 if drafts else None
@@ -451,18 +421,9 @@ class Scheduler:
                     break
             updated.append(req)
             if not req.is_finished:
-                self._propose(req, result.draft_token_ids.get(req_id))
+                req.spec_token_ids = self.speculation.drafts_for(
+                    req, result.draft_token_ids.get(req_id), self.max_model_len)
         return updated
-
-    def _propose(self, req: Request, drafts: list[int] | None) -> None:
-        """Drafts for ``req``'s next step: the workers' (a draft model), else the n-gram
-        proposer's; never more than the tokens it may still emit less the one a step
-        always emits, nor past max_model_len."""
-        room = min(req.max_tokens - len(req.output_token_ids) - 1,
-                   self.max_model_len - req.num_tokens - 1, req.spec_len)
-        if drafts is None and self.proposer is not None:
-            drafts = self.proposer.propose(req.request_id, req.all_token_ids, room)
-        req.spec_token_ids = list(drafts or ())[:max(room, 0)]
 
     def _recompute_lost(self, failed: set[str]) -> set[str]:
         """Requests whose KV a worker could not save to the swap pool (or restore from it)
@@ -518,8 +479,7 @@ class Scheduler:
         self._known_to_workers.discard(req.request_id)
         self._last_sent_len.pop(req.request_id, None)
         self._finished_since_last_step.add(req.request_id)
-        if self.proposer is not None:
-            self.proposer.forget(req.request_id)
+        self.speculation.forget(req.request_id)
         del self.requests[req.request_id]
 
     def abort_request(self, request_id: str) -> bool:

@@ -3,8 +3,17 @@ how many of its blocks they use. The copies themselves live with the workers."""
 
 from __future__ import annotations
 
+from kvray.config import EngineConfig
 from kvray.scheduler.queues import WaitingQueue, make_waiting_queue
 from kvray.scheduler.request import Request, RequestStatus
+
+
+def swap_pool_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+    """Blocks the swap pool holds: ``swap_space`` GiB over the bytes of a block on the
+    largest worker shard, when ``preemption_mode`` may swap (else 0)."""
+    if config.scheduler.preemption_mode not in ("swap", "auto"):
+        return 0
+    return int(config.cache.swap_space * (1 << 30)) // bytes_per_block
 
 
 class SwapSpace:
