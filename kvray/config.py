@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 import yaml
@@ -313,17 +315,17 @@ class ServerConfig(_Section):
         "auto = llama3_json for a chat template in Llama 3's tool format, else hermes.")
 
 
-SECTIONS: dict[str, type[_Section]] = {
+SECTIONS: Mapping[str, type[_Section]] = MappingProxyType({
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "server": ServerConfig,
-}
+})
 # Flat key -> section name; ModelConfig's "model" field shares its name with the section.
-FIELD_SECTION: dict[str, str] = {
+FIELD_SECTION: Mapping[str, str] = MappingProxyType({
     name: section for section, cls in SECTIONS.items() for name in cls.model_fields
-}
+})
 
 
 class EngineConfig(BaseModel):

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvray.config import EngineConfig
 from kvray.engine.llm_engine import LLMEngine, PromptType
+from kvray.engine.stream_fold import fold_queued
 from kvray.errors import (
     EngineUnavailableError,
     KVRayError,
@@ -55,11 +56,9 @@ class AsyncLLM:
         self._heartbeat = time.monotonic()  # the loop's last sign of life
         self._busy_since_refresh = False  # stepped since the swap objects were counted
         self.dead_error: BaseException | None = None
-        # The engine is built on the thread that steps it: the CPU kernels' OpenMP team
-        # belongs to the thread that starts parallel regions, and with a second team alive
-        # in the process (the builder's) GNU OpenMP's threads stop spinning between regions
-        # and sleep: a batch-1 decode step 19-20 -> 25 ms offline, ~16 -> ~36 ms in a
-        # Serve replica (measured on a 2-core AMX Xeon).
+        # The engine is built on the thread that steps it: with a second OpenMP team alive
+        # (the builder thread's), GNU OpenMP's threads sleep between parallel regions and
+        # CPU decode steps get markedly slower (docs/design.md has the measurements).
         built = threading.Event()
         failure: list[BaseException] = []
         self._thread = threading.Thread(target=self._main, args=(built, failure),
@@ -218,21 +217,9 @@ class AsyncLLM:
 
     async def _stream(self, request_id: str, prompt: PromptType, params: SamplingParams,
                       priority: int) -> AsyncGenerator[Any, None]:
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
         timeout = self.config.server.request_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        try:
-            await asyncio.wrap_future(self._call(
-                lambda: self._admit_and_add(request_id, prompt, params, priority)))
-        except BaseException:
-            self._streams.pop(request_id, None)
-            if not isinstance(self.dead_error, BaseException):  # cancelled mid-add: undo it
-                with contextlib.suppress(EngineLoopDead):
-                    self._call(lambda: self.engine.abort_request(request_id))
-            raise
+        q = await self._admit(request_id, prompt, params, priority)
         delta = params.output_kind is RequestOutputKind.DELTA
         # stream_interval > 1: after the first token, hold deltas until that many tokens
         # (of the longest sequence) gathered, so each hop carries fewer, larger chunks.
@@ -243,23 +230,7 @@ class AsyncLLM:
         try:
             yield None  # admitted (open_stream's marker, never an output)
             while not finished:
-                if deadline is None:
-                    item = await q.get()
-                else:
-                    try:
-                        item = await asyncio.wait_for(q.get(), deadline - time.monotonic())
-                    except TimeoutError:
-                        raise RequestTimeoutError(
-                            f"the request ran past its deadline ({timeout:g} s, "
-                            "request_timeout_s) and was aborted") from None
-                # When the consumer lags, fold what queued up into one output, so a busy
-                # server sends fewer, larger chunks instead of falling further behind.
-                while not q.empty() and not isinstance(item, BaseException):
-                    later = q.get_nowait()
-                    if delta and not isinstance(later, BaseException):
-                        item.add(later)
-                    else:  # a cumulative output supersedes the previous; an error wins
-                        item = later
+                item = await self._next_output(q, delta, deadline)
                 if isinstance(item, BaseException):
                     finished = True  # the engine has forgotten it already
                     raise item
@@ -279,6 +250,42 @@ class AsyncLLM:
                 self._streams.pop(request_id, None)
                 with contextlib.suppress(EngineLoopDead):
                     self._call(lambda: self.engine.abort_request(request_id))
+
+    async def _admit(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                     priority: int) -> asyncio.Queue:
+        """Register the request's output queue and add it on the engine thread (raising
+        what admission raises, the queue then gone); the queue."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        try:
+            await asyncio.wrap_future(self._call(
+                lambda: self._admit_and_add(request_id, prompt, params, priority)))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            if not isinstance(self.dead_error, BaseException):  # cancelled mid-add: undo it
+                with contextlib.suppress(EngineLoopDead):
+                    self._call(lambda: self.engine.abort_request(request_id))
+            raise
+        return q
+
+    async def _next_output(self, q: asyncio.Queue, delta: bool,
+                           deadline: float | None) -> Any:
+        """The next output (what queued up behind it folded in: the consumer lags) or the
+        error that ended the request; RequestTimeoutError past ``deadline``."""
+        if deadline is None:
+            item = await q.get()
+        else:
+            try:
+                item = await asyncio.wait_for(q.get(), deadline - time.monotonic())
+            except TimeoutError:
+                timeout = self.config.server.request_timeout_s
+                raise RequestTimeoutError(
+                    f"the request ran past its deadline ({timeout:g} s, "
+                    "request_timeout_s) and was aborted") from None
+        item, error = fold_queued(item, q, delta)
+        return item if error is None else error  # an error wins over queued outputs
 
     async def check_health(self) -> None:
         """Raise EngineUnavailableError unless the engine loop is alive and, when it has

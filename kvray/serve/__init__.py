@@ -4,9 +4,6 @@
 files, KubeRay); importing this package stays cheap (Ray and FastAPI load on use).
 """
 
+from kvray.serve.builder import build_app
 
-def build_app(args=None):
-    """The Serve application for one model: see :mod:`kvray.serve.builder`."""
-    from kvray.serve.builder import build_app as build
-
-    return build(args)
+__all__ = ["build_app"]

@@ -11,19 +11,46 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
+from kvray.config import ServerConfig
 from kvray.outputs import CompletionOutput, RequestOutput
 from kvray.serve.http import APIError, api_error_from, drain, sse, streaming_response
 from kvray.serve.protocol import ProtocolError, error_body, new_id, now
 from kvray.serve.tools import ToolCallStreamer, parse_tool_calls, pick_parser
 
-if TYPE_CHECKING:
-    from kvray.serve.openai_app import OpenAIServer
-
 Logprobs = list[dict[int, float]] | None
+T = TypeVar("T")
+
+
+class ServerContext(Protocol):
+    """What a handler uses of the server it runs in (the OpenAI app's server is one)."""
+
+    model_name: str
+    limits: ServerConfig  # bounds every request
+    tokenizer: Any  # the model's Hugging Face tokenizer
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer work off the event loop."""
+
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        """``max_tokens`` for a prompt (400 when it does not fit the context)."""
+
+    def check_prompt_text(self, text: str, param: str) -> None:
+        """400 when a prompt text is over the length limit."""
+
+    def chat_prompt_ids(self, conv: list[dict], add_generation_prompt: bool,
+                        tools: list[dict] | None = None) -> list[int]:
+        """A conversation's token ids through the chat template."""
+
+    def stream(self, request_id: str, prompt: Any, params: Any, priority: int
+               ) -> AsyncIterator[RequestOutput]:
+        """The engine's delta outputs of one request."""
+
+    def record(self, out: RequestOutput, start: float, token_times: list[float]) -> None:
+        """Metrics and the log line of a request that ended."""
 
 
 @dataclass
@@ -53,7 +80,7 @@ class _Pending:
 class _Handler:
     id_prefix = object_name = chunk_name = ""
 
-    def __init__(self, server: OpenAIServer, req: Any) -> None:
+    def __init__(self, server: ServerContext, req: Any) -> None:
         self.server, self.req = server, req
         self.id = new_id(self.id_prefix)
         self.created = now()
@@ -261,7 +288,7 @@ class ChatHandler(_Handler):
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
 
-    def __init__(self, server: OpenAIServer, req: Any) -> None:
+    def __init__(self, server: ServerContext, req: Any) -> None:
         super().__init__(server, req)
         try:
             self.tool_mode, self.tool_name = req.tool_mode()

@@ -54,26 +54,12 @@ class _Gate:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        server, path = self.server, scope["path"]
-        open_paths = OPEN_PATHS if server.limits.metrics_require_key else (
-            *OPEN_PATHS, "/metrics")
-        if server.api_key and path not in open_paths:
-            given = b""
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    given = value
-            expected = f"Bearer {server.api_key}".encode()
-            if not hmac.compare_digest(given, expected):
-                resp = error_response(401, "invalid or missing API key", "AuthenticationError")
-                return await resp(scope, receive, send)
-        if server.draining and scope["method"] == "POST":
-            resp = error_response(503, "the server is shutting down; retry on another "
-                                  "replica", "ServiceUnavailableError",
-                                  headers={"Retry-After": "5"})
-            return await resp(scope, receive, send)
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        limit = server.limits.max_request_bytes
+        limit = self.server.limits.max_request_bytes
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 return await self._too_large(scope, receive, send, limit)
@@ -99,6 +85,26 @@ class _Gate:
             return await receive()  # later: the client's disconnect
 
         return await self.app(scope, replay, send)
+
+    def _refusal(self, scope) -> Response | None:
+        """401 without the API key (except on the open paths); 503 for a POST while
+        draining; else None."""
+        server = self.server
+        open_paths = OPEN_PATHS if server.limits.metrics_require_key else (
+            *OPEN_PATHS, "/metrics")
+        if server.api_key and scope["path"] not in open_paths:
+            given = b""
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    given = value
+            expected = f"Bearer {server.api_key}".encode()
+            if not hmac.compare_digest(given, expected):
+                return error_response(401, "invalid or missing API key", "AuthenticationError")
+        if server.draining and scope["method"] == "POST":
+            return error_response(503, "the server is shutting down; retry on another "
+                                  "replica", "ServiceUnavailableError",
+                                  headers={"Retry-After": "5"})
+        return None
 
     @staticmethod
     async def _too_large(scope, receive, send, limit: int) -> None:

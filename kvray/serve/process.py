@@ -1,8 +1,8 @@
 """``kvray serve --ingress process``: the OpenAI app and the engine core in one process.
 
 Ray Serve puts two Ray hops on every streamed token (proxy -> ingress replica -> engine
-replica, and back). On a small CPU host that costs ~2.5 ms of CPU per token on the cores
-the engine steps on: at 16 streams on 2 cores, ~40 % of the output rate. Here uvicorn
+replica, and back), CPU time taken from the cores the engine steps on: a large share of
+the output rate on a small CPU host (benchmarks/RESULTS.md). Here uvicorn
 serves :class:`~kvray.serve.openai_app.OpenAIServer` over an in-process
 :class:`~kvray.engine.async_engine.AsyncLLM`: no hop at all; Ray is used only for the TP x
 PP worker actors (world size > 1). One model replica per process: data parallelism,
