@@ -1,12 +1,23 @@
 """Command-line flags shared by ``kvray`` and the tools that read its command lines
-(``kvray cluster check`` parses the ``kvray serve`` a cluster config starts)."""
+(``kvray cluster check`` parses the ``kvray serve`` a cluster config starts), and the
+config they make.
+
+Every config key is also a flag (``block_size`` -> ``--block-size``); a flag overrides the
+value from ``--config FILE``.
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any, get_args
 
-from kvray.config import SECTIONS
+from kvray.config import FIELD_SECTION, SECTIONS, EngineConfig, load_config
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine config of ``--config FILE`` with every config flag given laid over it."""
+    overrides = {key: getattr(args, key, None) for key in FIELD_SECTION}
+    return load_config(args.config, **overrides)
 
 
 def _positive_int(text: str) -> int:

@@ -11,7 +11,7 @@ from kvray.cli.flags import config_from_args
 
 def cmd_setup(args: argparse.Namespace) -> int:
     """Download and convert the built-in model (again with ``--force``)."""
-    from kvray.default_model import setup_default_model
+    from kvray.models.default_model import setup_default_model
 
     setup_default_model(force=args.force)
     return 0

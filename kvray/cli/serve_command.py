@@ -74,8 +74,8 @@ def _warn_if_open(host: str, api_key: str | None) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the OpenAI-compatible API until SIGTERM or Ctrl-C, then drain and stop."""
     _set_private_cluster_env(args)
-    from kvray.default_model import resolve_model_path
-    from kvray.serve.builder import served_model_name
+    from kvray.models.default_model import resolve_model_path
+    from kvray.serve.options import served_model_name
 
     if args.model_positional is not None:
         args.model = args.model_positional
@@ -101,18 +101,20 @@ def _serve_on_ray_serve(args: argparse.Namespace, config: EngineConfig, model_pa
     --address / RAY_ADDRESS, else a private one, stopped at exit)."""
     from kvray.actors.ray_executor import ensure_ray, stop_ray
     from kvray.cli.serve_lifecycle import ServeLifecycle
-    from kvray.serve.builder import build_app
+    from kvray.serve.app import build_serve_app
+    from kvray.serve.options import ServeOptions
 
     world = config.parallel.world_size
     started = ensure_ray(args.address, num_cpus=max(8, args.num_replicas * (world + 1) + 2),
                          log_to_driver=True)
-    flat = {k: v for k, v in config.to_flat().items() if v is not None}
-    flat["model"] = str(model_path)
-    app_args = {**flat, "num_replicas": args.num_replicas, "api_key": api_key,
-                "ingress": "replica" if args.ingress == "replica" else "separate"}
+    config = config.model_copy(update={"model": config.model.model_copy(
+        update={"model": str(model_path)})})
+    options = ServeOptions(num_replicas=args.num_replicas, api_key=api_key,
+                           ingress="replica" if args.ingress == "replica" else "separate")
     lifecycle = ServeLifecycle(name, config.server.drain_timeout_s,
                                on_shutdown=stop_ray if started else None)
-    lifecycle.run(lambda: build_app(app_args), args.host, args.port, args.num_replicas)
+    lifecycle.run(lambda: build_serve_app(config, options), args.host, args.port,
+                  args.num_replicas)
     return 0
 
 

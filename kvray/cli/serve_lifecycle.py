@@ -170,15 +170,17 @@ class ServeLifecycle:
         import ray
 
         from kvray.engine.stats import throughput_line
-        from kvray.serve.deployment import STATS_NAMESPACE
+        from kvray.serve.options import ServeOptions
+        from kvray.serve.stats_board import STATS_NAMESPACE
 
+        board_name = ServeOptions(app_name=APP_NAME).board_name
         last = None
         while True:
             sleep(period)
             if self.stop_requested:  # a SIGTERM whose ServeStop something below swallowed
                 raise ServeStop
             try:
-                board = ray.get_actor(f"kvray-stats-{APP_NAME}", namespace=STATS_NAMESPACE)
+                board = ray.get_actor(board_name, namespace=STATS_NAMESPACE)
                 snap = ray.get(board.snapshot.remote(), timeout=5)
             except Exception as err:  # a missing stats line must not stop the server
                 print(f"kvray: stats unavailable ({err.__class__.__name__})", flush=True)
