@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvray.default_model import default_model_dir
 from kvray.hardware import describe, machine_dtype
+from kvray.models.default_model import default_model_dir
 from kvray.models.loader import checkpoint_dtype
 
 

@@ -123,9 +123,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from kvray.config import config_from_flat
-    from kvray.default_model import default_model_dir
     from kvray.engine.llm_engine import LLMEngine
     from kvray.hardware import describe
+    from kvray.models.default_model import default_model_dir
     from kvray.models.layers import SmallMMatmul
 
     print(describe())

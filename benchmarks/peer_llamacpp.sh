@@ -51,7 +51,7 @@ if [ ! -x build/bin/llama-server ]; then
 fi
 
 # 3. the built-in model as a GGUF, converted by llama.cpp's own script
-MODEL_DIR="$("$PYTHON" -c 'from kvray.default_model import default_model_dir; print(default_model_dir())')"
+MODEL_DIR="$("$PYTHON" -c 'from kvray.models.default_model import default_model_dir; print(default_model_dir())')"
 GGUF="$PEER_DIR/$(basename "$MODEL_DIR").$GGUF_TYPE.gguf"
 if [ ! -f "$GGUF" ]; then
     # the converter imports sentencepiece even for a BPE tokenizer: keep it out of .venv

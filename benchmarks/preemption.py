@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import benchmark_dtype  # noqa: E402
 from kvray import LLM, SamplingParams  # noqa: E402
-from kvray.default_model import resolve_model_path  # noqa: E402
+from kvray.models.default_model import resolve_model_path  # noqa: E402
 
 MODES = ("recompute", "swap", "auto")
 BLOCK_SIZE = 16

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvray.config import CacheConfig, SchedulerConfig  # noqa: E402
+from kvray.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from kvray.sampling_params import SamplingParams  # noqa: E402
 from kvray.scheduler.output import ModelRunnerOutput  # noqa: E402
 from kvray.scheduler.request import Request  # noqa: E402
@@ -38,10 +38,10 @@ def measure(running: int, steps: int, prompt_len: int, block_size: int,
     # Long enough that no request finishes while the others still prefill.
     max_tokens = 2 * running * prompt_len // budget + steps + 64
     blocks = running * (-(-(prompt_len + max_tokens) // block_size) + 1)
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=budget),
-        CacheConfig(block_size=block_size, enable_prefix_caching=True), blocks,
-        prompt_len + max_tokens + 8)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=budget),
+        cache=CacheConfig(block_size=block_size, enable_prefix_caching=True))
+    sched = Scheduler(config, blocks, prompt_len + max_tokens + 8)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(running):

@@ -337,7 +337,7 @@ def main() -> None:
     if args.base_url:
         model = httpx.get(f"{args.base_url}/v1/models").json()["data"][0]["id"]
     else:
-        from kvray.default_model import default_model_dir
+        from kvray.models.default_model import default_model_dir
 
         model = default_model_dir().name
     print(f"\n{args.num_requests} requests, prompts {prompt_len[0]}..{prompt_len[1]}, outputs "

@@ -64,7 +64,7 @@ def truncated_draft(layers: int) -> str:
 
     import transformers
 
-    from kvray.default_model import default_model_dir
+    from kvray.models.default_model import default_model_dir
 
     src = default_model_dir()
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype="auto")

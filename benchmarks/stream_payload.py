@@ -47,16 +47,17 @@ def main() -> None:
     from ray import serve
 
     from kvray.actors.ray_executor import ensure_ray
-    from kvray.default_model import resolve_model_path
+    from kvray.config import config_from_flat
     from kvray.hardware import describe
+    from kvray.models.default_model import resolve_model_path
     from kvray.sampling_params import RequestOutputKind, SamplingParams
-    from kvray.serve.deployment import LLMServer
+    from kvray.serve.replica import LLMServer
 
     print(describe())
     model = str(resolve_model_path(args.model))
     ensure_ray(num_cpus=4)
     engine_config = {"model": model, "dtype": args.dtype, "max_model_len": args.tokens + 64}
-    handle = serve.run(LLMServer.bind(engine_config, "kvray-stats-payload"),
+    handle = serve.run(LLMServer.bind(config_from_flat(engine_config), "kvray-stats-payload"),
                        name="payload", route_prefix=None)
     rows = []
     try:

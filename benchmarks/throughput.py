@@ -465,8 +465,8 @@ def use_repo_checkout() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     use_repo_checkout()
-    from kvray.default_model import default_model_dir
     from kvray.hardware import machine_dtype
+    from kvray.models.default_model import default_model_dir
     from kvray.models.loader import checkpoint_dtype
 
     args = parse_args(argv)
