@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 KVRAY := $(VENV)/bin/kvray
 
-.PHONY: setup model demo test lint bench clean
+.PHONY: setup model demo test test-fast lint bench clean
 
 # torch is installed first and pinned: on these machines 2.13.0 is a CPU build on disk,
 # while an unpinned torch would pull a multi-GB CUDA build.
@@ -26,6 +26,11 @@ demo: model
 test: model
 	$(VENV)/bin/ruff check kvray tests benchmarks
 	$(PY) -m pytest -q
+
+# The fast tiers (tests/conftest.py): pure logic, kernels against their references and
+# tiny-model parity; a few minutes on two cores, no servers, no clusters.
+test-fast: model
+	$(PY) -m pytest -q -m "unit or parity"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

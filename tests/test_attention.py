@@ -14,6 +14,8 @@ from kvray.kernels.attention import (
     write_kv_cache,
 )
 
+pytestmark = pytest.mark.parity
+
 HK, G, D, BS, NUM_BLOCKS = 2, 3, 16, 4, 64
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import builtin_model_or_skip
 
 from kvray.engine.reference import generate_by_recompute
 from kvray.models.loader import load_model
 from kvray.tokenizer import load_tokenizer
+from tests.helpers.skips import builtin_model_or_skip
+
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def test_converted_weights_equal_the_gguf_dequantized(smollm2):
     """The cached HF directory holds exactly the GGUF's weights, rounded to bf16."""
     from safetensors import safe_open
 
-    from kvray.default_model import default_gguf_path, default_model_dir
+    from kvray.models.default_model import default_gguf_path, default_model_dir
     from kvray.models.gguf_loader import GGUFCheckpoint
 
     if not default_gguf_path().is_file():
@@ -61,3 +63,32 @@ def test_converted_weights_equal_the_gguf_dequantized(smollm2):
             assert torch.equal(f.get_tensor(name), tensor.to(torch.bfloat16)), name
             seen += 1
     assert seen == len(names) == 272
+
+
+def test_greedy_tokens_equal_transformers_in_fp32():
+    """The real checkpoint through the engine (fp32, CPU kernels, paged KV) gives
+    transformers' own greedy tokens: 3 prompts x 32 tokens."""
+    import transformers
+
+    from kvray import LLM, SamplingParams
+
+    path = builtin_model_or_skip()
+    tok = load_tokenizer(path)
+    prompts = [tok(text)["input_ids"] for text in (
+        "The capital of France is", "def fibonacci(n):",
+        "Once upon a time, in a small village by the sea,")]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, local_files_only=True).eval()
+    with torch.inference_mode():
+        want = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=int),
+                            max_new_tokens=32, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    del hf
+    llm = LLM(str(path), dtype="float32")
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want

@@ -6,10 +6,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import builtin_model_or_skip
 
 from kvray import LLM, SamplingParams
 from kvray.cli import main
+from tests.helpers.skips import builtin_model_or_skip
+
+pytestmark = pytest.mark.engine
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -140,14 +142,12 @@ def test_serve_runs_a_proxy_per_node_only_for_a_wildcard_host(host, where):
     assert proxy_location(host) == where
 
 
-def _throughput_ticks_until_stopped(monkeypatch, get_actor) -> int:
+def _throughput_ticks_until_stopped(monkeypatch, lifecycle, get_actor) -> int:
     """Run `kvray serve`'s throughput loop (serving, no wait per tick) with ``get_actor``
-    standing in for Ray's; the ticks it took before _Stop ended it (at most 3)."""
-    from types import SimpleNamespace
-
+    standing in for Ray's; the ticks it took before ServeStop ended it (at most 3)."""
     import ray
 
-    from kvray import cli
+    from kvray.cli.serve_lifecycle import ServeStop
 
     ticks = []
 
@@ -157,42 +157,45 @@ def _throughput_ticks_until_stopped(monkeypatch, get_actor) -> int:
         ticks.append(seconds)
 
     monkeypatch.setattr(ray, "get_actor", get_actor)
-    monkeypatch.setattr(cli, "_STOP_REQUESTED", False)
-    monkeypatch.setattr(cli, "_RAISE_ON_STOP", True)
-    with pytest.raises(cli._Stop):
-        cli._log_throughput("m", SimpleNamespace(sleep=sleep), period=0.0)
+    lifecycle.serving = True
+    with pytest.raises(ServeStop):
+        lifecycle.log_throughput(sleep, period=0.0)
     return len(ticks)
 
 
 def test_a_sigterm_landing_in_the_throughput_lines_ray_calls_still_stops_the_server(
         monkeypatch):
     # Regression (CI, once): `kvray serve` stayed admitting after SIGTERM. The handler's
-    # _Stop was raised inside the throughput line's `try: ray... except Exception:` and
+    # ServeStop was raised inside the throughput line's `try: ray... except Exception:` and
     # swallowed, so the main thread never reached the drain.
     import signal
 
-    from kvray import cli
+    from kvray.cli.serve_lifecycle import ServeLifecycle
+
+    lifecycle = ServeLifecycle("m", drain_timeout_s=1.0)
 
     def get_actor(*args, **kwargs):  # the signal arrives while Ray is being asked
-        cli._on_sigterm(signal.SIGTERM, None)
+        lifecycle.on_sigterm(signal.SIGTERM, None)
 
-    assert _throughput_ticks_until_stopped(monkeypatch, get_actor) == 1
+    assert _throughput_ticks_until_stopped(monkeypatch, lifecycle, get_actor) == 1
 
 
 def test_a_swallowed_stop_is_still_seen_by_the_next_throughput_tick(monkeypatch):
-    # Whatever catches the handler's _Stop (a BaseException now, but Ray's internals may
+    # Whatever catches the handler's ServeStop (a BaseException now, but Ray's internals may
     # catch those too), the flag it set ends the loop at the next tick.
     import contextlib
     import signal
 
-    from kvray import cli
+    from kvray.cli.serve_lifecycle import ServeLifecycle, ServeStop
+
+    lifecycle = ServeLifecycle("m", drain_timeout_s=1.0)
 
     def get_actor(*args, **kwargs):
-        with contextlib.suppress(cli._Stop):  # something caught it
-            cli._on_sigterm(signal.SIGTERM, None)
+        with contextlib.suppress(ServeStop):  # something caught it
+            lifecycle.on_sigterm(signal.SIGTERM, None)
         raise ValueError("no board")
 
-    assert _throughput_ticks_until_stopped(monkeypatch, get_actor) == 2
+    assert _throughput_ticks_until_stopped(monkeypatch, lifecycle, get_actor) == 2
 
 
 def test_a_sigterm_during_start_up_is_noted_for_a_drain_and_a_second_stops_at_once(
@@ -202,11 +205,10 @@ def test_a_sigterm_during_start_up_is_noted_for_a_drain_and_a_second_stops_at_on
     # a second one stops a start-up that hangs.
     import signal
 
-    from kvray import cli
+    from kvray.cli.serve_lifecycle import ServeLifecycle, ServeStop
 
-    monkeypatch.setattr(cli, "_STOP_REQUESTED", False)
-    monkeypatch.setattr(cli, "_RAISE_ON_STOP", False)
-    cli._on_sigterm(signal.SIGTERM, None)
-    assert cli._STOP_REQUESTED
-    with pytest.raises(cli._Stop):
-        cli._on_sigterm(signal.SIGTERM, None)
+    lifecycle = ServeLifecycle("m", drain_timeout_s=1.0)  # starting up: not yet serving
+    lifecycle.on_sigterm(signal.SIGTERM, None)
+    assert lifecycle.stop_requested
+    with pytest.raises(ServeStop):
+        lifecycle.on_sigterm(signal.SIGTERM, None)

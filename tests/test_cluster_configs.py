@@ -18,13 +18,15 @@ import ray.autoscaler
 import yaml
 
 from kvray.config import load_config
-from kvray.ops.cluster_check import (
+from kvray.ops.cluster import (
     VERIFIED_RAY_VERSION,
     add_cluster_parser,
     check_cluster,
     check_cluster_config,
     wait_for_gpus,
 )
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "cluster"

@@ -8,6 +8,8 @@ import pytest
 
 from kvray.config import ConfigError, EngineConfig, dump_config, load_config
 
+pytestmark = pytest.mark.unit
+
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
 

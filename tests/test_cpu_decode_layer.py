@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ARCHS
 
 from kvray import LLM, SamplingParams
 from kvray.kernels.attention import paged_batch
 from kvray.models.llama import LlamaDecoderLayer
+from tests.helpers.tiny_models import ARCHS
+
+pytestmark = pytest.mark.parity
 
 BLOCK = 4
 VARIANTS = {**{arch: (arch, {}) for arch in ARCHS},
@@ -24,7 +26,7 @@ VARIANTS = {**{arch: (arch, {}) for arch in ARCHS},
 
 @pytest.fixture(scope="module")
 def llms(tiny_model_dir, tmp_path_factory, cpu_kernels):
-    from tiny_models import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     cache = {}
 
@@ -269,9 +271,9 @@ def test_a_bf16_engine_decodes_through_the_fused_layer_and_returns_bf16(bf16_pai
 def packed_llms(tmp_path_factory, cpu_kernels):
     """variant -> LLM running that variant's bf16 checkpoint in fp32: where the build has
     vector kernels every decoder linear gets a packed copy (see
-    ``model_runner.prepacked_from_rows``) and the fused layer takes them past the small-M
+    ``kvray.kernels.plan.linear_routes``) and the fused layer takes them past the small-M
     kernel's rows."""
-    from tiny_models import load_hf, make_tiny_model
+    from tests.helpers.tiny_models import load_hf, make_tiny_model
 
     cache = {}
 

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from kvray.kernels.norm import RMSNorm, rms_norm
 from kvray.kernels.rotary import RotaryEmbedding
 
+pytestmark = pytest.mark.parity
+
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 

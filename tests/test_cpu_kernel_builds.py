@@ -14,6 +14,8 @@ import pytest
 from kvray.hardware import parse_cpuinfo
 from kvray.kernels import cpu_ops
 
+pytestmark = pytest.mark.tools
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = ["tests/test_cpu_linear.py", "tests/test_cpu_fused.py",
                 "tests/test_cpu_decode_layer.py", "tests/test_attention.py",

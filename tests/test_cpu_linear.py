@@ -3,26 +3,30 @@ inputs through the first, prefill-sized ones through the second."""
 
 from __future__ import annotations
 
+import sys
 import threading
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kvray.kernels import plan
+from kvray.kernels.plan import cpu_linear_routes, packed_weights_supported
+from kvray.models.kernel_install import min_small_m_rows, use_cpu_linear_kernels
 from kvray.models.layers import (
     WEIGHT_MAJOR_MAX_ROWS,
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
-    packed_weights_supported,
     release_plain_weights,
     use_packed_weights,
     use_prepacked_weights,
     use_small_m_kernel,
 )
 from kvray.parallel import ParallelContext
+
+pytestmark = pytest.mark.parity
 
 
 @pytest.fixture(scope="module")
@@ -189,10 +193,9 @@ def test_the_mlp_takes_its_activation_from_the_gemm_on_paired_weights(ops, monke
     small-M route; both equal the reference MLP."""
     from types import SimpleNamespace
 
-    from kvray.actors import model_runner
     from kvray.models.llama import LlamaMLP
 
-    cut = model_runner.prepacked_from_rows()
+    cut = cpu_linear_routes().prepack_from_rows
     if cut is None:
         pytest.skip("this build's kernels do not pack weights once (no AVX2)")
     spec = SimpleNamespace(hidden_size=64, intermediate_size=3 * ops.vector_lanes(),
@@ -202,7 +205,7 @@ def test_the_mlp_takes_its_activation_from_the_gemm_on_paired_weights(ops, monke
         p.data = torch.randn(p.shape).bfloat16().float()
     gate_w, up_w = mlp.gate_up_proj.weight.detach().clone().chunk(2)
     down_w = mlp.down_proj.weight.detach().clone()
-    model_runner._use_cpu_linear_kernels(mlp, bf16_weights=True)
+    use_cpu_linear_kernels(mlp, cpu_linear_routes(), bf16_weights=True)
     assert mlp.gate_up_proj.prepacked_silu_mul is not None
     calls = []
     silu_and_mul = ops.silu_and_mul
@@ -256,18 +259,23 @@ def test_kernels_let_other_python_threads_run(ops):
 
     def run() -> None:
         started.set()
-        ops.linear_tiled(x, w, None)
+        for _ in range(3):  # between calls it holds the GIL: only a kernel lets it go
+            ops.linear_tiled(x, w, None)
         done.set()
 
-    worker = threading.Thread(target=run)
-    worker.start()
-    started.wait()
-    ticks = 0
-    while not done.is_set():
-        time.sleep(0.001)  # each tick needs the GIL back
-        ticks += 1
-    worker.join()
-    assert ticks >= 20, f"only {ticks} ticks while the kernel ran: it held the GIL"
+    # No forced switches: this thread gets the GIL back before the worker is done only if
+    # a kernel releases it (an event, not a count of timer ticks on a busy host).
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        worker = threading.Thread(target=run)
+        worker.start()
+        assert started.wait(60)
+        ran_meanwhile = not done.is_set()
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert ran_meanwhile, "this thread ran only once the kernels had returned: they held the GIL"
 
 
 def test_layers_use_the_kernel_only_for_few_rows(ops, monkeypatch):
@@ -343,9 +351,7 @@ def test_the_runner_routes_an_fp32_models_linears_by_the_kernels_vector_width(
     """16 lanes (AVX-512): small-M kernel, then F.linear, the tiled GEMM for layers past 64
     rows, F.linear for the LM head at any size; 8 lanes (AVX2): small-M kernel, weight-major
     sgemm up to 64 rows (any number for the LM head), then the tiled GEMM."""
-    from kvray.actors import model_runner
-
-    cpu_ops = model_runner.cpu_ops
+    from kvray.kernels import cpu_ops
     monkeypatch.setattr(cpu_ops, "vector_lanes", lambda: lanes)
     routes = []
     small_m, tiled, mm, linear = cpu_ops.linear_small_m, cpu_ops.linear_tiled, torch.mm, F.linear
@@ -357,7 +363,7 @@ def test_the_runner_routes_an_fp32_models_linears_by_the_kernels_vector_width(
     head = ParallelLMHead(ParallelContext(), 40, 16, torch.float32)
     for module in (layer, head):
         torch.nn.init.normal_(module.weight)
-        model_runner._use_cpu_linear_kernels(module)
+        use_cpu_linear_kernels(module, cpu_linear_routes())
     monkeypatch.setattr(torch, "mm", lambda a, b: routes.append("weight-major") or mm(a, b))
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: routes.append("F.linear")
                         or linear(x, w, b))
@@ -400,7 +406,7 @@ def test_bf16_copies_only_where_bf16_holds_the_weights_exactly(ops):
 
 
 needs_packed = pytest.mark.skipif(not packed_weights_supported(),
-                                  reason="this PyTorch build has no oneDNN bf16 matmul")
+                                  reason="not on this hardware: no oneDNN bf16 matmul")
 
 
 @needs_packed
@@ -458,9 +464,7 @@ def test_the_runner_prepacks_only_bf16_exact_layers_and_only_with_vector_kernels
     once, with 8 every input past the small-M kernel's rows, the LM head's too; fewer rows
     to the small-M kernel; each plain weight nothing else shares is released. A build
     without AVX2 (1 lane) keeps its routes and releases nothing."""
-    from kvray.actors import model_runner
-
-    cpu_ops = model_runner.cpu_ops
+    from kvray.kernels import cpu_ops
     monkeypatch.setattr(cpu_ops, "vector_lanes", lambda: lanes)
     routes = []
     small_m, packed_linear = cpu_ops.linear_small_m, cpu_ops.linear_packed
@@ -477,17 +481,16 @@ def test_the_runner_prepacks_only_bf16_exact_layers_and_only_with_vector_kernels
     head.weight = embed.weight = torch.nn.Parameter(head.weight.data, requires_grad=False)
     want = {"layer": layer.weight.detach().clone(), "head": head.weight.detach().clone()}
     model = torch.nn.ModuleList([layer, head, embed])
-    bf16, packed, freed = model_runner._use_cpu_linear_kernels(model, bf16_weights=True)
+    bf16, packed, freed = use_cpu_linear_kernels(model, cpu_linear_routes(), bf16_weights=True)
     assert bf16 == (8 * 16 + 40 * 16) * 2
     small = cpu_ops.small_m_max_rows()
-    cut = model_runner.prepacked_from_rows()
-    avx2_cut = model_runner.AVX2_PACKED_FROM_ROWS if model_runner.AVX2_BF16_PANELS \
-        else small + 1
-    assert cut == {16: model_runner.AVX512_PACKED_FROM_ROWS, 8: avx2_cut, 1: None}[lanes]
+    cut = cpu_linear_routes().prepack_from_rows
+    avx2_cut = plan.AVX2_PACKED_FROM_ROWS
+    assert cut == {16: plan.AVX512_PACKED_FROM_ROWS, 8: avx2_cut, 1: None}[lanes]
     if cut is None:
         assert (packed, freed) == (0, 0) and layer.weight.shape == (8, 16)
         assert all(m.prepacked_weight is None for m in (layer, head))
-        assert model_runner._small_m_rows(model) == small
+        assert min_small_m_rows(model) == small
         return
     got = {}
     for name, module, rows in (("layer", layer, (cut - 1, cut, small, small + 1, 64, 300)),
@@ -503,12 +506,12 @@ def test_the_runner_prepacks_only_bf16_exact_layers_and_only_with_vector_kernels
     panel = 2 * cpu_ops.load_ops().vector_lanes()  # the build's panels (padded)
     padded = -(-8 // panel) * panel + -(-40 // panel) * panel
     # with 8 lanes the panels hold the bf16 copies' values (2 bytes each)
-    panel_bytes = 2 if lanes == 8 and model_runner.AVX2_BF16_PANELS else 4
+    panel_bytes = 2 if lanes == 8 else 4
     assert (packed, freed) == (padded * 16 * panel_bytes, 8 * 16 * 4)
     assert all(m.prepacked_weight.element_size() == panel_bytes for m in (layer, head))
     assert layer.weight.numel() == 0
     assert got == {(name, n): "small" if n < cut else "packed" for name, n in got}
-    assert model_runner._small_m_rows(model) == cut - 1  # the fused layer's range
+    assert min_small_m_rows(model) == cut - 1  # the fused layer's range
 
 
 def test_an_fp32_checkpoint_gets_no_packed_copy(ops):
@@ -528,10 +531,9 @@ def test_an_fp32_run_of_a_bf16_checkpoint_keeps_transformers_tokens_on_packed_we
     AVX-512: packed weights, plain ones released): greedy tokens equal transformers' fp32
     run of the same checkpoint, through prefill and decode batches on both sides of the
     small-M kernel's rows."""
-    from tiny_models import load_hf, make_tiny_model
-
     from kvray import LLM, SamplingParams
-    from kvray.actors.model_runner import cpu_ops
+    from kvray.kernels import cpu_ops
+    from tests.helpers.tiny_models import load_hf, make_tiny_model
 
     path = make_tiny_model("llama_gqa", tmp_path / "fp32")
     load_hf(path).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import runner_facts
 
-from kvray.actors.cache_engine import gpu_kv_budget, num_blocks_for_budget
 from kvray.actors.cuda_graphs import capture_sizes, padded_size
+from kvray.actors.kv_sizing import gpu_kv_budget, num_blocks_for_budget, profile_run
 from kvray.actors.model_runner import ModelRunner
 from kvray.config import CacheConfig
+from tests.helpers.tiny_models import runner_facts
+
+pytestmark = pytest.mark.parity
 
 
 def test_default_capture_sizes_cover_every_batch_up_to_max_num_seqs():
@@ -64,7 +66,7 @@ def test_padded_decode_batches_give_the_plain_paths_tokens(monkeypatch, tiny_mod
     """Five requests finishing at different steps: decode batches of 5, 4, 3, 2, 1 rows are
     padded to 6, 4, 4, 2, 1 (or run eagerly past the largest size), the pad rows writing
     only to the pad block."""
-    from tiny_models import VOCAB_SIZE
+    from tests.helpers.tiny_models import VOCAB_SIZE
 
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist()
@@ -100,7 +102,7 @@ def test_profile_run_leaves_the_engine_as_it_was(tiny_model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     first = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
     states, caches = dict(runner.requests), [c.clone() for c in runner.cache.kv_caches]
-    peak = runner.profile_run()
+    peak = profile_run(runner)
     if torch.cuda.is_available():
         assert peak > 0  # the activations' peak, from the allocator's statistics
     else:

@@ -35,9 +35,11 @@ import openai
 import psutil
 import pytest
 import yaml
-from conftest import skip_or_fail_in_ci
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_tools import (
+
+from kvray.ops import grafana
+from kvray.serve.metrics import ServerMetrics
+from tests.helpers.prometheus_tools import (
     CI_FIX,
     ToolsMissing,
     find_prometheus_tools,
@@ -47,11 +49,11 @@ from prometheus_tools import (
     run_prometheus,
     wait_for_targets,
 )
-from test_serve import API_KEY, launch_server
-from tiny_models import make_tiny_model
+from tests.helpers.server import API_KEY, launch_server
+from tests.helpers.skips import skip_or_fail_in_ci
+from tests.helpers.tiny_models import make_tiny_model
 
-from kvray.ops import grafana
-from kvray.serve.metrics import ServerMetrics
+pytestmark = pytest.mark.serve
 
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
 ALERTS = DASHBOARDS / "alerts.yml"
@@ -288,6 +290,33 @@ def test_promtool_test_rules_bites(tools, tmp_path):
     assert got.returncode != 0 and "KvrayKVCacheFull" in got.stdout + got.stderr
 
 
+
+# One change per alert that its unit tests in alerts_test.yml must catch.
+ALERT_MUTANTS = {
+    "KvrayEngineDown": ('up{job="kvray"} == 0 or absent(kvray:num_requests_running)',
+                        'up{job="kvray"} == 0'),
+    "KvrayKVCacheFull": ("kvray:kv_cache_usage_perc > 0.95", "kvray:kv_cache_usage_perc > 0.98"),
+    "KvrayWaitingQueueGrowing": ("kvray:num_requests_waiting > 5 and",
+                                 "kvray:num_requests_waiting > 50 and"),
+    "KvrayTTFTHigh": ("[5m]))) > 5", "[5m]))) > 10"),
+    "Kvray5xxRate": ("> 0.05", "> 0.1"),
+}
+
+
+@pytest.mark.parametrize("alert", sorted(ALERT_MUTANTS))
+def test_promtool_test_rules_bites_on_every_alert(tools, tmp_path, alert):
+    """Each of the five alerts: a changed rule fails `promtool test rules`, naming it."""
+    rules = yaml.safe_load(ALERTS.read_text())
+    assert {r["alert"] for g in rules["groups"] for r in g["rules"]} == set(ALERT_MUTANTS)
+    old, new = ALERT_MUTANTS[alert]
+    text = ALERTS.read_text()
+    assert text.count(old) == 1, old
+    (tmp_path / "alerts.yml").write_text(text.replace(old, new))
+    (tmp_path / "alerts_test.yml").write_text((DASHBOARDS / "alerts_test.yml").read_text())
+    got = subprocess.run([str(tools[1]), "test", "rules", "alerts_test.yml"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode != 0 and alert in got.stdout + got.stderr, got.stdout + got.stderr
+
 # ---- c. live: real Prometheus scraping a real kvray serve ----------------------------------
 def _ray_metrics_port(http_port: int, timeout: float = 60) -> int:
     """The metrics-export port of the private Ray cluster the `kvray serve` child listening
@@ -441,10 +470,18 @@ def test_live_alert_rules_load_and_stay_quiet(live):
         assert time.monotonic() < deadline
         time.sleep(1)
     assert len(rules) == 5
+    assert set(rules) == {"KvrayEngineDown", "KvrayKVCacheFull", "KvrayWaitingQueueGrowing",
+                          "KvrayTTFTHigh", "Kvray5xxRate"}
     for name, rule in rules.items():
         assert rule["health"] == "ok", (name, rule.get("lastError"))
     assert rules["KvrayEngineDown"]["state"] == "inactive"  # up == 1 and kvray series exist
     assert rules["KvrayKVCacheFull"]["state"] == "inactive"
+    # A short load that all succeeded: no queue left, no 5xx.
+    assert rules["KvrayWaitingQueueGrowing"]["state"] == "inactive"
+    assert rules["Kvray5xxRate"]["state"] == "inactive"
+    # p99 TTFT over 5 s can be real on a busy host: then the rule must show it, else stay quiet.
+    ttft = rules["KvrayTTFTHigh"]
+    assert ttft["state"] == "inactive" or query(live["prom"], ttft["query"]), ttft
 
 
 # ---- e. provisioning against a Grafana API stand-in ----------------------------------------

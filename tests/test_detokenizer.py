@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 import transformers
-from conftest import builtin_model_or_skip
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import build_tokenizer
 
 from kvray.engine.detokenizer import IncrementalDetokenizer
+from tests.helpers.skips import builtin_model_or_skip
+from tests.helpers.tiny_models import build_tokenizer
+
+pytestmark = pytest.mark.unit
 
 PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
 TEXTS = [

@@ -1,5 +1,6 @@
 """The Ray runtime: TP x PP worker actors on a local loopback cluster give the same greedy
-tokens as one in-process worker; KV swap to the object store; a dead worker fails fast."""
+tokens as transformers (fp32) and one in-process worker; KV swap to the object store; a
+dead worker fails fast."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import psutil  # noqa: E402
 import pytest  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
-from tiny_models import VOCAB_SIZE, make_tiny_model  # noqa: E402
 
 from kvray import LLM, SamplingParams  # noqa: E402
 from kvray.engine.llm_engine import EngineDeadError  # noqa: E402
+from tests.helpers.tiny_models import VOCAB_SIZE, load_hf, make_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.cluster
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PARITY_TOKENS = 24  # long enough for a wrong cached or pipelined position to show
 COMMON = dict(dtype="float32", block_size=4, max_num_batched_tokens=16,
               enable_prefix_caching=True, enable_chunked_prefill=True, max_num_seqs=8)
 
@@ -48,17 +52,30 @@ def _prompts() -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts]
 
 
-def _tokens(llm: LLM) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(_prompts(), PARAMS, use_tqdm=False)]
+def _tokens(llm: LLM, max_tokens: int = PARITY_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+
+
+def _transformers_greedy(path, max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of transformers' own ``generate`` (fp32) for :func:`_prompts`."""
+    hf = load_hf(path)
+    with torch.inference_mode():
+        return [hf.generate(torch.tensor([p["prompt_token_ids"]]), max_new_tokens=max_tokens,
+                            do_sample=False, eos_token_id=None, pad_token_id=0
+                            )[0, len(p["prompt_token_ids"]):].tolist() for p in _prompts()]
 
 
 @pytest.fixture(scope="module")
 def reference(models):
+    """Transformers' greedy tokens, which one in-process worker also gives."""
     out = {}
     for name, path in models.items():
+        out[name] = _transformers_greedy(path, PARITY_TOKENS)
         llm = LLM(str(path), **COMMON)
-        out[name] = _tokens(llm)
+        one_worker = _tokens(llm)
         llm.shutdown()
+        assert one_worker == out[name], name
     return out
 
 
@@ -127,11 +144,14 @@ def _long_preemption_run(models, **kw) -> tuple[list[list[int]], LLM]:
 
 @pytest.fixture(scope="module")
 def unconstrained(models):
+    """Transformers' greedy tokens, which one roomy in-process worker also gives."""
+    want = _transformers_greedy(models["gqa4"], 24)
     llm = LLM(str(models["gqa4"]), **{**COMMON, "max_num_batched_tokens": 32})
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     out = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
     llm.shutdown()
-    return out
+    assert out == want
+    return want
 
 
 def test_swap_preemption_gives_the_same_tokens_and_leaves_nothing(cluster, models,

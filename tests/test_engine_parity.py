@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ARCHS, VOCAB_SIZE, load_hf
 
 from kvray import LLM, SamplingParams
+from tests.helpers.tiny_models import ARCHS, VOCAB_SIZE, load_hf
+
+pytestmark = pytest.mark.parity
 
 MAX_TOKENS = 10
 LENGTHS = [1, 5, 17, 40, 3, 70, 9, 33, 120, 2, 64, 11] * 2  # 24 prompts

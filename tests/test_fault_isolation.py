@@ -8,23 +8,20 @@ import asyncio
 
 import pytest
 
-from kvray.config import config_from_flat
 from kvray.engine.async_engine import AsyncLLM
 from kvray.engine.detokenizer import IncrementalDetokenizer
 from kvray.errors import KVRayError
 from kvray.sampling_params import RequestOutputKind, SamplingParams
+
+pytestmark = pytest.mark.engine
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                         output_kind=RequestOutputKind.DELTA)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    engine = AsyncLLM(config_from_flat(dict(model=str(tiny_model_dir("llama_gqa")),
-                                            dtype="float32", block_size=4, max_model_len=128,
-                                            num_gpu_blocks_override=64)))
-    yield engine
-    engine.shutdown()
+def engine(tiny_async_llm):
+    return tiny_async_llm(max_model_len=128, num_gpu_blocks_override=64)
 
 
 async def _collect(engine: AsyncLLM, request_id: str, prompt: str, params=PARAMS):

@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from tiny_gguf import write_gguf
-from tiny_models import VOCAB_SIZE, load_hf
 
 from kvray.engine.reference import generate_by_recompute
 from kvray.kernels.attention import AttentionMetadata
 from kvray.models.loader import load_model
 from kvray.tokenizer import load_tokenizer
+from tests.helpers.tiny_gguf import write_gguf
+from tests.helpers.tiny_models import VOCAB_SIZE, load_hf
+
+pytestmark = pytest.mark.parity
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen2_bias", "qwen3_qknorm_headdim"])

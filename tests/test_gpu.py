@@ -9,15 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (benchmarks/gpu_check.sh runs these on one)",
-                allow_module_level=True)
+from kvray import LLM, SamplingParams
+from kvray.kernels import attention as ref
+from kvray.kernels import triton_attention, triton_ops
+from tests.helpers.tiny_models import VOCAB_SIZE, load_hf, runner_facts
 
-from tiny_models import VOCAB_SIZE, load_hf, runner_facts  # noqa: E402
-
-from kvray import LLM, SamplingParams  # noqa: E402
-from kvray.kernels import attention as ref  # noqa: E402
-from kvray.kernels import triton_attention, triton_ops  # noqa: E402
+pytestmark = pytest.mark.gpu
 
 MAX_TOKENS = 12
 

@@ -14,6 +14,8 @@ from kvray.cli import main
 from kvray.hardware import CpuInfo, choose_dtype, parse_cpuinfo
 from kvray.models.loader import load_model
 
+pytestmark = pytest.mark.unit
+
 SAPPHIRE_RAPIDS = ("fpu sse2 avx avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile amx_int8")
 AVX2_ONLY = ("fpu sse2 avx avx2 fma f16c")
 

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import skip_or_fail_in_ci
-from k8s_tools import ToolUnavailable, helm_binary, load_crd_schema
+
+from tests.helpers.k8s_tools import ToolUnavailable, helm_binary, load_crd_schema
+from tests.helpers.skips import skip_or_fail_in_ci
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "kvray"
@@ -39,7 +40,8 @@ RELEASE = "t"
 CRD_GROUPS = ("ray.io/", "monitoring.coreos.com/")
 SERVE_PORT, METRICS_PORT = 8000, 8080
 GPU = "nvidia.com/gpu"
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's pydantic use
+pytestmark = [pytest.mark.tools,
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # Ray's pydantic use
 
 
 # --- fixtures ----------------------------------------------------------------------------------

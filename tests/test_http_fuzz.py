@@ -14,44 +14,45 @@ with the whole list.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
-import re
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import schemathesis
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import Failure
 
-from kvray.config import config_from_flat
-from kvray.engine.async_engine import AsyncLLM
 from kvray.serve.openai_app import OpenAIServer
+from tests.helpers.hostile_requests import (
+    CONTENT_PARTS,
+    EXPLICIT,
+    POST_PATHS,
+    Raw,
+    dumps,
+    fuzz_settings,
+    keep_cheap,
+)
+from tests.helpers.http_checks import Findings, response_problems
+
+pytestmark = pytest.mark.serve
 
 MODEL = "m"
 MAX_LEN = 256
-POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    engine = AsyncLLM(config_from_flat(dict(model=str(tiny_model_dir("llama_gqa")),
-                                            dtype="float32", block_size=4,
-                                            max_model_len=MAX_LEN, num_gpu_blocks_override=256)))
+def server(tiny_async_llm):
+    engine = tiny_async_llm(max_model_len=MAX_LEN, num_gpu_blocks_override=256)
     kwargs = ({"enable_docs": True}
               if "enable_docs" in inspect.signature(OpenAIServer).parameters else {})
-    try:
-        yield OpenAIServer(engine, MODEL, MAX_LEN, **kwargs)
-    finally:
-        engine.shutdown()
+    return OpenAIServer(engine, MODEL, MAX_LEN, **kwargs)
 
 
 class LikeUvicorn:
@@ -100,136 +101,7 @@ def client(app):
         yield c
 
 
-def fuzz_settings(max_examples: int) -> settings:
-    return settings(max_examples=max_examples, derandomize=True, deadline=None, database=None,
-                    phases=[Phase.explicit, Phase.generate], print_blob=False,
-                    suppress_health_check=list(HealthCheck))
-
-
-# ---- what a response must not contain ----------------------------------------------------
-LEAKS = [
-    ("traceback", re.compile(r"Traceback")),
-    ("source location", re.compile(r'File "|\.py"|\.py\'|\.py:\d|line \d+, in ')),
-    ("pid", re.compile(r"\bpid=", re.IGNORECASE)),
-    ("IP address", re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}\b")),
-    ("filesystem path", re.compile(r"/work/|/tmp/|/usr/|/home/|/root/|/opt/|site-packages")),
-    ("ray internals", re.compile(r"ActorID|actor_id|ObjectRef|RayTaskError|ray::")),
-    ("memory address", re.compile(r"\b0x[0-9a-fA-F]{8,}\b")),
-    # a 32+ hex run with a letter in it, except a response id (cmpl-/chatcmpl-<uuid hex>)
-    ("hex id", re.compile(r"(?<!cmpl-)\b(?=[0-9]*[a-fA-F])[0-9a-fA-F]{32,}\b")),
-]
-# Generated or echoed text in a successful response is content, not a leak.
-CONTENT_KEYS = {"text", "content", "token", "tokens", "top_logprobs", "prompt", "bytes"}
-
-
-def _strings(obj: Any, skip: set[str] = frozenset()) -> list[str]:
-    """Every string (keys too) in a JSON value, but not under a key in ``skip``."""
-    if isinstance(obj, str):
-        return [obj]
-    if isinstance(obj, list):
-        return [s for x in obj for s in _strings(x, skip)]
-    if isinstance(obj, dict):
-        out = []
-        for k, v in obj.items():
-            if k in skip:
-                continue
-            out.append(str(k))
-            out.extend(_strings(v, skip))
-        return out
-    return []
-
-
-def _sent_strings(body: Any, raw: bytes) -> list[str]:
-    """What the client sent, as it may come back in an error message."""
-    sent = {raw.decode("utf-8", "replace")}
-
-    def walk(x: Any) -> None:
-        if isinstance(x, dict):
-            for k, v in x.items():
-                walk(k)
-                walk(v)
-        elif isinstance(x, list):
-            sent.add(repr(x))
-            for v in x:
-                walk(v)
-        elif isinstance(x, str | int | float) and not isinstance(x, bool):
-            sent.update({str(x), repr(x), repr(x)[1:-1], json.dumps(x)})
-
-    walk(body)
-    return [s for s in sent if s]
-
-
-def _leaks(text: str, sent: list[str]) -> list[str]:
-    """Leak patterns in ``text``, but not a match that is the client's own input echoed."""
-    found = []
-    for name, rx in LEAKS:
-        for m in rx.finditer(text):
-            if not any(m.group(0) in s for s in sent):
-                found.append(f"{name}: {m.group(0)!r}")
-                break
-    return found
-
-
-def _error_shape_problem(body: Any, status: int) -> str | None:
-    if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(
-            body["error"], dict):
-        return "error body is not {'error': {...}}"
-    err = body["error"]
-    missing = {"message", "type", "param", "code"} - set(err)
-    if missing:
-        return f"error lacks {sorted(missing)}"
-    if not isinstance(err["message"], str) or not isinstance(err["type"], str):
-        return "error message/type not strings"
-    if err["param"] is not None and not isinstance(err["param"], str):
-        return "error param neither null nor a string"
-    if not isinstance(err["code"], int) or isinstance(err["code"], bool):
-        return "error code not an int"
-    if err["code"] != status:
-        return f"error code {err['code']} != HTTP status {status}"
-    return None
-
-
-def response_problems(status: int, content_type: str, content: bytes, body: Any,
-                      raw: bytes, cut_short: bool = False) -> list[str]:
-    """Everything wrong with one response to a request (``body`` as sent, ``raw`` its bytes;
-    ``cut_short``: the client read only the start of an event stream)."""
-    problems = []
-    if status >= 500:
-        problems.append(f"HTTP {status}")
-    text = content.decode("utf-8", "replace")
-    events: list[Any] = []
-    if "text/event-stream" in content_type:
-        if not cut_short and not text.endswith("data: [DONE]\n\n"):
-            problems.append("event stream does not end with [DONE]")
-        for line in text.split("\n"):
-            if line.startswith("data: ") and line != "data: [DONE]":
-                try:
-                    events.append(json.loads(line.removeprefix("data: ")))
-                except ValueError:
-                    problems.append(f"SSE event is not JSON: {line[:80]!r}")
-    else:
-        try:
-            events.append(json.loads(text))
-        except ValueError:
-            events.append(text)  # /metrics, /health: scan the text as it is
-            if status >= 400:
-                problems.append("error body is not JSON")
-    sent = _sent_strings(body, raw)
-    for ev in events:
-        is_error = status >= 400 or (isinstance(ev, dict) and "error" in ev)
-        if is_error and isinstance(ev, dict):
-            code = (ev.get("error") or {}).get("code") if isinstance(ev.get("error"),
-                                                                      dict) else None
-            if status < 400 and isinstance(code, int) and code >= 500:
-                problems.append(f"in-stream error {code}")
-            shape = _error_shape_problem(ev, status if status >= 400 else code)
-            if shape:
-                problems.append(shape)
-        scanned = "\n".join(_strings(ev, set() if is_error else CONTENT_KEYS))
-        problems += [f"leak ({x})" for x in _leaks(scanned, sent if is_error else [])]
-    return problems
-
-
+# ---- the response checks (tests.helpers.http_checks) --------------------------------------
 def test_the_checker_catches_leaks_and_bad_errors():
     """The response checks themselves: they flag what they should, and not legitimate ids or
     the client's own input echoed back."""
@@ -258,51 +130,12 @@ def test_the_checker_catches_leaks_and_bad_errors():
     assert not response_problems(200, "text/event-stream", b"data: [DONE]\n\n", None, b"")
 
 
-# ---- collecting findings ------------------------------------------------------------------
-@dataclass
-class Findings:
-    by_key: dict[tuple, tuple[int, str]] = field(default_factory=dict)
-
-    def add(self, endpoint: str, status: int, problems: list[str], request: str,
-            response: str) -> None:
-        msg = response
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            msg = json.loads(response)["error"]["message"]
-        shape = re.sub(r"'[^']*'|\"[^\"]*\"|-?\d+(\.\d+)?(e[-+]?\d+)?", "_", str(msg))[:60]
-        key = (endpoint, status, tuple(p.split(":")[0] for p in problems), shape)
-        line = (f"{endpoint} {status} {problems}\n    request:  {request[:300]}\n"
-                f"    response: {response[:400]}")
-        if key not in self.by_key or len(request) < self.by_key[key][0]:
-            self.by_key[key] = (len(request), line)
-
-    def report(self) -> str:
-        return (f"{len(self.by_key)} distinct failure(s):\n"
-                + "\n".join(line for _, line in self.by_key.values()))
-
-
 def _excerpt(raw: bytes) -> str:
     text = raw.decode("utf-8", "backslashreplace")
     return text if len(text) <= 300 else f"{text[:240]}...<{len(text)} bytes>"
 
 
 # ---- 1. schemathesis over the app's own schema --------------------------------------------
-SMALL = 8  # generated max_tokens / n above this are cut down, so that requests finish fast
-
-
-def _keep_cheap(body: Any) -> None:
-    if not isinstance(body, dict):
-        return
-    for key in ("max_tokens", "max_completion_tokens"):
-        v = body.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v > SMALL:
-            body[key] = SMALL
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = SMALL  # else the whole context is the limit
-    n = body.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > SMALL:
-        body["n"] = SMALL
-
-
 # Built-in checks: not_a_server_error only. Left out, as they flag legitimate behaviour:
 # status_code_conformance (every 400/404/413 is undocumented: FastAPI documents 200/422),
 # content_type_conformance and response_schema_conformance (GET /health is an empty 200
@@ -319,7 +152,7 @@ def _fuzz_operation(op, mode: GenerationMode, count: int, findings: Findings) ->
     @fuzz_settings(count)
     @given(case=op.as_strategy(generation_mode=mode))
     def run(case):
-        _keep_cheap(case.body)
+        keep_cheap(case.body)
         if mode is GenerationMode.POSITIVE and isinstance(case.body, dict) and isinstance(
                 case.body.get("model"), str):
             case.body["model"] = MODEL  # else most valid requests stop at the 404
@@ -356,16 +189,6 @@ def test_schemathesis_openapi(app):
 
 
 # ---- 2. hypothesis bodies -----------------------------------------------------------------
-class Raw:
-    """A JSON literal Python's json cannot write: NaN, Infinity, 1e999, ..."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
-
-
 RAW_LITERALS = [Raw(x) for x in ("NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1E400",
                                  "-0", "1e-400", "0.0000000000000000000000000000001")]
 
@@ -386,11 +209,6 @@ hostile_str = st.sampled_from(["", "\ud800", "a\ud800b", "\udfff\ud800", "\x00",
 int_lists = st.lists(st.sampled_from([-1, 0, 1, 5, 31999, 32000, 10**6, 2**31, 2**63, 10**30,
                                       1.5, "1", None, True, [1]]), max_size=6)
 
-CONTENT_PARTS = [[{"type": "image_url", "image_url": {"url": "x"}}],
-                 [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": "x"}],
-                 [{"type": "text", "text": 5}], [{"type": "text"}], [{"type": 1}], [{}],
-                 ["str"], [None], [{"type": "text", "text": "\ud800"}],
-                 [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]]
 message = st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool"]),
                            "content": hostile_str | st.sampled_from(CONTENT_PARTS)}),
@@ -462,23 +280,6 @@ VALID = {
 }
 
 
-def _dumps(body: Any) -> bytes:
-    """JSON text as Python writes it (ASCII: a lone surrogate becomes ``\\ud800``), with
-    :class:`Raw` literals put in verbatim."""
-    raws: list[Raw] = []
-
-    def default(o):
-        if isinstance(o, Raw):
-            raws.append(o)
-            return f"@@RAW{len(raws) - 1}@@"
-        raise TypeError(type(o))
-
-    text = json.dumps(body, default=default)
-    for i, r in enumerate(raws):
-        text = text.replace(f'"@@RAW{i}@@"', r.text)
-    return text.encode()
-
-
 def _cheap(body: dict) -> dict:
     """Bound the generation work of a request the server might accept: sequences x tokens."""
     n = body.get("n", 1)
@@ -545,7 +346,7 @@ def _post(client, path: str, body: Any, mode: tuple) -> tuple[Any, bytes]:
             kind, how, where, ctype = "raw", "as is", 0, "application/json"
         else:
             return client.post(path, json=body), encoded
-    raw = _mangle(_dumps(body), how, where)
+    raw = _mangle(dumps(body), how, where)
     headers = {"content-type": ctype} if ctype else {}
     return client.post(path, content=raw, headers=headers), raw
 
@@ -555,41 +356,6 @@ def _check(findings: Findings, path: str, resp, body: Any, raw: bytes) -> None:
                                  resp.content, body, raw)
     if problems:
         findings.add(path, resp.status_code, problems, _excerpt(raw), resp.text)
-
-
-EXPLICIT = [  # the cases named in the brief, always tried first
-    {"prompt": "x", "temperature": Raw("NaN")}, {"prompt": "x", "temperature": Raw("1e999")},
-    {"prompt": "x", "temperature": Raw("Infinity")}, {"prompt": "x", "n": 100_000},
-    {"prompt": "x", "n": 10**30}, {"prompt": "x", "max_tokens": 10**30},
-    {"prompt": "x", "max_tokens": -1}, {"prompt": "\ud800"}, {"prompt": "x", "stop": "\ud800"},
-    {"prompt": "x", "model": "\ud800"}, {"prompt": "x", "user": "\ud800"},
-    {"prompt": "x", "stop": ["x"] * 10_000}, {"prompt": "x", "stop": "s" * 100_000},
-    {"prompt": "x", "logit_bias": {"abc": 1}}, {"prompt": "x", "logit_bias": {"1": 1e30}},
-    {"prompt": "x", "logit_bias": {"99999999999999999999": 1}}, {"prompt": []},
-    {"prompt": [10**30]}, {"prompt": [-1]}, {"prompt": "x", "seed": 2**64},
-    {"prompt": "x", "n": 256, "max_tokens": 2}, {"prompt": [[1, 2]] * 300, "max_tokens": 1},
-    {"prompt": "x", "priority": 10**30}, {"prompt": "x", "top_k": 10**30},
-    {"prompt": "x", "stream": True, "max_tokens": 3, "n": 2, "logprobs": 2},
-    {"messages": [{"content": "hi"}]}, {"messages": [{"role": 1, "content": "hi"}]},
-    {"messages": [{"role": "user", "content": "\ud800"}]}, {"messages": []},
-    {"messages": [{"role": "user", "content": CONTENT_PARTS[0]}]},
-    {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 3},
-    {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5},
-    {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**30},
-    {"messages": [{"role": "tool", "content": "hi"}]},
-    {"messages": [{"role": "assistant", "content": "hi"}] * 3},
-    {"prompt": [[5, 6, 7], [8]], "echo": True, "logprobs": 5, "max_tokens": 3, "n": 2},
-    {"prompt": ["ab", "cd"], "stream": True, "echo": True, "stop": ["w", " "],
-     "include_stop_str_in_output": True, "stream_options": {"include_usage": True},
-     "max_tokens": 4, "logprobs": 1},
-    {"messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 3, "seed": 1,
-     "logprobs": True, "top_logprobs": 20, "max_completion_tokens": 4,
-     "stream_options": {"include_usage": True}},
-    {"prompt": "x", "min_tokens": 3, "max_tokens": 3, "ignore_eos": True,
-     "stop_token_ids": [0, 1, 2], "logit_bias": {"5": 100, "6": -100}},
-    {"tokens": [10**30]}, {"tokens": [-1]}, {"tokens": [2**63]}, {"tokens": ["a"]},
-    {"messages": [{"role": "user", "content": "\ud800"}], "prompt": 5},
-]
 
 
 @pytest.mark.parametrize("path", POST_PATHS)

@@ -15,16 +15,14 @@ from kvray.config import ServerConfig, config_from_flat
 from kvray.engine.async_engine import AsyncLLM
 from kvray.serve.openai_app import OpenAIServer
 
+pytestmark = pytest.mark.serve
+
 KEY = {"Authorization": "Bearer s3cret"}
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    engine = AsyncLLM(config_from_flat(dict(model=str(tiny_model_dir("llama_gqa")),
-                                            dtype="float32", block_size=4, max_model_len=256,
-                                            num_gpu_blocks_override=128)))
-    yield engine
-    engine.shutdown()
+def engine(tiny_async_llm):
+    return tiny_async_llm(max_model_len=256, num_gpu_blocks_override=128)
 
 
 def _client(engine, **limits) -> TestClient:

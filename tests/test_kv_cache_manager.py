@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.kv_cache_manager import KVCacheManager
 from kvray.scheduler.request import Request
+
+pytestmark = pytest.mark.unit
 
 
 def _req(rid: str, tokens: list[int], **params) -> Request:

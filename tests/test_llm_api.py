@@ -7,9 +7,11 @@ import time
 
 import pytest
 import torch
-from tiny_models import VOCAB_SIZE, load_hf
 
 from kvray import LLM, SamplingParams
+from tests.helpers.tiny_models import VOCAB_SIZE, load_hf
+
+pytestmark = pytest.mark.parity
 
 
 @pytest.fixture(scope="module")

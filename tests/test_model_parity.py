@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ARCHS, VOCAB_SIZE, load_hf
 
 from kvray.engine.reference import generate_by_recompute
 from kvray.kernels.attention import AttentionMetadata
 from kvray.models.loader import load_model
+from tests.helpers.tiny_models import ARCHS, VOCAB_SIZE, load_hf
+
+pytestmark = pytest.mark.parity
 
 LENGTHS = [1, 7, 33, 2, 64, 15]
 
@@ -47,7 +49,7 @@ def test_greedy_decoding_matches_transformers_generate(arch, tiny_model_dir):
 
 @torch.inference_mode()
 def test_sliding_window_limits_attention(tiny_model_dir, tmp_path):
-    from tiny_models import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     path = make_tiny_model("mistral", tmp_path / "swa", sliding_window=8)
     hf = load_hf(path)

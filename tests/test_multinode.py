@@ -2,11 +2,11 @@
 mount namespace (kvray.testing.netns), hostnames resolving to 127.0.1.1 as on Debian.
 
 Checked: TP ranks on two nodes, PP stages pinned to two nodes and TP=2 x PP=2 spread over
-three give the same greedy tokens as one in-process worker (prefix caching and chunked
-prefill on; swap preemption under a tiny cache); a node killed mid-generation fails the
-request within a bound, the executor rebuilds on the nodes left, and the next request
-succeeds — offline and through ``kvray serve`` with the ``openai`` client from the host;
-nothing of the cluster is left behind. Needs root (CI runs as root).
+three give transformers' greedy tokens (fp32), as one in-process worker does (prefix
+caching and chunked prefill on; swap preemption under a tiny cache); a node killed
+mid-generation fails the request within a bound, the executor rebuilds on the nodes left,
+and the next request succeeds — offline and through ``kvray serve`` with the ``openai``
+client from the host; nothing of the cluster is left behind. Needs root (CI runs as root).
 """
 
 from __future__ import annotations
@@ -19,16 +19,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import skip_or_fail_in_ci, wait_for_health
-from tiny_models import VOCAB_SIZE, make_tiny_model
 
 from kvray import LLM, SamplingParams
 from kvray.testing import netns
+from tests.helpers.server import wait_for_health
+from tests.helpers.skips import skip_or_fail_in_ci
+from tests.helpers.tiny_models import VOCAB_SIZE, make_tiny_model
 
-DRIVER = str(Path(__file__).with_name("multinode_driver.py"))
+pytestmark = pytest.mark.multinode
+
+DRIVER = str(Path(__file__).parent / "helpers" / "multinode_driver.py")
 COMMON = dict(dtype="float32", block_size=4, max_num_batched_tokens=16,
               enable_prefix_caching=True, enable_chunked_prefill=True, max_num_seqs=8)
-MAX_TOKENS = 8
+MAX_TOKENS = 24  # long enough for a wrong cached, pipelined or swapped position to show
 WORKER_TIMEOUT_S = 20.0  # the bound on a request whose node died (and a bit of slack)
 
 @pytest.fixture(scope="module")
@@ -66,14 +69,23 @@ def _prompts() -> list[list[int]]:
 
 
 def _reference(model: str, max_tokens: int) -> list[list[int]]:
+    """Transformers' greedy tokens (fp32), which one in-process worker also gives."""
+    from tests.helpers.tiny_models import load_hf
+
+    hf = load_hf(model)
+    with torch.inference_mode():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in _prompts()]
     llm = LLM(model, **{**COMMON, "max_num_batched_tokens": 32})
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params,
                             use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs]
+        assert [o.outputs[0].token_ids for o in outs] == want
     finally:
         llm.shutdown()
+    return want
 
 
 def _lines(text: str, kind: str) -> list[dict]:
@@ -101,9 +113,9 @@ def test_nodes_are_isolated_hosts(cluster):
 
 def test_tp_pp_across_nodes_match_one_worker(cluster, model):
     """Greedy tokens of three cross-node layouts and of swap preemption under a tiny cache
-    equal one in-process worker's."""
+    equal transformers' (and one in-process worker's), 24 tokens each."""
     ips = [n.ip for n in cluster.nodes]
-    short, long_ = _reference(model, MAX_TOKENS), _reference(model, 24)
+    want = _reference(model, MAX_TOKENS)
     scenarios = [
         {"name": "tp2", "max_tokens": MAX_TOKENS,
          "config": {**COMMON, "tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD"}},
@@ -113,7 +125,7 @@ def test_tp_pp_across_nodes_match_one_worker(cluster, model):
         {"name": "tp2pp2", "max_tokens": MAX_TOKENS,
          "config": {**COMMON, "tensor_parallel_size": 2, "pipeline_parallel_size": 2,
                     "placement_strategy": "SPREAD"}},
-        {"name": "tp2_swap", "max_tokens": 24,
+        {"name": "tp2_swap", "max_tokens": MAX_TOKENS,
          "config": {**COMMON, "tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD",
                     "max_num_batched_tokens": 32, "num_gpu_blocks_override": 24,
                     "preemption_mode": "swap", "swap_space": 0.01}},
@@ -125,18 +137,18 @@ def test_tp_pp_across_nodes_match_one_worker(cluster, model):
     assert set(results) == {s["name"] for s in scenarios}, proc.stderr[-4000:]
 
     tp2 = results["tp2"]
-    assert tp2["tokens"] == short
+    assert tp2["tokens"] == want
     assert len(set(tp2["worker_nodes"])) == 2  # the all-reduce crosses nodes
     pp2 = results["pp2"]
-    assert pp2["tokens"] == short
+    assert pp2["tokens"] == want
     assert pp2["worker_nodes"] == [ips[1], ips[2]]  # pinned by IP and by resource
     both = results["tp2pp2"]
-    assert both["tokens"] == short
+    assert both["tokens"] == want
     assert len(set(both["worker_nodes"])) == 3
     for r in (tp2, pp2, both):
         assert r["prefix_cache_hits"] > 0
     swap = results["tp2_swap"]
-    assert swap["tokens"] == long_
+    assert swap["tokens"] == want
     assert len(set(swap["worker_nodes"])) == 2
     assert swap["swaps_out"] > 0 and swap["swaps_in"] > 0
     assert swap["swap_objects"] == [0, 0]
@@ -253,7 +265,19 @@ def test_serve_stream_ends_with_an_error_on_node_loss_and_server_recovers(cluste
                     killed = time.monotonic()
         ended_after = time.monotonic() - killed
         assert chunks < 900 and ended_after < WORKER_TIMEOUT_S, (chunks, ended_after)
-        assert "internal" not in str(err.value).lower() or "traceback" not in str(err.value)
+        # The server's own error event (the openai client raises a plain APIError for it) is
+        # what should end the stream. One run saw a dropped connection (APIConnectionError)
+        # instead, not yet diagnosed (an open issue): until then a dropped connection is
+        # tolerated, but an error event that arrives must be the 503, never an internal error.
+        assert type(err.value) in (openai.APIError, openai.APIConnectionError), (
+            repr(err.value), cluster.nodes[victim].ip, actors, log_path.read_text()[-3000:])
+        if type(err.value) is openai.APIError:
+            body = err.value.body
+            assert isinstance(body, dict) and body.get("code") == 503, body
+            assert body.get("type") == "ServiceUnavailableError", body
+            assert "retry it" in err.value.message, err.value.message
+        text = str(err.value).lower()
+        assert "internal" not in text and "traceback" not in text, text
 
         start, answer = time.monotonic(), None
         while answer is None and time.monotonic() - start < 300:

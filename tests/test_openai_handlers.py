@@ -10,20 +10,15 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from kvray.config import config_from_flat
-from kvray.engine.async_engine import AsyncLLM
 from kvray.serve.openai_app import OpenAIServer
+
+pytestmark = pytest.mark.serve
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir):
-    engine = AsyncLLM(config_from_flat(dict(model=str(tiny_model_dir("llama_gqa")),
-                                            dtype="float32", block_size=4, max_model_len=256,
-                                            num_gpu_blocks_override=256)))
-    try:
-        yield TestClient(OpenAIServer(engine, "m", 256).app)
-    finally:
-        engine.shutdown()
+def client(tiny_async_llm):
+    engine = tiny_async_llm(max_model_len=256, num_gpu_blocks_override=256)
+    return TestClient(OpenAIServer(engine, "m", 256).app)
 
 
 def _events(resp) -> list[dict]:

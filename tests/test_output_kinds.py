@@ -16,6 +16,8 @@ from kvray.engine.async_engine import AsyncLLM
 from kvray.engine.llm_engine import LLMEngine
 from kvray.sampling_params import RequestOutputKind
 
+pytestmark = pytest.mark.parity
+
 CONFIG = dict(dtype="float32", block_size=4, max_num_batched_tokens=64, max_num_seqs=16,
               num_gpu_blocks_override=256, max_model_len=1024,
               enable_prefix_caching=False)  # same batches, same arithmetic: exact equality

@@ -12,6 +12,8 @@ from kvray.actors.executor import executor_backend
 from kvray.actors.placement import PIN_AMOUNT, node_resource, worker_bundles
 from kvray.config import ConfigError, load_config
 
+pytestmark = pytest.mark.unit
+
 
 def test_bundles_per_rank_without_pins():
     config = load_config(tensor_parallel_size=2, pipeline_parallel_size=2)

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import socket
 
-import ports
+import pytest
+
+from tests.helpers import ports
+
+pytestmark = pytest.mark.unit
 
 
 def test_free_port_is_below_the_ephemeral_range_and_bindable():

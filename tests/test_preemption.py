@@ -8,14 +8,16 @@ from __future__ import annotations
 import zlib
 
 import pytest
-from test_scheduler import ShadowKV
 
-from kvray.config import CacheConfig, SchedulerConfig
+from kvray.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvray.scheduler.preemption import PreemptionCosts
 from kvray.scheduler.request import Request, RequestStatus
 from kvray.scheduler.scheduler import Scheduler
+from tests.helpers.shadow_kv import ShadowKV
+
+pytestmark = pytest.mark.parity
 
 # Per 4-token block: swapping out and in costs 3.5, recomputing costs 1 per token. "auto"
 # swaps a victim with 8 computed tokens (2 blocks: 7 < 8), recomputes one with 5 (7 > 5).
@@ -24,10 +26,11 @@ COSTS = PreemptionCosts(prefill_s_per_token=1.0, swap_s_per_byte=3.5 / 64, bytes
 
 def _sched(num_blocks: int, policy: str = "priority", mode: str = "recompute",
            max_seqs: int = 8, swap_blocks: int = 0) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_seqs,
-                                     scheduling_policy=policy, preemption_mode=mode),
-                     CacheConfig(block_size=4, enable_prefix_caching=True),
-                     num_blocks, 128, swap_capacity_blocks=swap_blocks, costs=COSTS)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_seqs,
+                                  scheduling_policy=policy, preemption_mode=mode),
+        cache=CacheConfig(block_size=4, enable_prefix_caching=True))
+    return Scheduler(config, num_blocks, 128, swap_capacity_blocks=swap_blocks, costs=COSTS)
 
 
 def _req(rid: str, n_prompt: int, max_tokens: int = 8, priority: int = 0, t: float = 0.0,
@@ -148,8 +151,9 @@ def test_no_preemption_for_an_arrival_once_another_was_admitted_in_the_step():
     """w1 is admitted on a cache hit of block 2, which v keys in this step and computes
     only if it runs: preempting v for w2 in the same step would leave w1 reading a block
     nobody computed. w2 waits for the next step."""
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=10, scheduling_policy="priority"),
-                  CacheConfig(block_size=4), num_blocks=5, max_model_len=64)
+    s = Scheduler(EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=10,
+                                                         scheduling_policy="priority"),
+                               cache=CacheConfig(block_size=4)), num_blocks=5, max_model_len=64)
     shadow = ShadowKV(4)
     prompt = list(range(20, 36))
     s.add_request(_req("v", 0, max_tokens=4, priority=5, t=0, tokens=prompt))
@@ -264,7 +268,7 @@ def test_blocks_freed_by_victims_count_shared_blocks_only_once_all_holders_go():
 
 def test_auto_mode_without_costs_is_refused():
     with pytest.raises(ValueError, match="auto"):
-        Scheduler(SchedulerConfig(preemption_mode="auto"), CacheConfig(), 8, 64)
+        Scheduler(EngineConfig(scheduler=SchedulerConfig(preemption_mode="auto")), 8, 64)
 
 
 def test_costs_price_recompute_per_token_and_swap_per_byte():
@@ -282,7 +286,7 @@ LENGTHS = [3, 20, 9, 33, 1, 14, 26, 7]
 
 
 def _prompts() -> list[dict]:
-    from tiny_models import VOCAB_SIZE
+    from tests.helpers.tiny_models import VOCAB_SIZE
 
     return [{"prompt_token_ids": [3 + zlib.crc32(f"{i}:{j}".encode()) % (VOCAB_SIZE - 3)
                                   for j in range(n)]} for i, n in enumerate(LENGTHS)]
@@ -293,16 +297,32 @@ def _generate(llm) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
 
 
+def _transformers_greedy(path: str, max_tokens: int = 24) -> list[list[int]]:
+    """Greedy tokens of transformers' own ``generate`` (fp32) for :func:`_prompts`."""
+    import torch
+
+    from tests.helpers.tiny_models import load_hf
+
+    hf = load_hf(path)
+    with torch.inference_mode():
+        return [hf.generate(torch.tensor([p["prompt_token_ids"]]), max_new_tokens=max_tokens,
+                            do_sample=False, eos_token_id=None, pad_token_id=0
+                            )[0, len(p["prompt_token_ids"]):].tolist() for p in _prompts()]
+
+
 @pytest.fixture(scope="module")
 def model_and_unconstrained(tiny_model_dir):
+    """The model and transformers' greedy tokens, which a roomy engine also gives."""
     from kvray import LLM
 
     path = str(tiny_model_dir("llama_gqa"))
+    want = _transformers_greedy(path)
     llm = LLM(path, num_gpu_blocks_override=400, **ENGINE)
     tokens = _generate(llm)
     assert llm.llm_engine.stats.num_preemptions == 0
     llm.shutdown()
-    return path, tokens
+    assert tokens == want
+    return path, want
 
 
 def _tight_auto_engine(path: str):

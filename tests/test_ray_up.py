@@ -15,11 +15,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import skip_or_fail_in_ci, wait_for_health
-from tiny_models import make_tiny_model
 
-from kvray.ops.cluster_check import check_cluster
+from kvray.ops.cluster import check_cluster
 from kvray.testing import netns
+from tests.helpers.server import wait_for_health
+from tests.helpers.skips import skip_or_fail_in_ci
+from tests.helpers.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.multinode
 
 CONFIG = Path(__file__).resolve().parents[1] / "cluster" / "netns.yaml"
 RAY = str(Path(sys.executable).with_name("ray"))

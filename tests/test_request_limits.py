@@ -9,11 +9,13 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-from tiny_models import VOCAB_SIZE
 
 from kvray.config import config_from_flat
 from kvray.engine.async_engine import AsyncLLM
 from kvray.serve.openai_app import OpenAIServer
+from tests.helpers.tiny_models import VOCAB_SIZE
+
+pytestmark = pytest.mark.serve
 
 LIMITS = dict(max_request_bytes=4096, max_prompts_per_request=3, max_seqs_per_request=4,
               max_prompt_chars=50, max_messages=3, max_stop=2, max_stop_chars=8,
@@ -26,12 +28,9 @@ def _engine(model: str, **extra) -> AsyncLLM:
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir):
-    engine = _engine(str(tiny_model_dir("llama_gqa")), **LIMITS)
-    try:
-        yield TestClient(OpenAIServer(engine, "m", 256, limits=engine.config.server).app)
-    finally:
-        engine.shutdown()
+def client(tiny_async_llm):
+    engine = tiny_async_llm(**ENGINE, **LIMITS)
+    return TestClient(OpenAIServer(engine, "m", 256, limits=engine.config.server).app)
 
 
 def _completion(**body):

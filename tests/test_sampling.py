@@ -7,15 +7,18 @@ import math
 import pytest
 import torch
 
+from kvray.actors.sampling_batch import sampling_batch
 from kvray.kernels.sampling import SamplingBatch, apply_penalties_and_bias, row_argmax, sample
 from kvray.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 VOCAB = 32
 
 
 def make_batch(params: list[SamplingParams], generators=None, prompts=None, outputs=None):
     n = len(params)
-    return SamplingBatch.from_params(
+    return sampling_batch(
         params, generators or [None] * n, prompts or [[] for _ in range(n)],
         outputs or [[] for _ in range(n)])
 
@@ -268,7 +271,7 @@ def run_seeded(position: int, batch_size: int, seed: int = 1234, steps: int = 20
     for step in range(steps):
         logits = torch.randn(batch_size, VOCAB, generator=default)
         logits[position] = target_logits(step)
-        batch = SamplingBatch.from_params(params, generators, [[]] * batch_size,
+        batch = sampling_batch(params, generators, [[]] * batch_size,
                                           [[] for _ in range(batch_size)])
         tokens.append(sample(logits, batch, default).token_ids[position].item())
     return tokens
@@ -339,7 +342,7 @@ def test_plain_greedy_batches_leave_their_columns_on_the_host():
     banned id, sampling) moves the batch as before."""
     def build(params: list[SamplingParams]) -> SamplingBatch:
         n = len(params)
-        return SamplingBatch.from_params(params, [None] * n, [[5, 6]] * n, [[7]] * n,
+        return sampling_batch(params, [None] * n, [[5, 6]] * n, [[7]] * n,
                                          device="meta")
 
     greedy = build([SamplingParams(temperature=0.0, logprobs=3)] * 2)
@@ -351,7 +354,7 @@ def test_plain_greedy_batches_leave_their_columns_on_the_host():
         batch = build([SamplingParams(temperature=0.0), busy])
         assert not batch.plain_greedy and batch.temperature.device.type == "meta", busy
     logits = torch.randn(2, 11)
-    out = sample(logits, SamplingBatch.from_params(
+    out = sample(logits, sampling_batch(
         [SamplingParams(temperature=0.0, logprobs=2)] * 2, [None] * 2, [[1]] * 2, [[]] * 2))
     assert out.token_ids.tolist() == logits.argmax(dim=-1).tolist()
     assert out.top_token_ids.shape == (2, 2)

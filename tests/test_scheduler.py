@@ -9,12 +9,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
-from kvray.config import CacheConfig, SchedulerConfig
+from kvray.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput
 from kvray.scheduler.preemption import PreemptionCosts
 from kvray.scheduler.request import Request, RequestStatus
 from kvray.scheduler.scheduler import RequestTooLongError, Scheduler
+from tests.helpers.shadow_kv import ShadowKV
+
+pytestmark = pytest.mark.unit
 
 # One block (4 tokens) costs as much to swap out and in as 3.5 tokens to recompute: "auto"
 # swaps a victim with 8 computed tokens (7 < 8) and recomputes one with 5 (7 > 5).
@@ -25,11 +28,13 @@ MIXED_COSTS = PreemptionCosts(prefill_s_per_token=1.0, swap_s_per_byte=3.5 / 64,
 def _sched(num_blocks=64, block_size=4, budget=32, max_seqs=8, policy="fcfs",
            prefix=True, max_len=256, mode="recompute", swap_blocks=0,
            costs=MIXED_COSTS, micro_batches=1) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                     scheduling_policy=policy, preemption_mode=mode),
-                     CacheConfig(block_size=block_size, enable_prefix_caching=prefix),
-                     num_blocks, max_len, swap_capacity_blocks=swap_blocks, costs=costs,
-                     num_micro_batches=micro_batches)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                  scheduling_policy=policy, preemption_mode=mode),
+        cache=CacheConfig(block_size=block_size, enable_prefix_caching=prefix),
+        parallel=ParallelConfig(pipeline_parallel_size=micro_batches))  # steps in flight
+    return Scheduler(config, num_blocks, max_len, swap_capacity_blocks=swap_blocks,
+                     costs=costs)
 
 
 def _req(rid, n_prompt, max_tokens=4, priority=0, t=0.0, tokens=None) -> Request:
@@ -38,53 +43,6 @@ def _req(rid, n_prompt, max_tokens=4, priority=0, t=0.0, tokens=None) -> Request
     ids = tokens if tokens is not None else [(base + i) % 50 for i in range(n_prompt)]
     return Request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), t,
                    priority, max_tokens)
-
-
-class ShadowKV:
-    """What the workers' KV cache holds, slot by slot: the K/V written at position p stands
-    for the request's tokens 0..p (as a chained hash). Steps apply like the worker applies
-    them: swaps first, then every scheduled token is written, then every scheduled request
-    reads its whole context, which must be its own tokens. This catches a request reading a
-    block that was never computed (e.g. keyed by a request preempted before computing it)."""
-
-    def __init__(self, block_size: int) -> None:
-        self.bs = block_size
-        self.slots: dict[int, int] = {}
-        self.saved: dict[str, list[int | None]] = {}
-
-    def _slot(self, table: list[int], pos: int) -> int:
-        return table[pos // self.bs] * self.bs + pos % self.bs
-
-    def apply(self, s: Scheduler, out) -> None:
-        for rid, blocks in out.swap_out.items():
-            self.saved[rid] = [self.slots.get(b * self.bs + i) for b in blocks
-                               for i in range(self.bs)]
-        for rid, blocks in out.swap_in.items():
-            saved = self.saved.pop(rid)
-            assert len(saved) == len(blocks) * self.bs
-            for k, value in enumerate(saved):
-                self.slots[blocks[k // self.bs] * self.bs + k % self.bs] = value
-        for rid in out.swap_drop:
-            self.saved.pop(rid)
-        prefixes = {rid: _prefix_hashes(s.requests[rid].all_token_ids)
-                    for rid in out.num_scheduled_tokens}
-        for rid, n in out.num_scheduled_tokens.items():
-            r, table = s.requests[rid], s.kv.block_ids(rid)
-            for pos in range(r.num_computed_tokens, r.num_computed_tokens + n):
-                self.slots[self._slot(table, pos)] = prefixes[rid][pos]
-        for rid, n in out.num_scheduled_tokens.items():
-            r, table = s.requests[rid], s.kv.block_ids(rid)
-            for pos in range(r.num_computed_tokens + n):
-                assert self.slots.get(self._slot(table, pos)) == prefixes[rid][pos], \
-                    f"{rid} reads wrong K/V at position {pos}"
-
-
-def _prefix_hashes(tokens: list[int]) -> list[int]:
-    out, h = [], 0
-    for t in tokens:
-        h = hash((h, t))  # ints hash the same in every process
-        out.append(h)
-    return out
 
 
 def _run_step(s: Scheduler, rng: random.Random | None = None, shadow: ShadowKV | None = None):

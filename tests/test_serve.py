@@ -6,69 +6,24 @@ concurrency, client disconnects, metrics and every error case — through both f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
 import openai
 import pytest
-from conftest import wait_for_health
-from ports import free_port
-from tiny_models import make_tiny_model
 
 from kvray import LLM, SamplingParams
+from tests.helpers.server import API_KEY, launch_server, openai_client
+from tests.helpers.tiny_models import make_tiny_model
 
-API_KEY = "test-key-123"
-ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "4", "--max-model-len", "1024",
-                "--max-num-seqs", "16", "--num-gpu-blocks-override", "400"]
+pytestmark = pytest.mark.serve
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_tiny_model("llama_gqa", tmp_path_factory.mktemp("serve") / "tiny-llama")
-
-
-@contextlib.contextmanager
-def launch_server(model_dir, extra: list[str] = ()):
-    """Run `kvray serve` (its own loopback Ray cluster) until the block exits; yield its URL."""
-    port = free_port()
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    env.pop("RAY_ADDRESS", None)
-    # A file, not a pipe: nobody reads a pipe while the server runs, and once its buffer
-    # is full every print of the server blocks (its drain and shutdown included).
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvray.cli", "serve", str(model_dir), "--port", str(port),
-             "--api-key", API_KEY, *ENGINE_FLAGS, *extra],
-            stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-        base = f"http://127.0.0.1:{port}"
-        def exited() -> str | None:
-            if proc.poll() is None:
-                return None
-            log.seek(0)
-            return f"kvray serve exited: {log.read()[-3000:]}"
-
-        try:
-            wait_for_health(base, 180, exited)
-            yield base
-        finally:
-            stop_process(proc)
-
-
-def stop_process(proc: subprocess.Popen, timeout_s: float = 60) -> None:
-    """Ctrl-C a server process; kill it if it has not stopped within ``timeout_s``."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 @pytest.fixture(scope="module", params=["serve", "replica", "process"])
@@ -83,7 +38,7 @@ def server(request, model_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,14 @@ import openai
 import psutil
 import pytest
 import yaml
-from conftest import wait_for_health
-from ports import free_port
-from test_serve import stop_process
-from tiny_models import make_tiny_model
 
 from kvray.config import ConfigError
 from kvray.serve import build_app
+from tests.helpers.ports import free_port
+from tests.helpers.server import stop_process, wait_for_health
+from tests.helpers.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.serve
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_CONFIGS = sorted((ROOT / "configs" / "serve").glob("*.yaml"))

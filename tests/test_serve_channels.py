@@ -12,8 +12,11 @@ import time
 import httpx
 import openai
 import pytest
-from test_serve import API_KEY, launch_server
-from tiny_models import make_tiny_model
+
+from tests.helpers.server import API_KEY, launch_server
+from tests.helpers.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.serve
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,7 @@ def test_streams_on_two_replicas_each_get_their_own_tokens(two_replicas):
                                                      temperature=0).choices[0].text
                            for p in prompts[:4]]
 
-    deadline = time.monotonic() + 15  # replica stats reach the ingress every ~0.5 s
+    deadline = time.monotonic() + 60  # replica stats reach the ingress every ~0.5 s
     while True:
         served = {r: v for r, v in _decode_tokens_by_replica(base).items() if v > 0}
         if len(served) >= 2 or time.monotonic() > deadline:
@@ -85,7 +88,7 @@ def bare_replica(tiny_model_dir):
     channel bookkeeping driven call by call."""
     from kvray.config import config_from_flat
     from kvray.engine.async_engine import AsyncLLM
-    from kvray.serve.deployment import LLMServer
+    from kvray.serve.replica import LLMServer
 
     engine = AsyncLLM(config_from_flat(dict(model=str(tiny_model_dir("llama_gqa")),
                                             dtype="float32", block_size=4, max_model_len=128,
@@ -96,6 +99,15 @@ def bare_replica(tiny_model_dir):
         yield replica
     finally:
         engine.shutdown()
+
+
+async def _until(condition, timeout_s: float = 30.0):
+    """Poll ``condition`` until it is true or ``timeout_s`` passed; its last value (a wait
+    for the event itself, with a deadline only against a hang)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    return value
 
 
 def _delta_params(max_tokens: int):
@@ -121,8 +133,8 @@ def test_a_dead_ingress_leaves_no_channel_on_the_model_replica(bare_replica):
         carrier = replica.carry("ingress-a")
         assert await carrier.__anext__() == "r1"
         first = await carrier.__anext__()  # outputs flow
-        await asyncio.sleep(0.02)  # more of them pile up, unread
-        assert replica._channels["ingress-a"].pending
+        # more of them pile up, unread
+        assert await _until(lambda: replica._channels["ingress-a"].pending)
         await carrier.aclose()  # the ingress died: Serve cancels its carrier call
         await asyncio.wait_for(submitted, 30)  # aborted by the replica (or finished)
         left = dict(replica._channels)
@@ -140,9 +152,9 @@ def test_a_channel_whose_carrier_never_comes_is_dropped_and_one_that_comes_late_
     """Requests admitted on a channel whose ingress died before opening its carrier: the
     channel goes after UNCARRIED_CHANNEL_S. A carrier that opens after a short request
     already ended still gets all of its outputs."""
-    from kvray.serve import deployment
+    from kvray.serve import transport
 
-    monkeypatch.setattr(deployment, "UNCARRIED_CHANNEL_S", 0.3)
+    monkeypatch.setattr(transport, "UNCARRIED_CHANNEL_S", 0.3)
     replica, params = bare_replica, _delta_params(3)
 
     async def run_uncarried(channel: str, request_id: str) -> None:
@@ -156,7 +168,8 @@ def test_a_channel_whose_carrier_never_comes_is_dropped_and_one_that_comes_late_
         assert await carrier.__anext__() == "r1"
         batch = await carrier.__anext__()
         await carrier.aclose()
-        await asyncio.sleep(0.6)
+        # Both go: "dead" once UNCARRIED_CHANNEL_S passed, "late" with its carrier.
+        await _until(lambda: not {"dead", "late"} & replica._channels.keys(), timeout_s=10)
         return "dead" in replica._channels, "late" in replica._channels, batch
 
     dead_left, late_left, batch = asyncio.run(main())

@@ -29,8 +29,11 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 import pytest
-from test_serve import API_KEY, launch_server
-from tiny_models import make_tiny_model
+
+from tests.helpers.server import API_KEY, launch_server
+from tests.helpers.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.serve
 
 MODEL = "tiny-llama"
 MAX_WAITING = 50
@@ -366,7 +369,9 @@ def test_overload_burst_is_refused_cleanly_and_recovers(server):
 
 # ---- test 2: soak -----------------------------------------------------------------------
 SOAK_REQUESTS = 2000
-SOAK_DEADLINE_S = 240.0  # no new request after this; fewer than SOAK_REQUESTS done = fail
+# A guard against a stalled server, not a speed bar: no new request after this; fewer than
+# SOAK_REQUESTS done = fail. The speed is printed below; benchmarks/serve.py measures it.
+SOAK_DEADLINE_S = 900.0
 SOAK_CONCURRENCY = 32
 SOAK_WARMUP = 200  # the RSS baseline is taken once this many requests have ended
 SOAK_MAX_BUSY = 0.05  # 503s allowed, as a fraction of the requests

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from test_serve import API_KEY, launch_server
-from tiny_models import make_tiny_model
 
 from kvray import LLM, SamplingParams
+from tests.helpers.server import API_KEY, launch_server
+from tests.helpers.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.serve
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,19 @@ import signal
 import openai
 import psutil
 import pytest
-from test_serve import API_KEY, launch_server
-from test_serve_faults import (
-    CONTEXT,
-    DRAIN_TIMEOUT_S,
-    _server_process,
-    processes_left,
-    sigterm_drains_then_aborts,
-)
-from tiny_models import make_tiny_model
 
 from kvray import LLM, SamplingParams
+from tests.helpers.serve_faults import (
+    CONTEXT,
+    DRAIN_TIMEOUT_S,
+    processes_left,
+    server_process,
+    sigterm_drains_then_aborts,
+)
+from tests.helpers.server import API_KEY, launch_server
+from tests.helpers.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.serve
 
 FLAGS = ["--ingress", "process", "--drain-timeout-s", str(DRAIN_TIMEOUT_S),
          "--max-model-len", str(CONTEXT), "--num-gpu-blocks-override", "9000"]
@@ -53,7 +55,7 @@ def test_sigterm_drains_then_aborts_and_no_ray_runs_at_world_size_1(model_dir):
     deadline, new requests get 503 + Retry-After, the process exits 0; and at TP x PP = 1
     no Ray process was ever started."""
     with launch_server(model_dir, FLAGS) as base:
-        server = _server_process(base)
+        server = server_process(base)
         assert not any(_is_ray(p) for p in server.children(recursive=True))
         refused = sigterm_drains_then_aborts(base, model_dir.name, server)
     assert refused.json()["error"]["type"] == "ServiceUnavailableError"
@@ -65,7 +67,7 @@ def test_tensor_parallel_workers_run_on_ray_and_stop_with_the_server(model_dir):
     flags = [*FLAGS, "--tensor-parallel-size", "2", "--max-model-len", "1024",
              "--num-gpu-blocks-override", "400"]
     with launch_server(model_dir, flags) as base:
-        server = _server_process(base)
+        server = server_process(base)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY)
         prompts = ["Hello world", "The capital of France is"]
         got = [client.completions.create(model=model_dir.name, prompt=p, max_tokens=10,

@@ -11,20 +11,23 @@ import time
 
 import httpx
 import pytest
-from test_serve import launch_server
-from test_serve_faults import (
+
+from tests.helpers.serve_faults import (
     CONTEXT,
     FLAGS,
     HEADERS,
-    _ray_process,
-    _recovers,
-    _server_process,
-    _start_streams,
     killed_worker_fails_its_requests_and_the_server_recovers,
     processes_left,
+    ray_process,
+    recovers,
+    server_process,
     sigterm_drains_then_aborts,
+    start_streams,
 )
-from tiny_models import make_tiny_model
+from tests.helpers.server import launch_server
+from tests.helpers.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.serve
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +40,10 @@ def served(tmp_path_factory):
 
 def test_the_replica_serves_http_itself_with_no_separate_ingress(served):
     base, model = served
-    server = _server_process(base)
+    server = server_process(base)
     titles = [" ".join(p.cmdline()) for p in server.children(recursive=True)]
     assert not [t for t in titles if "OpenAIIngress" in t], titles
-    _ray_process(base, "ray::ServeReplica:kvray:LLMServer")  # exactly one
+    ray_process(base, "ray::ServeReplica:kvray:LLMServer")  # exactly one
     resp = httpx.post(f"{base}/v1/completions", headers=HEADERS, timeout=60, json={
         "model": model, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
@@ -54,27 +57,33 @@ def test_a_killed_worker_ends_the_streams_with_an_error_and_the_server_recovers(
 
 def test_a_killed_replica_cuts_its_streams_and_serve_replaces_it(served):
     base, model = served
-    streams = _start_streams(base, model)
-    replica = _ray_process(base, "ray::ServeReplica:kvray:LLMServer")
+    streams = start_streams(base, model)
+    replica = ray_process(base, "ray::ServeReplica:kvray:LLMServer")
     killed = time.monotonic()
     replica.kill()
     deadline = killed + 30
     while time.monotonic() < deadline and any(s.ended_at is None for s in streams):
         time.sleep(0.1)
     assert all(s.ended_at is not None for s in streams), "a stream outlived 30 s"
-    # Cut (no [DONE]) or, had the replica's loop answered first, an error event: never a
-    # stream that claims to have finished.
+    # Nothing internal reached the client, cut stream or not.
+    assert not any(s.leaks for s in streams), [s.leaks for s in streams]
+    # Cut (no [DONE]) or, had the replica's loop answered first, a 503 error event: never a
+    # stream that claims to have finished, nor an internal error.
     assert all(s.failure is not None or s.errors for s in streams), [
         (s.failure, s.errors, s.done, s.finish_reason) for s in streams]
-    recovered = _recovers(base, model, bound_s=180, any_5xx=True)
+    assert all(e["code"] == 503 and e["type"] == "ServiceUnavailableError"
+               for s in streams for e in s.errors), [s.errors for s in streams]
+    recovered = recovers(base, model, bound_s=180, any_5xx=True)
     print(f"\nkilled replica: server answering again after {recovered:.1f} s")
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    successor = ray_process(base, "ray::ServeReplica:kvray:LLMServer")
+    assert successor.pid != replica.pid
 
 
 def test_sigterm_drains_then_aborts_and_leaves_no_process(served):
     """Last: it stops the server (see test_serve_faults)."""
     base, model = served
-    server = _server_process(base)
+    server = server_process(base)
     family = server.children(recursive=True)
     sigterm_drains_then_aborts(base, model, server)
     left = processes_left(family)

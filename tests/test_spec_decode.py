@@ -10,11 +10,14 @@ import json
 import jsonschema
 import pytest
 import torch
-from tiny_models import VOCAB_SIZE, load_hf
 
 from kvray import LLM, SamplingParams
+from kvray.actors.sampling_batch import sampling_batch
 from kvray.kernels.sampling import SamplingBatch, SpecSpan, sample_speculative
 from kvray.scheduler.ngram import NgramProposer
+from tests.helpers.tiny_models import VOCAB_SIZE, load_hf
+
+pytestmark = pytest.mark.parity
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
@@ -48,7 +51,7 @@ def test_ngram_state_follows_a_replaced_sequence():
 # ---- rejection sampling keeps the target distribution ---------------------------------------
 def _spec_batch(rows: int, temperature: float) -> SamplingBatch:
     params = [SamplingParams(temperature=temperature)] * rows
-    return SamplingBatch.from_params(params, [None] * rows, [[]] * rows, [[]] * rows)
+    return sampling_batch(params, [None] * rows, [[]] * rows, [[]] * rows)
 
 
 def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -144,6 +147,15 @@ def test_limits_logprobs_seeds_and_n_hold_with_drafts(tiny_model_dir):
     llm.shutdown()
 
 
+def _transformers_greedy(model_dir, prompts: list[dict], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of transformers' own ``generate`` (fp32)."""
+    hf = load_hf(model_dir)
+    with torch.inference_mode():
+        return [hf.generate(torch.tensor([p["prompt_token_ids"]]), max_new_tokens=max_tokens,
+                            do_sample=False, eos_token_id=None, pad_token_id=0
+                            )[0, len(p["prompt_token_ids"]):].tolist() for p in prompts]
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_drafts_through_preemption_keep_greedy_tokens(mode, tiny_model_dir):
     model = str(tiny_model_dir("llama_gqa"))
@@ -152,6 +164,7 @@ def test_drafts_through_preemption_keep_greedy_tokens(mode, tiny_model_dir):
     roomy = LLM(model, dtype="float32")
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     roomy.shutdown()
+    assert want == _transformers_greedy(model, prompts, 30)
     tight = LLM(model, dtype="float32", block_size=4, num_gpu_blocks_override=40,
                 preemption_mode=mode, speculative_config=NGRAM)
     outs = tight.generate(prompts, params, use_tqdm=False)
@@ -213,7 +226,7 @@ def test_spec_decode_counters_are_exported_with_vllm_style_names():
 def draft_models(tmp_path_factory):
     """A draft with the target's own weights (every greedy draft is right) and a different,
     smaller one of the same family and tokenizer (most drafts are wrong)."""
-    from tiny_models import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     root = tmp_path_factory.mktemp("drafts")
     return {"other": make_tiny_model("llama_gqa", root / "other", seed=1,
@@ -228,10 +241,11 @@ def test_greedy_tokens_with_a_draft_model_equal_plain_decoding(which, tiny_model
     g = torch.Generator().manual_seed(4)
     prompts = [{"prompt_token_ids": torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist()}
                for n in (5, 17, 33, 9)]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     plain = LLM(str(target), dtype="float32")
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     plain.shutdown()
+    assert want == _transformers_greedy(target, prompts, 32)  # plain decoding is greedy
     llm = LLM(str(target), dtype="float32", block_size=4, num_gpu_blocks_override=24,
               speculative_config={"model": str(draft), "num_speculative_tokens": 3})
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -245,7 +259,7 @@ def test_greedy_tokens_with_a_draft_model_equal_plain_decoding(which, tiny_model
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
-    from tiny_models import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     other = make_tiny_model("llama_gqa", tmp_path / "big-vocab", vocab_size=VOCAB_SIZE + 64)
     with pytest.raises(Exception, match="speculative_config.model.*vocabulary"):

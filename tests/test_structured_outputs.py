@@ -12,9 +12,6 @@ import re
 import jsonschema
 import pytest
 import torch
-from conftest import builtin_model_or_skip
-from structured_schemas import SCHEMAS
-from tiny_models import VOCAB_SIZE, build_tokenizer
 
 from kvray import LLM, SamplingParams
 from kvray.errors import InvalidRequestError
@@ -22,11 +19,15 @@ from kvray.kernels.sampling import apply_bitmask_
 from kvray.sampling_params import StructuredOutputsParams
 from kvray.serve.protocol import ChatCompletionRequest, CompletionRequest
 from kvray.structured_output import GrammarCompiler, bitmask_width
+from tests.helpers.skips import builtin_model_or_skip
+from tests.helpers.structured_schemas import SCHEMAS
+from tests.helpers.tiny_models import VOCAB_SIZE, build_tokenizer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 # ---- parameters and the request fields that carry them ------------------------------------
+@pytest.mark.unit
 @pytest.mark.parametrize("kwargs", [{}, {"regex": "a", "choice": ["a"]}, {"choice": []},
                                     {"choice": ["a", ""]}, {"json": "{not json"},
                                     {"json": [1]}, {"grammar": "  "}])
@@ -35,6 +36,7 @@ def test_malformed_constraints_name_the_field(kwargs):
         StructuredOutputsParams(**kwargs, field="guided_x")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("body,kind,field", [
     ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
     ({"response_format": {"type": "json_schema",
@@ -57,6 +59,7 @@ def test_every_request_field_maps_to_one_constraint(body, kind, field):
     assert plain.sampling_params(16, None).structured_outputs is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("body,param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "w"}}},
      "response_format.json_schema.schema"),
@@ -77,6 +80,7 @@ def compiler():
     return GrammarCompiler(build_tokenizer(), VOCAB_SIZE, (2,))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("params", [
     StructuredOutputsParams(regex="a(b", field="guided_regex"),
     StructuredOutputsParams(json={"type": "nonsense"}, field="guided_regex"),
@@ -93,6 +97,7 @@ def _allowed(bitmask: torch.Tensor, row: int) -> list[int]:
     return [t for t in range(VOCAB_SIZE) if (int(bitmask[row, t // 32]) >> (t % 32)) & 1]
 
 
+@pytest.mark.unit
 def test_matchers_from_one_cached_grammar_keep_their_own_state(compiler):
     tok = build_tokenizer()
     params = StructuredOutputsParams(choice=["hello", "world"])
@@ -110,6 +115,7 @@ def test_matchers_from_one_cached_grammar_keep_their_own_state(compiler):
     assert _allowed(bitmask, 1) == [2]  # a broken sequence may only end
 
 
+@pytest.mark.unit
 def test_bitmask_sets_exactly_the_disallowed_logits_to_minus_inf():
     g = torch.Generator().manual_seed(0)
     allowed = torch.rand(3, 70, generator=g) < 0.3
@@ -136,6 +142,7 @@ def _greedy(max_tokens: int = 12) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
 
+@pytest.mark.engine
 def test_twenty_schemas_sampled_at_temperature_one_always_validate_and_greedy_neighbours_are_unchanged(llm):  # noqa: E501
     plain = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     alone = [o.outputs[0].token_ids for o in llm.generate(plain, _greedy(), use_tqdm=False)]
@@ -150,6 +157,7 @@ def test_twenty_schemas_sampled_at_temperature_one_always_validate_and_greedy_ne
     assert [o.outputs[0].token_ids for o in outs[len(SCHEMAS):]] == alone
 
 
+@pytest.mark.engine
 def test_regex_choice_json_object_and_grammar_hold_at_temperature_one(llm):
     cases = [
         ({"regex": r"[A-Z][a-z]{2,6} [0-9]{1,3}"}, lambda t: re.fullmatch(
@@ -169,6 +177,7 @@ def test_regex_choice_json_object_and_grammar_hold_at_temperature_one(llm):
             (cases[i // 3][0], out.outputs[0].text)
 
 
+@pytest.mark.engine
 def test_json_object_gives_an_object(llm):
     """Any JSON object: unbounded keys and strings, so greedy with a JSON-minded prompt (at
     temperature 1 a 135M model may still be writing its first key at max_tokens)."""
@@ -178,6 +187,7 @@ def test_json_object_gives_an_object(llm):
     assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict), out.text
 
 
+@pytest.mark.engine
 def test_n_sequences_stop_strings_and_logprobs_with_a_constraint(llm):
     choice = ["alpha", "beta", "gamma", "delta"]
     out = llm.generate("Pick one:", SamplingParams(
@@ -194,6 +204,7 @@ def test_n_sequences_stop_strings_and_logprobs_with_a_constraint(llm):
     assert re.fullmatch("[a-z]{3,6}", stopped.text) and stopped.finish_reason == "stop"
 
 
+@pytest.mark.engine
 def test_invalid_constraint_is_rejected_before_the_request_is_queued(llm):
     with pytest.raises(InvalidRequestError, match="^structured_outputs: invalid regex"):
         llm.generate("x", SamplingParams(structured_outputs={"regex": "(unclosed"}),
@@ -206,6 +217,7 @@ LONG_ARRAY = {"type": "array", "minItems": 6, "maxItems": 6, "items": {
     "required": ["x"], "additionalProperties": False}}
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_constraints_survive_preemption(mode):
     """A cache too small for all at once: requests are preempted mid-output, resume with

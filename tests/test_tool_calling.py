@@ -9,10 +9,12 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
-from conftest import builtin_model_or_skip
-from test_serve import API_KEY, launch_server
+
+from tests.helpers.server import API_KEY, launch_server, openai_client
+from tests.helpers.skips import builtin_model_or_skip
+
+pytestmark = pytest.mark.serve
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -39,7 +41,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
@@ -109,17 +111,31 @@ def test_tool_choice_none_never_calls(client, model):
 
 
 def test_tool_results_flow_back_through_the_template(client, model):
+    from kvray.tokenizer import load_tokenizer
+
     first = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,
                                            tool_choice="required", max_tokens=120)
     calls = first.choices[0].message.tool_calls
-    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-        c.model_dump() for c in calls]}]
-    messages += [{"role": "tool", "tool_call_id": c.id, "content": json.dumps(
-        {"result": "18 C, sunny" if c.function.name == "get_weather" else 84})} for c in calls]
-    answer = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
-                                            max_tokens=30)
+
+    def conversation(note: str) -> list[dict]:
+        messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+            c.model_dump() for c in calls]}]
+        return messages + [{"role": "tool", "tool_call_id": c.id, "content": json.dumps(
+            {"result": "18 C, sunny" if c.function.name == "get_weather" else 84}) + note}
+            for c in calls]
+
+    answer = client.chat.completions.create(model=model, messages=conversation(""),
+                                            tools=TOOLS, max_tokens=30)
     assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
     assert answer.usage.prompt_tokens > first.usage.prompt_tokens
+    # The tool results' text is in the prompt: with longer results the prompt is longer by
+    # the added text's tokens, once per result (a template dropping them adds nothing).
+    note = " and a light breeze from the west" * 4
+    grown = client.chat.completions.create(model=model, messages=conversation(note),
+                                           tools=TOOLS, max_tokens=1)
+    added = len(calls) * len(load_tokenizer(builtin_model_or_skip())(note)["input_ids"])
+    assert abs(grown.usage.prompt_tokens - answer.usage.prompt_tokens - added) <= len(calls), (
+        grown.usage.prompt_tokens, answer.usage.prompt_tokens, added)
 
 
 @pytest.mark.parametrize("body,param", [

@@ -12,6 +12,8 @@ import pytest
 
 from kvray.serve.tools import ToolCallStreamer, parse_tool_calls, pick_parser, required_schema
 
+pytestmark = pytest.mark.unit
+
 # (mode, parser, text, content, [(name, arguments)])
 RECORDED = [
     # Qwen2.5-7B-Instruct, two parallel calls after a sentence
@@ -123,9 +125,9 @@ def test_offline_chat_passes_tools_to_the_template_and_required_calls_parse(tmp_
     """LLM.chat hands tools to the chat template (as vLLM's does); a required call is the
     structured-outputs constraint the server uses, and parses into valid calls."""
     import jsonschema
-    from tiny_models import make_tiny_model
 
     from kvray import LLM, SamplingParams
+    from tests.helpers.tiny_models import make_tiny_model
 
     model = make_tiny_model("llama_gqa", tmp_path / "tools-model")
     template = (

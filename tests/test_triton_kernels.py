@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from kvray.kernels import attention as ref
-
-triton_attention = pytest.importorskip("kvray.kernels.triton_attention")
+from kvray.kernels import triton_attention
+from tests.helpers.skips import skip_or_fail_in_ci
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1 set before it is imported",
-                allow_module_level=True)
+    skip_or_fail_in_ci("Triton needs a GPU or TRITON_INTERPRET=1 set before it is imported",
+                       "tests/conftest.py sets TRITON_INTERPRET=1 before Triton's import",
+                       allow_module_level=True)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -40,6 +41,7 @@ def _tables(seq_lens: list[int], block_size: int, num_blocks: int, seed: int
     return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("hq,hk,dim,block_size,window", [
     (1, 1, 80, 16, None), (6, 2, 64, 16, None), (6, 1, 80, 32, None), (4, 2, 24, 16, 20),
 ])
@@ -57,12 +59,14 @@ def test_paged_decode_matches_reference(hq, hk, dim, block_size, window):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parity
 def test_decode_splits_cover_every_block_once():
     assert triton_attention.num_decode_splits(1, 8) == 1
     assert triton_attention.num_decode_splits(5, 8) == 4  # a power of two <= blocks
     assert triton_attention.num_decode_splits(64, 1024) == 1  # enough programs already
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("hq,hk,dim,block_size,window,block_m", [
     (1, 1, 80, 16, None, 8), (6, 2, 64, 32, None, 16), (6, 1, 24, 16, 7, 8),
     (2, 2, 80, 16, 30, 16),  # the tl.dot path (every tile dimension >= 16)
@@ -86,6 +90,7 @@ def test_paged_prefill_with_cached_prefixes_matches_reference(hq, hk, dim, block
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parity
 def test_write_kv_fills_the_same_slots_as_the_reference():
     hk, dim, block_size, num_blocks = 2, 80, 16, 6
     g = torch.Generator().manual_seed(5)
@@ -104,13 +109,13 @@ MAX_TOKENS = 6
 
 # GQA; MQA + llama3 rope + tied embeddings; qk-norm + head dim 24 (the interpreter takes
 # ~25 s per architecture: the other two parity models add no kernel path)
+@pytest.mark.engine
 @pytest.mark.parametrize("arch", ["llama_gqa", "llama3_rope_tied", "qwen3_qknorm_headdim"])
 def test_engine_with_triton_backend_gives_transformers_greedy_tokens(arch, tiny_model_dir):
     """Chunked prefill over cached prefixes, preemption in a tight cache, decode: every
     attention call and every norm, rotary and SiLU-and-mul through the Triton kernels."""
-    from tiny_models import VOCAB_SIZE, load_hf
-
     from kvray import LLM, SamplingParams
+    from tests.helpers.tiny_models import VOCAB_SIZE, load_hf
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (30, 15, 14)]
@@ -135,20 +140,19 @@ def test_engine_with_triton_backend_gives_transformers_greedy_tokens(arch, tiny_
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
 
 
+@pytest.mark.parity
 def test_self_check_passes_where_the_kernels_work():
     """What the engine runs before trusting the kernels by default on CUDA."""
     triton_attention.self_check(DEVICE)
 
 
+@pytest.mark.parity
 def test_auto_backend_distrusts_kernels_that_fail_their_check(monkeypatch, caplog):
-    from types import SimpleNamespace
-
-    from kvray.actors.model_runner import ModelRunner
+    from kvray.kernels.plan import triton_works
 
     def broken(device, dtype=torch.float32):
         raise RuntimeError("miscompiled")
 
     monkeypatch.setattr(triton_attention, "self_check", broken)
-    runner = SimpleNamespace(device=torch.device(DEVICE), dtype=torch.float32)
-    assert ModelRunner._triton_works(runner) is False
+    assert triton_works(torch.device(DEVICE), torch.float32) is False
     assert "failed their check" in caplog.text and "miscompiled" in caplog.text

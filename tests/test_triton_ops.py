@@ -11,14 +11,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvray.kernels import triton_ops
 from kvray.kernels.norm import rms_norm as ref_rms_norm
 from kvray.kernels.rotary import RotaryEmbedding, _rotate
+from tests.helpers.skips import skip_or_fail_in_ci
 
-triton_ops = pytest.importorskip("kvray.kernels.triton_ops")
+pytestmark = pytest.mark.parity
+
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1 set before it is imported",
-                allow_module_level=True)
+    skip_or_fail_in_ci("Triton needs a GPU or TRITON_INTERPRET=1 set before it is imported",
+                       "tests/conftest.py sets TRITON_INTERPRET=1 before Triton's import",
+                       allow_module_level=True)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -7,12 +7,14 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import load_hf
 
 from kvray.kernels.attention import AttentionMetadata
 from kvray.models.loader import WeightLoadError, load_model
 from kvray.models.spec import UnsupportedModelError
 from kvray.tokenizer import load_tokenizer
+from tests.helpers.tiny_models import load_hf
+
+pytestmark = pytest.mark.parity
 
 
 def _copy_model(src, dst, mutate):

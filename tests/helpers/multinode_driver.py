@@ -1,5 +1,5 @@
 """The driver side of tests/test_multinode.py: runs on the head node of a namespace cluster
-(``python tests/multinode_driver.py MODE JSON``), joins it through ``RAY_ADDRESS`` and
+(``python tests/helpers/multinode_driver.py MODE JSON``), joins it through ``RAY_ADDRESS`` and
 prints one JSON line per result for the test on the host to check.
 
 Modes:

@@ -22,7 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from ports import free_port
+
+from tests.helpers.ports import free_port
 
 CACHE_DIR = Path(os.environ.get("KVRAY_PROMETHEUS_CACHE",
                                 "~/.cache/kvray/prometheus")).expanduser()

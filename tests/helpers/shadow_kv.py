@@ -1,0 +1,53 @@
+"""A shadow of the workers' KV cache for the scheduler tests: replays each step's block
+tables and fails on a request reading K/V that is not its own."""
+
+from __future__ import annotations
+
+from kvray.scheduler.scheduler import Scheduler
+
+
+class ShadowKV:
+    """What the workers' KV cache holds, slot by slot: the K/V written at position p stands
+    for the request's tokens 0..p (as a chained hash). Steps apply like the worker applies
+    them: swaps first, then every scheduled token is written, then every scheduled request
+    reads its whole context, which must be its own tokens. This catches a request reading a
+    block that was never computed (e.g. keyed by a request preempted before computing it)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.slots: dict[int, int] = {}
+        self.saved: dict[str, list[int | None]] = {}
+
+    def _slot(self, table: list[int], pos: int) -> int:
+        return table[pos // self.bs] * self.bs + pos % self.bs
+
+    def apply(self, s: Scheduler, out) -> None:
+        for rid, blocks in out.swap_out.items():
+            self.saved[rid] = [self.slots.get(b * self.bs + i) for b in blocks
+                               for i in range(self.bs)]
+        for rid, blocks in out.swap_in.items():
+            saved = self.saved.pop(rid)
+            assert len(saved) == len(blocks) * self.bs
+            for k, value in enumerate(saved):
+                self.slots[blocks[k // self.bs] * self.bs + k % self.bs] = value
+        for rid in out.swap_drop:
+            self.saved.pop(rid)
+        prefixes = {rid: _prefix_hashes(s.requests[rid].all_token_ids)
+                    for rid in out.num_scheduled_tokens}
+        for rid, n in out.num_scheduled_tokens.items():
+            r, table = s.requests[rid], s.kv.block_ids(rid)
+            for pos in range(r.num_computed_tokens, r.num_computed_tokens + n):
+                self.slots[self._slot(table, pos)] = prefixes[rid][pos]
+        for rid, n in out.num_scheduled_tokens.items():
+            r, table = s.requests[rid], s.kv.block_ids(rid)
+            for pos in range(r.num_computed_tokens + n):
+                assert self.slots.get(self._slot(table, pos)) == prefixes[rid][pos], \
+                    f"{rid} reads wrong K/V at position {pos}"
+
+
+def _prefix_hashes(tokens: list[int]) -> list[int]:
+    out, h = [], 0
+    for t in tokens:
+        h = hash((h, t))  # ints hash the same in every process
+        out.append(h)
+    return out
