@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from kvray import LLM, SamplingParams  # noqa: E402
 from kvray.engine.llm_engine import EngineDeadError  # noqa: E402
-from tests.helpers.tiny_models import VOCAB_SIZE, load_hf, make_tiny_model  # noqa: E402
+from tests.helpers.tiny_models import VOCAB_SIZE, make_tiny_model, transformers_greedy  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 
@@ -57,21 +57,12 @@ def _tokens(llm: LLM, max_tokens: int = PARITY_TOKENS) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
 
 
-def _transformers_greedy(path, max_tokens: int) -> list[list[int]]:
-    """Greedy tokens of transformers' own ``generate`` (fp32) for :func:`_prompts`."""
-    hf = load_hf(path)
-    with torch.inference_mode():
-        return [hf.generate(torch.tensor([p["prompt_token_ids"]]), max_new_tokens=max_tokens,
-                            do_sample=False, eos_token_id=None, pad_token_id=0
-                            )[0, len(p["prompt_token_ids"]):].tolist() for p in _prompts()]
-
-
 @pytest.fixture(scope="module")
 def reference(models):
     """Transformers' greedy tokens, which one in-process worker also gives."""
     out = {}
     for name, path in models.items():
-        out[name] = _transformers_greedy(path, PARITY_TOKENS)
+        out[name] = transformers_greedy(path, _prompts(), PARITY_TOKENS)
         llm = LLM(str(path), **COMMON)
         one_worker = _tokens(llm)
         llm.shutdown()
@@ -145,7 +136,7 @@ def _long_preemption_run(models, **kw) -> tuple[list[list[int]], LLM]:
 @pytest.fixture(scope="module")
 def unconstrained(models):
     """Transformers' greedy tokens, which one roomy in-process worker also gives."""
-    want = _transformers_greedy(models["gqa4"], 24)
+    want = transformers_greedy(models["gqa4"], _prompts(), 24)
     llm = LLM(str(models["gqa4"]), **{**COMMON, "max_num_batched_tokens": 32})
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     out = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]

@@ -16,6 +16,7 @@ from kvray.scheduler.preemption import PreemptionCosts
 from kvray.scheduler.request import Request, RequestStatus
 from kvray.scheduler.scheduler import Scheduler
 from tests.helpers.shadow_kv import ShadowKV
+from tests.helpers.tiny_models import transformers_greedy
 
 pytestmark = pytest.mark.parity
 
@@ -297,26 +298,13 @@ def _generate(llm) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
 
 
-def _transformers_greedy(path: str, max_tokens: int = 24) -> list[list[int]]:
-    """Greedy tokens of transformers' own ``generate`` (fp32) for :func:`_prompts`."""
-    import torch
-
-    from tests.helpers.tiny_models import load_hf
-
-    hf = load_hf(path)
-    with torch.inference_mode():
-        return [hf.generate(torch.tensor([p["prompt_token_ids"]]), max_new_tokens=max_tokens,
-                            do_sample=False, eos_token_id=None, pad_token_id=0
-                            )[0, len(p["prompt_token_ids"]):].tolist() for p in _prompts()]
-
-
 @pytest.fixture(scope="module")
 def model_and_unconstrained(tiny_model_dir):
     """The model and transformers' greedy tokens, which a roomy engine also gives."""
     from kvray import LLM
 
     path = str(tiny_model_dir("llama_gqa"))
-    want = _transformers_greedy(path)
+    want = transformers_greedy(path, _prompts(), 24)
     llm = LLM(path, num_gpu_blocks_override=400, **ENGINE)
     tokens = _generate(llm)
     assert llm.llm_engine.stats.num_preemptions == 0

@@ -15,7 +15,7 @@ from kvray import LLM, SamplingParams
 from kvray.actors.sampling_batch import sampling_batch
 from kvray.kernels.sampling import SamplingBatch, SpecSpan, sample_speculative
 from kvray.scheduler.ngram import NgramProposer
-from tests.helpers.tiny_models import VOCAB_SIZE, load_hf
+from tests.helpers.tiny_models import VOCAB_SIZE, load_hf, transformers_greedy
 
 pytestmark = pytest.mark.parity
 
@@ -147,15 +147,6 @@ def test_limits_logprobs_seeds_and_n_hold_with_drafts(tiny_model_dir):
     llm.shutdown()
 
 
-def _transformers_greedy(model_dir, prompts: list[dict], max_tokens: int) -> list[list[int]]:
-    """Greedy tokens of transformers' own ``generate`` (fp32)."""
-    hf = load_hf(model_dir)
-    with torch.inference_mode():
-        return [hf.generate(torch.tensor([p["prompt_token_ids"]]), max_new_tokens=max_tokens,
-                            do_sample=False, eos_token_id=None, pad_token_id=0
-                            )[0, len(p["prompt_token_ids"]):].tolist() for p in prompts]
-
-
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_drafts_through_preemption_keep_greedy_tokens(mode, tiny_model_dir):
     model = str(tiny_model_dir("llama_gqa"))
@@ -164,7 +155,7 @@ def test_drafts_through_preemption_keep_greedy_tokens(mode, tiny_model_dir):
     roomy = LLM(model, dtype="float32")
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     roomy.shutdown()
-    assert want == _transformers_greedy(model, prompts, 30)
+    assert want == transformers_greedy(model, prompts, 30)
     tight = LLM(model, dtype="float32", block_size=4, num_gpu_blocks_override=40,
                 preemption_mode=mode, speculative_config=NGRAM)
     outs = tight.generate(prompts, params, use_tqdm=False)
@@ -245,7 +236,7 @@ def test_greedy_tokens_with_a_draft_model_equal_plain_decoding(which, tiny_model
     plain = LLM(str(target), dtype="float32")
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     plain.shutdown()
-    assert want == _transformers_greedy(target, prompts, 32)  # plain decoding is greedy
+    assert want == transformers_greedy(target, prompts, 32)  # plain decoding is greedy
     llm = LLM(str(target), dtype="float32", block_size=4, num_gpu_blocks_override=24,
               speculative_config={"model": str(draft), "num_speculative_tokens": 3})
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -94,3 +94,15 @@ def runner_facts(llm) -> SimpleNamespace:
                            pin_memory=runner.pin_memory,
                            kv_blocks=runner.cache.kv_caches[runner.model.model.start_layer]
                            .shape[2], graphs=graphs)
+
+
+def transformers_greedy(model_dir, prompts: list[dict], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of transformers' own ``generate`` (fp32, EOS ignored) for prompts given
+    as ``{"prompt_token_ids": [...]}``: the reference the parity tests compare kvray against."""
+    import torch
+
+    hf = load_hf(model_dir)
+    with torch.inference_mode():
+        return [hf.generate(torch.tensor([p["prompt_token_ids"]]), max_new_tokens=max_tokens,
+                            do_sample=False, eos_token_id=None, pad_token_id=0
+                            )[0, len(p["prompt_token_ids"]):].tolist() for p in prompts]
