@@ -15,6 +15,7 @@ import torch
 from kvray import LLM, SamplingParams
 from kvray.kernels.attention import paged_batch
 from kvray.models.llama import LlamaDecoderLayer
+from tests.helpers.skips import NOT_THIS_HARDWARE
 from tests.helpers.tiny_models import ARCHS
 
 pytestmark = pytest.mark.parity
@@ -310,7 +311,7 @@ def test_fused_decode_layer_on_packed_weights_equals_the_python_layer(
     from kvray.kernels import cpu_ops
 
     if cpu_ops.vector_lanes() < 8:
-        pytest.skip("no packed weights without AVX2 kernels")
+        pytest.skip(f"{NOT_THIS_HARDWARE}: no packed weights without AVX2 kernels")
     runner = _runner(packed_llms(variant))
     layer = runner.model.model.layers[1]
     linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
@@ -340,7 +341,7 @@ def test_an_engine_on_packed_weights_decodes_every_batch_in_one_call_with_the_sa
     from kvray.kernels import cpu_ops
 
     if cpu_ops.vector_lanes() < 8:
-        pytest.skip("no packed weights without AVX2 kernels")
+        pytest.skip(f"{NOT_THIS_HARDWARE}: no packed weights without AVX2 kernels")
     llm = packed_llms(variant)
     model = _runner(llm).model.model
     stack = model.fused_decode_stack

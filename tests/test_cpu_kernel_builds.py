@@ -13,6 +13,7 @@ import pytest
 
 from kvray.hardware import parse_cpuinfo
 from kvray.kernels import cpu_ops
+from tests.helpers.skips import NOT_THIS_HARDWARE
 
 pytestmark = pytest.mark.tools
 
@@ -42,7 +43,7 @@ def test_the_build_runs_the_vector_width_its_instruction_set_gives(cpu_kernels):
                     reason="already a build for a chosen instruction set")
 def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_machine(cpu_kernels):
     if "avx512f" not in _flags():
-        pytest.skip("no AVX-512 here: the native build is the AVX2 (or scalar) one")
+        pytest.skip(f"{NOT_THIS_HARDWARE}: no AVX-512, the native build is the AVX2 one")
     env = {**os.environ, cpu_ops.MARCH_ENV: "haswell"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "tests/test_cpu_kernel_builds.py", *KERNEL_TESTS],

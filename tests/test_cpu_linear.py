@@ -25,6 +25,7 @@ from kvray.models.layers import (
     use_small_m_kernel,
 )
 from kvray.parallel import ParallelContext
+from tests.helpers.skips import NOT_THIS_HARDWARE
 
 pytestmark = pytest.mark.parity
 
@@ -197,7 +198,7 @@ def test_the_mlp_takes_its_activation_from_the_gemm_on_paired_weights(ops, monke
 
     cut = cpu_linear_routes().prepack_from_rows
     if cut is None:
-        pytest.skip("this build's kernels do not pack weights once (no AVX2)")
+        pytest.skip(f"{NOT_THIS_HARDWARE}: this build's kernels do not pack weights once (no AVX2)")
     spec = SimpleNamespace(hidden_size=64, intermediate_size=3 * ops.vector_lanes(),
                            mlp_bias=False)
     mlp = LlamaMLP(spec, ParallelContext(), torch.float32)
@@ -406,7 +407,7 @@ def test_bf16_copies_only_where_bf16_holds_the_weights_exactly(ops):
 
 
 needs_packed = pytest.mark.skipif(not packed_weights_supported(),
-                                  reason="not on this hardware: no oneDNN bf16 matmul")
+                                  reason=f"{NOT_THIS_HARDWARE}: no oneDNN bf16 matmul")
 
 
 @needs_packed

@@ -15,6 +15,7 @@ from kvray.kernels.huge_pages import (
     transparent_huge_pages,
     zeros_on_huge_pages,
 )
+from tests.helpers.skips import NOT_THIS_HARDWARE
 
 pytestmark = pytest.mark.unit
 
@@ -48,7 +49,7 @@ def test_arena_hands_out_aligned_tensors_front_to_back_and_refuses_past_its_end(
         arena.take((3 * HUGE_PAGE,), torch.uint8)
 
 
-@pytest.mark.skipif(not THP, reason="not on this hardware: THP off (never, or no sysfs)")
+@pytest.mark.skipif(not THP, reason=f"{NOT_THIS_HARDWARE}: THP off (never, or no sysfs)")
 def test_arena_memory_is_backed_by_huge_pages_once_written():
     arena = HugePageArena(8 * HUGE_PAGE)
     assert arena.advised
@@ -69,7 +70,7 @@ def test_zeros_on_huge_pages_are_zero_separate_and_plain_when_turned_off(monkeyp
     assert all(int(t.count_nonzero()) == 0 for t in plain)
 
 
-@pytest.mark.skipif(not THP, reason="not on this hardware: THP off (never, or no sysfs)")
+@pytest.mark.skipif(not THP, reason=f"{NOT_THIS_HARDWARE}: THP off (never, or no sysfs)")
 def test_cpu_kv_cache_layers_come_from_one_huge_page_arena():
     cache = CacheEngine(num_layers=4, layer_range=(1, 3), num_blocks=64, block_size=16,
                         num_kv_heads=2, head_dim=64, dtype=torch.float32,
@@ -96,7 +97,7 @@ class _Tied(nn.Module):
         self.proj.onednn = torch.randn(256, 64).to_mkldnn()  # opaque (oneDNN): left alone
 
 
-@pytest.mark.skipif(not THP, reason="not on this hardware: THP off (never, or no sysfs)")
+@pytest.mark.skipif(not THP, reason=f"{NOT_THIS_HARDWARE}: THP off (never, or no sysfs)")
 def test_move_to_huge_pages_keeps_values_ties_and_views():
     torch.manual_seed(0)
     model = _Tied()
