@@ -97,6 +97,13 @@ class ModelConfig(_Section):
         description="Weight/activation/KV dtype. 'auto': on CPU bf16 where it is native "
         "(amx_bf16/avx512_bf16), else fp32; on GPU the checkpoint's dtype (fp16 without bf16).",
     )
+    quantization: Literal["none", "int8", "fp8"] | None = Field(
+        None,
+        description="Weight quantization. null: as the checkpoint stores them (a GGUF keeps "
+        "its Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks, AWQ/GPTQ/FP8 checkpoints their codes; a dense "
+        "checkpoint stays dense); none: dequantize to dtype; int8: quantize a dense "
+        "checkpoint's linears online (weight-only int8, per-channel scales); fp8: the same "
+        "in FP8 e4m3 (CUDA GPUs only).")
     max_model_len: int | None = Field(
         None, ge=1, le=1 << 20,
         description="Longest prompt + output in tokens; None = the model's context length.",
@@ -168,6 +175,15 @@ class CacheConfig(_Section):
     )
     enable_prefix_caching: bool = Field(
         True, description="Reuse KV blocks of identical prompt prefixes across requests."
+    )
+    kv_cache_dtype: Literal["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto",
+        description="What the KV cache stores. auto: K/V in the model's dtype "
+        "(2 x KV heads x head_dim x 2 bytes per token and layer in bf16, x 4 in fp32); "
+        "int8, fp8 (= fp8_e4m3), fp8_e5m2: one byte per element plus an fp32 scale per "
+        "token and KV head (2 x KV heads x (head_dim + 4) bytes per token and layer), about "
+        "twice the tokens of bf16 in the same memory. int8 is the most exact of the three; "
+        "fp8_e5m2 has the widest range and the fewest mantissa bits.",
     )
 
 

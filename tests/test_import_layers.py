@@ -38,7 +38,7 @@ LAYERS: Mapping[str, float] = {
     # API and value types
     "kvray.config": 1.5, "kvray.sampling_params": 1.5, "kvray.outputs": 1.5,
     "kvray.tokenizer": 1.5, "kvray.structured_output": 1.5,
-    "kvray.kernels": 1,
+    "kvray.kernels": 1, "kvray.quant": 1,
     "kvray.errors": 0, "kvray.hardware": 0, "kvray.parallel": 0,
 }
 PURE = ("kvray.scheduler", "kvray.config", "kvray.sampling_params", "kvray.serve.protocol",

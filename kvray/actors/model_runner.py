@@ -77,7 +77,8 @@ class ModelRunner:
         self.ctx = ctx
         self.device = device
         self.model, self.spec = load_model(model_path, config.model.dtype, ctx,
-                                           config.model.max_model_len, device)
+                                           config.model.max_model_len, device,
+                                           config.model.quantization)
         self.dtype = next(self.model.parameters()).dtype  # resolved once, by load_model
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.spec)
         self.block_size = config.cache.block_size

@@ -45,8 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvray", description="LLM inference and serving engine on Ray.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    setup = sub.add_parser("setup", help="download and convert the built-in SmolLM2 model")
+    setup = sub.add_parser("setup", help="download the built-in SmolLM2 model (its GGUF)")
     setup.add_argument("--force", action="store_true", help="redo even if already set up")
+    setup.add_argument("--dense-weights", action="store_true",
+                       help="also write its weights dequantized to bf16 as a Hugging Face "
+                       "directory (for transformers; kvray runs the GGUF as shipped)")
     setup.set_defaults(func=cmd_setup)
     _add_generate_parser(sub)
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API on Ray Serve")

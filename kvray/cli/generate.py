@@ -10,10 +10,11 @@ from kvray.cli.flags import config_from_args
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    """Download and convert the built-in model (again with ``--force``)."""
+    """Download the built-in model (again with ``--force``; its bf16 weights with
+    ``--dense-weights``)."""
     from kvray.models.default_model import setup_default_model
 
-    setup_default_model(force=args.force)
+    setup_default_model(force=args.force, dense_weights=args.dense_weights)
     return 0
 
 

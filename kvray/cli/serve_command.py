@@ -74,12 +74,12 @@ def _warn_if_open(host: str, api_key: str | None) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the OpenAI-compatible API until SIGTERM or Ctrl-C, then drain and stop."""
     _set_private_cluster_env(args)
-    from kvray.models.default_model import resolve_model_path
+    from kvray.models.default_model import resolve_model_path, with_builtin_model
     from kvray.serve.options import served_model_name
 
     if args.model_positional is not None:
         args.model = args.model_positional
-    config = config_from_args(args)
+    config = with_builtin_model(config_from_args(args))
     api_key = resolve_api_key(args)
     model_path = resolve_model_path(config.model.model)
     if not model_path.exists():

@@ -20,7 +20,7 @@ from kvray.config import EngineConfig
 from kvray.engine.detokenizer import IncrementalDetokenizer
 from kvray.engine.stats import EngineStats
 from kvray.errors import EngineUnavailableError, InvalidRequestError
-from kvray.models.default_model import resolve_model_path
+from kvray.models.default_model import resolve_model_path, with_builtin_model
 from kvray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -80,6 +80,7 @@ class LLMEngine:
     """The engine core of one model replica: scheduler + executor (in-process or Ray)."""
 
     def __init__(self, config: EngineConfig) -> None:
+        config = with_builtin_model(config)
         self.config = config
         self.model_path = str(resolve_model_path(config.model.model))
         self.tokenizer = load_tokenizer(self.model_path, config.model.tokenizer)

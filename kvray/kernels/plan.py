@@ -94,6 +94,9 @@ class KernelPlan:
     onednn_bf16: bool = False  # bf16 weights reordered once for oneDNN's matmuls
     huge_pages: bool = False  # weights copied onto transparent huge pages
     fused_decode: bool = False  # small decode batches run each layer as one C++ call
+    # What reads quantized weights: "cpu" (the C++ kernels), "triton", or "dense" (none
+    # here: they are dequantized to ``dtype`` at start-up)
+    quant_backend: str = "dense"
 
     @property
     def kernels(self) -> dict:
@@ -156,7 +159,16 @@ def choose_kernel_plan(requested: str, device: torch.device, dtype: torch.dtype,
         linear_routes=cpu_linear_routes() if cpu_kernels and dtype == torch.float32 else None,
         bf16_copies=checkpoint_dtype == "bfloat16",
         onednn_bf16=on_cpu and dtype == torch.bfloat16 and packed_weights_supported(),
-        huge_pages=on_cpu, fused_decode=_fused_decode_fits(backend, tp_size, dtype))
+        huge_pages=on_cpu, fused_decode=_fused_decode_fits(backend, tp_size, dtype),
+        quant_backend=_quant_backend(device, backend, cpu_kernels))
+
+
+def _quant_backend(device: torch.device, attention: str, cpu_kernels: bool) -> str:
+    """What reads quantized weights on ``device``: kvray's C++ kernels on CPU, the Triton
+    kernels where attention runs in Triton on a GPU, else nothing (dequantized)."""
+    if device.type == "cpu":
+        return "cpu" if cpu_kernels else "dense"
+    return "triton" if attention == "triton" else "dense"
 
 
 def _attention_backend(requested: str, device: torch.device, dtype: torch.dtype,

@@ -1,8 +1,11 @@
 """Read a llama.cpp GGUF file as a Hugging Face config plus HF-named tensors.
 
-Quantized tensors are dequantized with the ``gguf`` package to fp32 and cast to the
-model dtype by the loader. llama.cpp stores Llama-architecture Q/K rows interleaved
-for its rotary kernel; they are permuted back to the Hugging Face layout here.
+Quantized tensors stay quantized: each block format kvray has kernels for (Q8_0, Q4_0,
+Q4_1, Q4_K, Q6_K) is converted exactly into a :class:`~kvray.quant.tensor.QuantTensor`;
+the others (and every tensor with ``keep_quantized=False``) are dequantized with the
+``gguf`` package to fp32 and cast to the model dtype by the loader. llama.cpp stores
+Llama-architecture Q/K rows interleaved for its rotary kernel; they are permuted back to
+the Hugging Face layout here (rows of blocks, so quantized ones too).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 import torch
 
 from kvray.models.spec import UnsupportedModelError
+from kvray.quant.tensor import QuantTensor
 
 # GGUF architecture -> (HF architecture, HF config class name, permutes q/k)
 _ARCHS = {
@@ -62,6 +66,12 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Invert llama.cpp's rotary row interleaving of a Q or K projection."""
     head_dim = w.shape[0] // n_head
     return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _row_order(rows: int, n_head: int) -> torch.Tensor:
+    """The row indices :func:`_unpermute` takes, as a permutation of whole rows."""
+    order = _unpermute(np.arange(rows), n_head)
+    return torch.from_numpy(np.ascontiguousarray(order))
 
 
 class GGUFCheckpoint:
@@ -113,14 +123,28 @@ class GGUFCheckpoint:
         )
         return getattr(transformers, config_cls)(**kwargs)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (Hugging Face name, fp32 tensor) for every tensor, dequantized."""
+    def iter_weights(self, keep_quantized: bool = True
+                     ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        """Yield (Hugging Face name, tensor) for every tensor: a QuantTensor where the
+        block format has a kvray kind (and ``keep_quantized``), else fp32, dequantized."""
         import gguf
+
+        from kvray.quant.gguf_blocks import to_quant_tensor
 
         permute = _ARCHS[self.arch][2]
         cfg = self.hf_config
         for t in self.reader.tensors:
             name = _hf_name(t.name)
+            shape = tuple(reversed(t.shape.tolist()))
+            qt = (to_quant_tensor(t.data, t.tensor_type, shape)
+                  if keep_quantized and len(shape) == 2 else None)
+            if qt is not None:
+                if permute and ".q_proj." in name:
+                    qt = qt.permute_rows(_row_order(shape[0], cfg.num_attention_heads))
+                elif permute and ".k_proj." in name:
+                    qt = qt.permute_rows(_row_order(shape[0], cfg.num_key_value_heads))
+                yield name, qt
+                continue
             data = gguf.quants.dequantize(t.data, t.tensor_type)
             data = np.asarray(data, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
             if permute and ".q_proj." in name:

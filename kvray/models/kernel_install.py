@@ -23,6 +23,7 @@ from kvray.models.layers import (
     use_small_m_kernel,
 )
 from kvray.models.llama import LlamaDecoderLayer, use_fused_decode_layer, use_fused_ops
+from kvray.models.quantized import QuantInstall, install_quantized
 
 logger = logging.getLogger("kvray")
 
@@ -36,9 +37,12 @@ class InstalledKernels:
     released: int = 0  # plain weights nothing reads any more
     onednn: int | None = None  # oneDNN's bf16 layout (None: not used)
     huge_pages: int = 0  # weights moved onto huge pages
+    quantized: QuantInstall | None = None
 
     def log(self) -> None:
         """The lines a target model's install logs (on one rank)."""
+        if self.quantized is not None:
+            self.quantized.log()
         if self.bf16_copies:
             logger.info("kvray: bf16 copies of the weights for decode steps: %.0f MiB",
                         self.bf16_copies / 2**20)
@@ -58,7 +62,7 @@ class InstalledKernels:
 
 def install_kernel_plan(model: nn.Module, plan: KernelPlan) -> InstalledKernels:
     """Give ``model`` the kernels ``plan`` picked; returns the bytes that moved."""
-    done = InstalledKernels()
+    done = InstalledKernels(quantized=install_quantized(model, plan))
     if plan.fused_ops is not None:
         use_fused_ops(model, plan.fused_ops)
     if plan.linear_routes is not None:
@@ -114,9 +118,16 @@ def fused_decode_max_rows(model: nn.Module, dtype: torch.dtype) -> int:
     has its weights packed once (the fused layer takes those past the small-M kernel's rows:
     the same kernels as the Python layer, without the Python between them). bf16:
     :data:`~kvray.kernels.plan.BF16_FUSED_ROWS`."""
+    layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+    if layers and all(m.qweight is not None for layer in layers for m in _linears(layer)):
+        return 1 << 30  # the quantized kernel takes any rows, as the Python layer would
     if dtype != torch.float32:
         return BF16_FUSED_ROWS
-    layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
     if layers and all(layer.decode_args()[0][8:] for layer in layers):
         return 1 << 30
     return min_small_m_rows(model)
+
+
+def _linears(layer: LlamaDecoderLayer) -> tuple[SmallMMatmul, ...]:
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)

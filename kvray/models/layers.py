@@ -17,6 +17,7 @@ from torch import nn
 from kvray.kernels.huge_pages import return_freed_heap
 from kvray.kernels.plan import UNLIMITED_ROWS, WEIGHT_MAJOR_MAX_ROWS
 from kvray.parallel import ParallelContext
+from kvray.quant.tensor import QuantTensor
 
 
 def _check_shape(param: nn.Parameter, shard: torch.Tensor, what: str) -> None:
@@ -59,10 +60,23 @@ class SmallMMatmul:
     # activation silu(gate) * up (cpu_ops.linear_packed_gate_up with silu_mul)
     prepacked_silu_mul: Callable[..., torch.Tensor] | None = None
     out_features: int = 0  # the weight's rows (kept when a released weight has none)
+    # A quantized weight (kvray.models.quantized installs these; ``weight`` is then empty):
+    # its segments (GPU kernels, references), or, on CPU, the one blob the C++ kernels read,
+    # and the matmul that reads it: (module, x, bias) -> y.
+    quant: QuantTensor | None = None
+    qweight: torch.Tensor | None = None
+    quant_matmul: Callable[..., torch.Tensor] | None = None
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.quant is not None or self.qweight is not None
 
     @property
     def kernel_weight(self) -> torch.Tensor:
-        """The weight the small-M kernel reads: the bf16 copy where there is one."""
+        """The weight the small-M kernel (or the fused decode layer) reads: the quantized
+        blob, else the bf16 copy where there is one, else the weight."""
+        if self.qweight is not None:
+            return self.qweight
         return self.weight if self.small_m_weight is None else self.small_m_weight
 
     def silu_mul_matmul(self, x: torch.Tensor, bias: torch.Tensor | None
@@ -78,6 +92,8 @@ class SmallMMatmul:
         return fused(x, prepacked, self.out_features, bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_matmul is not None:
+            return self.quant_matmul(self, x, bias)
         rows = x.shape[0]
         if self.small_m_kernel is not None and 0 < rows <= self.small_m_max_rows:
             return self.small_m_kernel(x, self.kernel_weight, bias)
@@ -114,7 +130,7 @@ def use_small_m_kernel(model: nn.Module, kernel: SmallMKernel, max_rows: int,
     (a bf16 checkpoint run in fp32). Returns the bytes those copies take."""
     extra = 0
     for module in model.modules():
-        if isinstance(module, SmallMMatmul):
+        if isinstance(module, SmallMMatmul) and not module.is_quantized:
             module.small_m_kernel, module.small_m_max_rows = kernel, max_rows
             head = isinstance(module, ParallelLMHead)
             if module.weight.dtype == torch.float32:  # (MKL's sgemm; not for bf16)
@@ -140,7 +156,8 @@ def use_packed_weights(model: nn.Module) -> int:
     other paths read it). Returns the bytes the copies take."""
     extra = 0
     for module in model.modules():
-        if isinstance(module, SmallMMatmul) and module.weight.dtype == torch.bfloat16:
+        if (isinstance(module, SmallMMatmul) and module.weight.dtype == torch.bfloat16
+                and module.weight.numel()):
             weight = module.weight.detach()
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
             extra += weight.numel() * weight.element_size()
@@ -227,6 +244,24 @@ class LinearBase(nn.Module, SmallMMatmul):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
+    def _place(self, param: nn.Parameter, row: int, shard: torch.Tensor | QuantTensor,
+               what: str) -> None:
+        """Put ``shard`` at rows [row, row + len) of ``param``: copied for a dense tensor; a
+        quantized one is kept as a piece for :func:`kvray.models.quantized.assemble_quantized`
+        (the weight's dense storage is never written, so it takes no memory)."""
+        target = param.data if param.dim() == 1 else param.data.narrow(0, row, shard.shape[0])
+        if tuple(target.shape) != tuple(shard.shape):
+            raise ValueError(f"{what}: checkpoint slice has shape {tuple(shard.shape)}, "
+                             f"model expects {tuple(target.shape)}")
+        if isinstance(shard, QuantTensor):
+            if param is not self.weight:
+                raise ValueError(f"{what}: a quantized tensor for a bias")
+            self.__dict__.setdefault("quant_pieces", {})[row] = shard
+            return
+        if param is self.weight:
+            self.__dict__["dense_loaded"] = True
+        target.copy_(shard)
+
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across TP ranks; no communication in forward."""
@@ -240,7 +275,7 @@ class ColumnParallelLinear(LinearBase):
         size = param.shape[0]
         shard = loaded.narrow(0, self.ctx.tp_rank * size, size)
         _check_shape(param, shard, "column-parallel weight")
-        param.data.copy_(shard)
+        self._place(param, 0, shard, "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -259,12 +294,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         assert isinstance(shard_id, int)
         size = self.out_local[shard_id]
         offset = sum(self.out_local[:shard_id])
+        if param.dim() == 1:  # a bias: its slice of the fused output
+            param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.ctx.tp_rank * size,
+                                                                   size))
+            return
         shard = loaded.narrow(0, self.ctx.tp_rank * size, size)
-        target = param.data.narrow(0, offset, size)
-        if tuple(target.shape) != tuple(shard.shape):
-            raise ValueError(f"merged projection {shard_id}: checkpoint slice has shape "
-                             f"{tuple(shard.shape)}, model expects {tuple(target.shape)}")
-        target.copy_(shard)
+        self._place(param, offset, shard, f"merged projection {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -304,11 +339,10 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
             size, start = self.kv_size, self.kv_head_start * self.head_dim
         shard = loaded.narrow(0, start, size)
-        target = param.data.narrow(0, offset, size)
-        if tuple(target.shape) != tuple(shard.shape):
-            raise ValueError(f"{shard_id}_proj: checkpoint slice has shape "
-                             f"{tuple(shard.shape)}, model expects {tuple(target.shape)}")
-        target.copy_(shard)
+        if param.dim() == 1:  # a bias
+            param.data.narrow(0, offset, size).copy_(shard)
+            return
+        self._place(param, offset, shard, f"{shard_id}_proj")
 
 
 class RowParallelLinear(LinearBase):
@@ -324,9 +358,13 @@ class RowParallelLinear(LinearBase):
             shard = loaded
         else:
             size = param.shape[1]
-            shard = loaded.narrow(1, self.ctx.tp_rank * size, size)
+            try:
+                shard = loaded.narrow(1, self.ctx.tp_rank * size, size)
+            except ValueError as err:  # a quantized tensor split off its blocks
+                raise ValueError(f"tensor_parallel_size {self.ctx.tp_size} splits the "
+                                 f"{loaded.shape[1]} input features into {size}: {err}") from None
         _check_shape(param, shard, "row-parallel weight")
-        param.data.copy_(shard)
+        self._place(param, 0, shard, "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.ctx.all_reduce(self.matmul(x, None))
@@ -352,15 +390,33 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"embedding: checkpoint has shape {tuple(loaded.shape)}, model "
                              f"expects ({self.vocab_size}, {param.shape[1]})")
         end = min(self.vocab_start + self.rows_per_rank, self.vocab_size)
+        if isinstance(loaded, QuantTensor):  # kept quantized; rows past the vocab are zeros
+            rows = loaded.narrow(0, self.vocab_start, end - self.vocab_start)
+            pad = self.rows_per_rank - rows.shape[0]
+            if pad:
+                rows = QuantTensor.cat_rows([rows, QuantTensor.zeros(pad, loaded.shape[1])])
+            self.__dict__["quant_pieces"] = {0: rows}
+            return
+        self.__dict__["dense_loaded"] = True
         param.data.zero_()
         param.data[: end - self.vocab_start].copy_(loaded[self.vocab_start:end])
 
+    # A quantized embedding (see SmallMMatmul): its rows looked up by (module, ids) -> rows.
+    quant: QuantTensor | None = None
+    qweight: torch.Tensor | None = None
+    quant_lookup: Callable[..., torch.Tensor] | None = None
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_lookup is not None:
+            return self.quant_lookup(self, ids)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.ctx.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.rows_per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return self.ctx.all_reduce(out)
 

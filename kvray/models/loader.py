@@ -19,8 +19,10 @@ from safetensors import safe_open
 
 from kvray.hardware import machine_dtype
 from kvray.models.llama import STACKED_PARAMS, LlamaForCausalLM
+from kvray.models.quantized import QUANTIZATION_METHODS, assemble_quantized, quantize_online
 from kvray.models.spec import ModelSpec
 from kvray.parallel import ParallelContext
+from kvray.quant.tensor import QuantTensor
 from kvray.tokenizer import check_model_path, load_tokenizer
 
 logger = logging.getLogger("kvray")
@@ -91,8 +93,10 @@ def build_model(spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype,
         return LlamaForCausalLM(spec, ctx, dtype, max_positions).eval()
 
 
-def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy each checkpoint tensor's shard into its parameter; raise WeightLoadError naming
+def load_weights(model: LlamaForCausalLM,
+                 weights: Iterator[tuple[str, torch.Tensor | QuantTensor]]) -> None:
+    """Copy each checkpoint tensor's shard into its parameter (a quantized tensor's shard is
+    kept quantized: :mod:`kvray.models.quantized`); raise WeightLoadError naming
     unexpected, missing or mis-shaped tensors."""
     params = dict(model.named_parameters(remove_duplicate=False))
     start, end = model.model.start_layer, model.model.end_layer
@@ -114,13 +118,23 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         param = params[target]
         try:
             loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor.to(param.dtype), shard_id)
+            if isinstance(tensor, QuantTensor):
+                if loader is default_weight_loader:  # a norm: nothing reads it quantized
+                    tensor = tensor.dequantize()
+                loader(param, tensor if isinstance(tensor, QuantTensor)
+                       else tensor.to(param.dtype), shard_id)
+            else:
+                loader(param, tensor.to(param.dtype), shard_id)
         except (ValueError, RuntimeError) as err:  # RuntimeError: slice out of range
             raise WeightLoadError(
                 f"tensor '{name}' of shape {tuple(tensor.shape)} does not fit parameter "
                 f"'{target}' of shape {tuple(param.shape)}: {err}") from None
         filled.add(target if shard_id is None else f"{target}#{shard_id}")
     _check_complete(model, params, filled, unexpected)
+    try:
+        assemble_quantized(model)
+    except ValueError as err:
+        raise WeightLoadError(f"{model.spec.architecture}: {err}") from None
 
 
 def _target_param(name: str) -> tuple[str, Any]:
@@ -171,17 +185,34 @@ def _checkpoint_name(key: str) -> str:
 
 
 class HFCheckpoint:
-    """A local Hugging Face model directory opened for loading."""
+    """A local Hugging Face model directory opened for loading. A pre-quantized checkpoint
+    (``quantization_config``: AWQ, GPTQ, FP8) yields its quantized weights as
+    :class:`QuantTensor` (dense with ``keep_quantized=False``)."""
 
     def __init__(self, path: str | Path) -> None:
+        from kvray.quant.hf_formats import checkpoint_quantization
+
         self.path = Path(path)
         self.hf_config = load_hf_config(self.path)
+        self.scheme = checkpoint_quantization(self.hf_config)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter_safetensors(self.path)
+    def iter_weights(self, keep_quantized: bool = True
+                     ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        if self.scheme is None:
+            return iter_safetensors(self.path)
+        from kvray.quant.hf_formats import convert_prequantized
+
+        weights = convert_prequantized(iter_safetensors(self.path), self.scheme)
+        return weights if keep_quantized else _dequantized(weights)
 
     def load_tokenizer(self) -> Any:
         return load_tokenizer(self.path)
+
+
+def _dequantized(weights: Iterator[tuple[str, torch.Tensor | QuantTensor]]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in weights:
+        yield name, t.dequantize() if isinstance(t, QuantTensor) else t
 
 
 def open_checkpoint(path: str | Path) -> Any:
@@ -206,16 +237,27 @@ def resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
 
 def load_model(model_path: str | Path, dtype: str, ctx: ParallelContext | None = None,
                max_model_len: int | None = None, device: torch.device | str = "cpu",
-               ) -> tuple[LlamaForCausalLM, ModelSpec]:
+               quantization: str | None = None) -> tuple[LlamaForCausalLM, ModelSpec]:
     """Build this rank's shard of the model at ``model_path`` and load its weights.
 
     ``dtype`` is resolved here, once (logged by the replica's first rank only); read the
-    result back from the model's parameters rather than resolving it again."""
+    result back from the model's parameters rather than resolving it again.
+    ``quantization``: None keeps a quantized checkpoint's weights as they are stored (a
+    GGUF's blocks, AWQ/GPTQ/FP8) and a dense one dense; ``"none"`` dequantizes them to
+    ``dtype``; ``"int8"`` / ``"fp8"`` quantize a dense checkpoint's linears after loading."""
+    if quantization not in (None, *QUANTIZATION_METHODS):
+        raise ValueError(f"quantization = {quantization!r}: use one of "
+                         f"{', '.join(QUANTIZATION_METHODS)} or null (as the checkpoint is)")
+    if quantization == "fp8" and torch.device(device).type != "cuda":
+        raise ValueError("quantization = 'fp8' runs on CUDA GPUs (FP8 weights and GEMMs); "
+                         "on CPU use 'int8'")
     ckpt = open_checkpoint(model_path)
     spec = ModelSpec.from_hf_config(ckpt.hf_config)
     max_len = resolve_max_model_len(max_model_len, spec)
     ctx = ctx or ParallelContext()
     torch_dtype = resolve_dtype(dtype, spec, device, log=ctx.world_rank == 0)
     model = build_model(spec, ctx, torch_dtype, max_len, device)
-    load_weights(model, ckpt.iter_weights())
+    load_weights(model, ckpt.iter_weights(keep_quantized=quantization != "none"))
+    if quantization in ("int8", "fp8"):
+        quantize_online(model, quantization, torch.device(device))
     return model, spec

@@ -167,6 +167,8 @@ class QuantTensor:
     shape: tuple[int, int]
     segments: tuple[QuantSegment, ...]
     source: str = ""  # the checkpoint format, for logs ("GGUF Q4_1", "int8", "AWQ")
+    # Columns stored in this order (GPTQ act-order): y = x[:, input_perm] @ stored^T.
+    input_perm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -198,8 +200,12 @@ class QuantTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense matrix [N, K] (the reference; also the fallback where no kernel reads
         this kind)."""
-        rows = [s.dequantize()[:, : self.shape[1]] for s in self.segments]
-        return torch.cat(rows).to(dtype)
+        stored = torch.cat([s.dequantize()[:, : self.shape[1]] for s in self.segments])
+        if self.input_perm is not None:
+            dense = torch.empty_like(stored)
+            dense[:, self.input_perm] = stored
+            stored = dense
+        return stored.to(dtype)
 
     def narrow(self, dim: int, start: int, length: int) -> QuantTensor:
         """Rows (dim 0) or columns (dim 1, on group boundaries) like ``Tensor.narrow``."""
@@ -215,6 +221,9 @@ class QuantTensor:
                 row += s.rows
             return replace(self, shape=(length, k), segments=tuple(out))
         if dim == 1:
+            if self.input_perm is not None:
+                raise ValueError("splitting the columns of an act-order (g_idx) weight: not "
+                                 "supported; use tensor_parallel_size 1 for this checkpoint")
             if start < 0 or start + length > k:
                 raise ValueError(f"columns {start}..{start + length} outside {k}")
             if start + length != k and (start + length) % BLOCK:
@@ -227,11 +236,48 @@ class QuantTensor:
         raise ValueError(f"dim {dim} of a matrix")
 
     @staticmethod
+    def zeros(rows: int, k: int) -> QuantTensor:
+        """``rows`` rows of zeros (padding: a vocab split unevenly over TP ranks)."""
+        kp = round_up(k, BLOCK)
+        seg = QuantSegment(QuantKind.S8, kp, torch.zeros(rows, kp, dtype=torch.int8),
+                           torch.ones(rows, 1, dtype=torch.float16))
+        return QuantTensor((rows, k), (seg,), "padding")
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows ``ids`` [n] -> [n, K], dequantized (an embedding lookup's reference)."""
+        out = torch.empty(ids.numel(), self.shape[1], dtype=torch.float32, device=ids.device)
+        row0 = 0
+        for s in self.segments:
+            here = (ids >= row0) & (ids < row0 + s.rows)
+            if here.any():
+                local = ids[here] - row0
+                mins = None if s.mins is None else s.mins[local]
+                part = replace(s, codes=s.codes[local], scales=s.scales[local], mins=mins)
+                out[here] = part.dequantize()[:, : self.shape[1]].to(out.device)
+            row0 += s.rows
+        if self.input_perm is not None:
+            dense = torch.empty_like(out)
+            dense[:, self.input_perm] = out
+            out = dense
+        return out
+
+    def to(self, device: torch.device | str) -> QuantTensor:
+        """The same matrix with every tensor on ``device``."""
+        segs = tuple(replace(s, codes=s.codes.to(device), scales=s.scales.to(device),
+                             mins=None if s.mins is None else s.mins.to(device))
+                     for s in self.segments)
+        perm = None if self.input_perm is None else self.input_perm.to(device)
+        return replace(self, segments=segs, input_perm=perm)
+
+    @staticmethod
     def cat_rows(parts: Sequence[QuantTensor]) -> QuantTensor:
         """Stack matrices of one K by rows (the pieces of a fused QKV or gate_up)."""
-        k = parts[0].shape[1]
+        k, perm = parts[0].shape[1], parts[0].input_perm
         if any(p.shape[1] != k for p in parts):
             raise ValueError("pieces of different K")
+        if any((p.input_perm is None) != (perm is None)
+               or (perm is not None and not torch.equal(p.input_perm, perm)) for p in parts):
+            raise ValueError("fused pieces with different act-order permutations")
         segs: list[QuantSegment] = []
         for seg in (s for p in parts for s in p.segments):
             prev = segs[-1] if segs else None
@@ -244,7 +290,8 @@ class QuantTensor:
             else:
                 segs.append(seg)
         sources = sorted({p.source for p in parts if p.source})
-        return QuantTensor((sum(p.shape[0] for p in parts), k), tuple(segs), "+".join(sources))
+        return QuantTensor((sum(p.shape[0] for p in parts), k), tuple(segs), "+".join(sources),
+                           perm)
 
     def permute_rows(self, perm: torch.Tensor) -> QuantTensor:
         """Rows reordered by ``perm`` (one segment only: GGUF's Q/K un-interleaving)."""

@@ -75,8 +75,9 @@ def _parse_use_gpu(value: Any) -> bool | None:
 def with_resolved_model(config: EngineConfig) -> EngineConfig:
     """``config`` with ``model`` set to the model's path on this machine (the built-in
     model's when unset); raises ConfigError when it does not exist."""
-    from kvray.models.default_model import resolve_model_path
+    from kvray.models.default_model import resolve_model_path, with_builtin_model
 
+    config = with_builtin_model(config)
     model_path = resolve_model_path(config.model.model)
     if not model_path.exists():
         raise ConfigError(f"model path {model_path} does not exist")

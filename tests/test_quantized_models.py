@@ -1,0 +1,127 @@
+"""Quantized weights in whole models: a checkpoint's quantized tensors (a GGUF's blocks) and
+online int8 reach the layers exactly (sharded, fused, tied), and the kernels that read them
+give the logits of the same weights dequantized."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvray.kernels.attention import AttentionMetadata
+from kvray.kernels.plan import choose_kernel_plan
+from kvray.models.kernel_install import install_kernel_plan
+from kvray.models.layers import RowParallelLinear, SmallMMatmul
+from kvray.models.loader import load_model
+from kvray.models.quantized import quantized_modules
+from kvray.parallel import ParallelContext
+from kvray.quant.online import quantize_int8
+from kvray.quant.tensor import QuantKind, QuantSegment, QuantTensor
+from tests.helpers.tiny_models import VOCAB_SIZE
+
+pytestmark = pytest.mark.parity
+
+LENGTHS = [9, 30, 1]
+
+
+def _install(model, backend: str | None = None) -> None:
+    """The kernels a model runner would give ``model`` on this CPU; ``backend`` overrides
+    what reads the quantized weights."""
+    dtype = next(model.parameters()).dtype
+    plan = choose_kernel_plan("auto", torch.device("cpu"), dtype, None, 1)
+    if backend is not None:
+        plan = dataclasses.replace(plan, quant_backend=backend)
+    install_kernel_plan(model, plan)
+
+
+@torch.inference_mode()
+def _logits(model, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(3, VOCAB_SIZE, (n,), generator=g) for n in LENGTHS]
+    meta = AttentionMetadata.for_full_sequences(LENGTHS)
+    return model.compute_logits(model(torch.cat(seqs), meta))
+
+
+def _int8_reference(path):
+    """The dense model with every linear (and the LM head) holding its int8-dequantized
+    weight: what an online-int8 model computes, but through the plain fp32 path."""
+    model, _ = load_model(path, "float32")
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, SmallMMatmul) and m.weight.numel():
+                m.weight.copy_(quantize_int8(m.weight.detach()).dequantize())
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "llama3_rope_tied", "qwen2_bias",
+                                  "qwen3_qknorm_headdim"])
+def test_online_int8_holds_exactly_the_quantized_weights(arch, tiny_model_dir):
+    """Dequantized where they are read ('dense'), the online-int8 model's weights are the
+    reference's: fused QKV / gate_up, biases and a tied LM head land where they should."""
+    src = tiny_model_dir(arch)
+    model, _ = load_model(src, "float32", quantization="int8")
+    assert len(quantized_modules(model)) >= 4 * 3 + 1
+    _install(model, "dense")
+    ref = _int8_reference(src)
+    _install(ref)
+    torch.testing.assert_close(_logits(model), _logits(ref), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2_bias", "qwen3_qknorm_headdim"])
+def test_the_cpu_kernels_give_the_dequantized_weights_logits(arch, tiny_model_dir):
+    """The C++ kernels read the int8 blobs (activations quantized per block of 32): the
+    logits stay within a small fraction of their spread of the reference's, and greedy
+    argmax agrees wherever the reference's top two are not a near-tie."""
+    src = tiny_model_dir(arch)
+    model, _ = load_model(src, "float32", quantization="int8")
+    _install(model)
+    assert all(m.qweight is not None for m in quantized_modules(model))
+    ref = _int8_reference(src)
+    _install(ref)
+    ours, theirs = _logits(model), _logits(ref)
+    spread = theirs.std().item()
+    assert (ours - theirs).abs().max().item() <= 0.05 * spread
+    top2 = theirs.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * spread
+    assert clear.sum() >= len(clear) // 2
+    assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear])
+
+
+def test_a_row_parallel_split_off_the_quantization_blocks_names_tensor_parallel_size():
+    ctx = ParallelContext(tp_rank=0, tp_size=2)
+    layer = RowParallelLinear(ctx, in_features=96, out_features=8, bias=False,
+                              dtype=torch.float32)
+    qt = _q8_0_like(8, 96)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
+        layer.weight_loader(layer.weight, qt)
+
+
+def _q8_0_like(rows: int, cols: int) -> QuantTensor:
+    """Signed 8-bit codes with a scale per block of 32 (GGUF Q8_0's layout)."""
+    codes = torch.randint(-127, 128, (rows, cols), dtype=torch.int8)
+    scales = torch.rand(rows, cols // 32).to(torch.float16)
+    return QuantTensor((rows, cols), (QuantSegment(QuantKind.S8, 32, codes, scales),))
+
+
+def test_a_row_parallel_split_on_block_boundaries_keeps_each_ranks_columns():
+    qt = _q8_0_like(8, 128)
+    for rank in range(2):
+        layer = RowParallelLinear(ParallelContext(tp_rank=rank, tp_size=2), 128, 8, False,
+                                  torch.float32)
+        layer.weight_loader(layer.weight, qt)
+        piece = layer.__dict__["quant_pieces"][0]
+        assert isinstance(piece, QuantTensor) and piece.shape == (8, 64)
+        expected = qt.dequantize()[:, 64 * rank:64 * (rank + 1)]
+        torch.testing.assert_close(piece.dequantize(), expected)
+
+
+def test_quantization_fp8_on_cpu_is_an_error_naming_it(tiny_model_dir):
+    with pytest.raises(ValueError, match="quantization = 'fp8'"):
+        load_model(tiny_model_dir("llama_gqa"), "float32", quantization="fp8")
+
+
+def test_an_unknown_quantization_is_an_error_naming_it(tiny_model_dir):
+    with pytest.raises(ValueError, match="quantization = 'int3'"):
+        load_model(tiny_model_dir("llama_gqa"), "float32", quantization="int3")
+
