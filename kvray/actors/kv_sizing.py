@@ -16,6 +16,7 @@ import torch
 from kvray.actors.cache_engine import CacheEngine, kv_bytes_per_block
 from kvray.config import CacheConfig, EngineConfig
 from kvray.kernels.attention import PagedRow, paged_batch
+from kvray.kernels.kv_quant import cache_dtype
 
 if TYPE_CHECKING:
     from kvray.actors.model_runner import ModelRunner
@@ -32,12 +33,17 @@ def local_kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
     return inner.end_layer - inner.start_layer, attn.num_kv_heads, attn.head_dim
 
 
+def kv_dtype(runner: ModelRunner) -> torch.dtype:
+    """The dtype of the runner's cache tensors: ``kv_cache_dtype``, or the model's."""
+    return cache_dtype(runner.config.cache.kv_cache_dtype, runner.dtype)
+
+
 def new_kv_cache(runner: ModelRunner, num_blocks: int) -> CacheEngine:
     """``num_blocks`` zeroed blocks for each of the runner's local layers."""
     _, heads, dim = local_kv_shape(runner.model)
     inner = runner.model.model
     return CacheEngine(runner.spec.num_layers, (inner.start_layer, inner.end_layer), num_blocks,
-                       runner.block_size, heads, dim, runner.dtype, runner.device)
+                       runner.block_size, heads, dim, kv_dtype(runner), runner.device)
 
 
 def bytes_per_block(runner: ModelRunner) -> int:
@@ -45,7 +51,7 @@ def bytes_per_block(runner: ModelRunner) -> int:
     sampling rank (its cache shares the block ids)."""
     layers, heads, dim = local_kv_shape(runner.model)
     draft = runner.drafter.kv_bytes_per_block(runner.block_size) if runner.drafter else 0
-    return kv_bytes_per_block(layers, runner.block_size, heads, dim, runner.dtype) + draft
+    return kv_bytes_per_block(layers, runner.block_size, heads, dim, kv_dtype(runner)) + draft
 
 
 def determine_num_blocks(runner: ModelRunner) -> int:
@@ -53,10 +59,17 @@ def determine_num_blocks(runner: ModelRunner) -> int:
     ``gpu_memory_utilization`` leaves after the weights and a profile run of the largest
     step (:func:`profile_run`)."""
     cache = runner.config.cache
+    block_bytes = bytes_per_block(runner)
     if cache.num_gpu_blocks_override is not None or runner.device.type != "cuda":
-        return num_blocks_for_budget(cache, bytes_per_block(runner), cache.kv_cache_memory)
-    budget, breakdown = _gpu_budget(runner)
-    return num_blocks_for_budget(cache, bytes_per_block(runner), budget, breakdown)
+        num = num_blocks_for_budget(cache, block_bytes, cache.kv_cache_memory)
+    else:
+        budget, breakdown = _gpu_budget(runner)
+        num = num_blocks_for_budget(cache, block_bytes, budget, breakdown)
+    if runner.ctx.world_rank == 0:
+        logger.info("kvray: KV cache: %d blocks (%d tokens), %d bytes/token, dtype %s", num,
+                    num * runner.block_size, block_bytes // runner.block_size,
+                    str(kv_dtype(runner)).removeprefix("torch."))
+    return num
 
 
 def _gpu_budget(runner: ModelRunner) -> tuple[int, str]:

@@ -12,7 +12,11 @@ import logging
 import numpy as np
 import torch
 
-_AS_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+# numpy has no bf16 nor fp8: blocks travel as raw bits (a quantized cache's codes and scales
+# together, see kvray.kernels.kv_quant).
+_AS_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+           torch.int8: torch.int8, torch.float8_e4m3fn: torch.uint8,
+           torch.float8_e5m2: torch.uint8}
 
 
 logger = logging.getLogger(__name__)
@@ -46,9 +50,9 @@ class SwapPool:
              block_ids: list[int]) -> None:
         """Copy ``block_ids`` of every local layer into one CPU object."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=_device(kv_caches))
-        data = torch.stack([c.index_select(2, idx) for c in kv_caches if c is not None]).cpu()
-        # numpy has no bf16: ship raw bits; numpy arrays are zero-copy in the object store.
-        arr = data.view(_AS_INT[data.dtype]).numpy()
+        local = [c.view(_AS_INT[c.dtype]) for c in kv_caches if c is not None]
+        # raw bits (numpy arrays are zero-copy in the object store)
+        arr = torch.stack([c.index_select(2, idx) for c in local]).cpu().numpy()
         ray = self._ray()
         try:
             self._objects[req_id] = ray.put(arr) if ray is not None else arr.copy()
@@ -71,8 +75,8 @@ class SwapPool:
                            err.__class__.__name__)
             self._failed.add(req_id)
             return
-        local = [c for c in kv_caches if c is not None]
-        data = torch.from_numpy(np.array(arr)).view(local[0].dtype).to(local[0].device)
+        local = [c.view(_AS_INT[c.dtype]) for c in kv_caches if c is not None]
+        data = torch.from_numpy(np.array(arr)).to(local[0].device)
         assert data.shape[3] == len(block_ids), "restored block count differs from saved"
         idx = torch.tensor(block_ids, dtype=torch.int64, device=local[0].device)
         for layer, cache in enumerate(local):

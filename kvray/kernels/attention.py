@@ -1,8 +1,9 @@
 """Attention over a flat batch of variable-length sequences: plain (no cache) and paged.
 
 Paged layout (per layer): one tensor ``[2, num_kv_heads, num_blocks, block_size, head_dim]``
-(K then V). Heads outermost means a gather of a sequence's blocks comes out as
-``[heads, length, head_dim]``, which matmul reads without another copy. ``slot_mapping[t]``
+(K then V); a quantized cache's rows are ``head_dim + 4`` wide, codes and a scale
+(:mod:`kvray.kernels.kv_quant`). Heads outermost means a gather of a sequence's blocks comes
+out as ``[heads, length, head_dim]``, which matmul reads without another copy. ``slot_mapping[t]``
 is the flat slot (``block_id * block_size + offset``) where token t's K/V is written;
 ``block_tables`` maps each sequence's logical blocks to physical ones.
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvray.kernels.kv_quant import dequantize_rows, is_quantized, quantize_rows
 
 
 @dataclass
@@ -132,9 +135,14 @@ def dense_attention(q, k, v, meta: AttentionMetadata, scale: float,
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V ([T, Hk, D]) into their slots."""
-    _, heads, num_blocks, block_size, dim = kv_cache.shape
-    flat = kv_cache.view(2, heads, num_blocks * block_size, dim)
+    """Scatter this step's K/V ([T, Hk, D]) into their slots (a quantized cache: each
+    (token, head) row's codes and scale, :func:`kv_quant.quantize_rows`)."""
+    _, heads, num_blocks, block_size, width = kv_cache.shape
+    if is_quantized(kv_cache.dtype):  # copied as bytes: index_copy_ has no fp8 kernels
+        k = quantize_rows(k, kv_cache.dtype).view(torch.uint8)
+        v = quantize_rows(v, kv_cache.dtype).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
+    flat = kv_cache.view(2, heads, num_blocks * block_size, width)
     flat[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
     flat[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
@@ -205,13 +213,19 @@ def decode_buckets(seq_lens: list[int], max_buckets: int = 4, slack: float = 0.8
     return bounds
 
 
-def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int):
+def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int,
+            dtype: torch.dtype):
     """K and V of the first ``num_blocks`` logical blocks of each row of ``block_table``
-    ([B, >= num_blocks]): each [Hk, B, num_blocks * block_size, D], ready for matmul."""
-    _, heads, total, block_size, dim = kv_cache.shape
+    ([B, >= num_blocks]): each [Hk, B, num_blocks * block_size, D], ready for matmul (a
+    quantized cache's dequantized to ``dtype``, the queries')."""
+    _, heads, total, block_size, width = kv_cache.shape
+    quantized = is_quantized(kv_cache.dtype)
+    src = kv_cache.view(torch.uint8) if quantized else kv_cache  # no fp8 index_select
     ids = block_table[:, :num_blocks].reshape(-1)
-    kv = kv_cache.view(2 * heads, total, block_size * dim).index_select(1, ids)
-    kv = kv.view(2, heads, block_table.shape[0], num_blocks * block_size, dim)
+    kv = src.view(2 * heads, total, block_size * width).index_select(1, ids)
+    kv = kv.view(2, heads, block_table.shape[0], num_blocks * block_size, width)
+    if quantized:
+        kv = dequantize_rows(kv.view(kv_cache.dtype), dtype)
     return kv[0], kv[1]
 
 
@@ -220,7 +234,7 @@ def _decode(q, kv_cache, block_tables, seq_lens, max_len: int, scale: float,
     batch, hq, dim = q.shape
     hk, block_size = kv_cache.shape[1], kv_cache.shape[3]
     nb = -(-max_len // block_size)
-    k, v = _gather(kv_cache, block_tables, nb)  # [Hk, B, L, D]
+    k, v = _gather(kv_cache, block_tables, nb, q.dtype)  # [Hk, B, L, D]
     qg = q.view(batch, hk, hq // hk, dim).transpose(0, 1)  # [Hk, B, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [Hk, B, G, L]
     key_pos = torch.arange(nb * block_size, device=q.device)
@@ -237,7 +251,7 @@ def _prefill_one(q, kv_cache, block_table, seq_len: int, scale: float,
                  sliding_window: int | None) -> torch.Tensor:
     num_q = q.shape[0]
     block_size = kv_cache.shape[3]
-    k, v = _gather(kv_cache, block_table[None], -(-seq_len // block_size))
+    k, v = _gather(kv_cache, block_table[None], -(-seq_len // block_size), q.dtype)
     k, v = k[:, 0, :seq_len], v[:, 0, :seq_len]  # [Hk, L, D]
     if num_q == seq_len and sliding_window is None:
         # The whole sequence is new: query i sees keys 0..i, SDPA's own causal mask, with

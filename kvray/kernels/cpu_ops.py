@@ -43,8 +43,9 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("cpu_paged_attention.cpp", "cpu_paged_prefill.cpp", "cpu_linear.cpp",
-            "cpu_fused.cpp", "cpu_layer.cpp", "cpu_sampling.cpp", "bindings.cpp")
-_HEADERS = ("ops.h", "vec.h")
+            "cpu_fused.cpp", "cpu_layer.cpp", "cpu_sampling.cpp", "cpu_quant.cpp",
+            "bindings.cpp")
+_HEADERS = ("ops.h", "vec.h", "kv_quant.h")
 _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 # The instruction set the kernels are built for: this CPU's own by default. Tests set
 # KVRAY_CPU_MARCH=haswell on AVX-512 machines to run the AVX2 code paths too.
@@ -250,3 +251,30 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     ext = load_ops()
     assert ext is not None, "call load_ops() first and check it is available"
     return ext.argmax_rows(x)
+
+
+def linear_q(x: torch.Tensor, blob: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` for 2-D fp32 ``x`` on a quantized weight ``blob``
+    (:meth:`kvray.quant.tensor.QuantTensor.to_blob`; U4/S8 kinds) read in place: few rows
+    with activations quantized per block of 32 to int8 (error at most half a step of each
+    block's int8 grid times the weights' magnitudes), many rows on fp32 panels."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return ext.linear_q(x, blob, bias)
+
+
+def embedding_q(blob: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int64, any shape) of a quantized ``blob``, dequantized to fp32
+    [*ids.shape, K] (quantized embeddings: the built-in GGUF's token_embd is Q8_0)."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    return ext.embedding_q(blob, ids)
+
+
+def dequantize_q(blob: torch.Tensor) -> torch.Tensor:
+    """A quantized ``blob`` as the fp32 matrix [N, K] it holds (every kind, F8 included)."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    return ext.dequantize_q(blob)

@@ -12,6 +12,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kv_quant.h"
+
 namespace {
 
 at::Tensor opt(const c10::optional<at::Tensor>& t) {
@@ -19,11 +21,12 @@ at::Tensor opt(const c10::optional<at::Tensor>& t) {
 }
 
 // Write rows of K and V ([T, Hk, D] views with unit stride in D) into their cache slots,
-// rounded to the cache's dtype when it is narrower than theirs.
+// rounded to the cache's dtype when it is narrower than theirs, or quantized (int8 / fp8
+// codes and a scale per row, kv_quant.h).
 template <typename TS, typename TC>
 void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv,
                    const at::Tensor& slots) {
-  const int64_t T_ = k.size(0), Hk = k.size(1), D = k.size(2);
+  const int64_t T_ = k.size(0), Hk = k.size(1), D = k.size(2), W = kvray::row_width<TC>(D);
   const int64_t num_slots = kv.size(2) * kv.size(3);
   const int64_t* sp = slots.data_ptr<int64_t>();
   const TS* kp = k.data_ptr<TS>();
@@ -36,8 +39,10 @@ void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv,
       const TS* src[2] = {kp + t * k.stride(0) + h * k.stride(1),
                           vp + t * v.stride(0) + h * v.stride(1)};
       for (int64_t which = 0; which < 2; ++which) {
-        TC* dst = cache + ((which * Hk + h) * num_slots + s) * D;
-        if constexpr (std::is_same_v<TS, TC>) {
+        TC* dst = cache + ((which * Hk + h) * num_slots + s) * W;
+        if constexpr (kvray::kQuantizedKV<TC>) {
+          kvray::quantize_row(src[which], D, dst);
+        } else if constexpr (std::is_same_v<TS, TC>) {
           std::memcpy(dst, src[which], D * sizeof(TC));
         } else {
           for (int64_t d = 0; d < D; ++d)
@@ -54,12 +59,26 @@ void write_kv(at::Tensor k, at::Tensor v, at::Tensor kv, at::Tensor slots) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 &&
               v.stride(2) == 1 && k.scalar_type() == v.scalar_type(),
               "write_kv: k and v [T, Hk, D] of one dtype, unit stride in D");
+  const at::ScalarType cache_type = kv.scalar_type();
+  const bool quantized = kvray::is_quantized_kv(cache_type);
   TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous() && kv.size(1) == k.size(1) &&
-              kv.size(4) == k.size(2), "write_kv: paged cache [2, Hk, blocks, block_size, D]");
-  TORCH_CHECK(k.scalar_type() == kv.scalar_type() || k.scalar_type() == at::kFloat,
-              "write_kv: k/v of the cache's dtype or fp32");
+              kv.size(4) == k.size(2) + (quantized ? kvray::kScaleBytes : 0),
+              "write_kv: paged cache [2, Hk, blocks, block_size, D] (D + 4 for int8/fp8: "
+              "codes, then a scale)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
               slots.numel() == k.size(0), "write_kv: int64 slots [T]");
+  if (quantized) {
+    TORCH_CHECK(at::isFloatingType(k.scalar_type()), "write_kv: floating-point k/v");
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+      if (cache_type == at::kChar) write_kv_impl<scalar_t, int8_t>(k, v, kv, slots);
+      else if (cache_type == at::kFloat8_e4m3fn)
+        write_kv_impl<scalar_t, c10::Float8_e4m3fn>(k, v, kv, slots);
+      else write_kv_impl<scalar_t, c10::Float8_e5m2>(k, v, kv, slots);
+    });
+    return;
+  }
+  TORCH_CHECK(k.scalar_type() == kv.scalar_type() || k.scalar_type() == at::kFloat,
+              "write_kv: k/v of the cache's dtype or fp32");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv.scalar_type(), "write_kv", [&] {
     if (k.scalar_type() == kv.scalar_type()) write_kv_impl<scalar_t, scalar_t>(k, v, kv, slots);
     else write_kv_impl<float, scalar_t>(k, v, kv, slots);
@@ -76,26 +95,34 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
               "down] and dims [Hq, Hk, D], or those with packed [qkv, o, gate_up, down] and "
               "[small-M rows, their N, gate_up paired] after them expected");
   TORCH_CHECK(bias.size() == 4, "decode_layer: biases [qkv, o, gate_up, down] expected");
+  const bool quantized_kv = kvray::is_quantized_kv(kv.scalar_type());
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() &&
-              (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == kv.scalar_type()),
-              "decode_layer: hidden [T, H], fp32 or of the cache's dtype");
+              (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == kv.scalar_type() ||
+               (quantized_kv && (hidden.scalar_type() == at::kBFloat16 ||
+                                 hidden.scalar_type() == at::kHalf))),
+              "decode_layer: hidden [T, H], fp32 or of the cache's (model's) dtype");
   TORCH_CHECK(kv.is_contiguous() && kv.dim() == 5 &&
               (kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kBFloat16 ||
-               kv.scalar_type() == at::kHalf),
-              "decode_layer: fp32/bf16/fp16 paged cache [2, Hk, blocks, block_size, D]");
+               kv.scalar_type() == at::kHalf || quantized_kv),
+              "decode_layer: fp32/bf16/fp16/int8/fp8 paged cache [2, Hk, blocks, block_size, "
+              "D (+ 4)]");
   // A bf16/fp16 model's layers run here on fp32 activations (its first layer gets the
   // embedding in the model's dtype): exact products with its weights, one rounding per
   // output instead of one per op, and K/V rounded to the cache's dtype as they are written.
   if (hidden.scalar_type() != at::kFloat) hidden = hidden.to(at::kFloat);
   const int64_t T = hidden.size(0), Hq = dims[0], Hk = dims[1], D = dims[2];
-  TORCH_CHECK(kv.size(1) == Hk && kv.size(4) == D, "decode_layer: cache shape");
+  TORCH_CHECK(kv.size(1) == Hk && kv.size(4) == D + (quantized_kv ? kvray::kScaleBytes : 0),
+              "decode_layer: cache shape");
   const at::Tensor &in_norm = w[0], &q_norm = w[2], &k_norm = w[3], &post_norm = w[5],
                    &gate_up_w = w[6];
   const int64_t q_size = Hq * D, kv_size = Hk * D;
   // The packed weights for a batch past the small-M kernel's rows (where there are any).
   const bool packed = w.size() == 12 && T > dims[3];
+  // A uint8 weight is a quantized blob (kvray/quant/tensor.py), read in place by linear_q.
   const auto linear = [&](const at::Tensor& in, int which) {  // 0 qkv, 1 o, 3 down
     static constexpr int kPlain[] = {1, 4, 6, 7};
+    if (w[kPlain[which]].scalar_type() == at::kByte)
+      return linear_q(in, w[kPlain[which]], bias[which]);
     if (packed) return linear_packed(in, w[8 + which], dims[4 + which], bias[which]);
     return linear_small_m(in, w[kPlain[which]], opt(bias[which]));
   };
@@ -130,7 +157,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 
   x = rms_norm(o, post_norm, eps, residual);  // residual += o
   at::Tensor act;
-  if (packed && dims[8] != 0)  // paired: the activation from the GEMM's epilogue
+  if (gate_up_w.scalar_type() == at::kByte)
+    act = silu_and_mul(linear_q(x, gate_up_w, bias[2]));
+  else if (packed && dims[8] != 0)  // paired: the activation from the GEMM's epilogue
     act = linear_packed_gate_up(x, w[10], dims[6], bias[2], true);
   else
     act = silu_and_mul(packed ? linear_packed(x, w[10], dims[6], bias[2])

@@ -2,6 +2,8 @@
 // Reads K/V straight from the paged cache [2, Hk, num_blocks, block_size, D], parallel over
 // (sequence, kv head). q is the cache's dtype, or fp32 over a bf16/fp16 cache (the fused
 // decode layer of a bf16 model keeps its activations in fp32); the output has q's dtype.
+// An int8 / fp8 cache ([..., D + 4]: codes and a scale per row, kv_quant.h) takes fp32,
+// bf16 or fp16 q; each block is widened to fp32 in L1 and read by the fp32 code.
 // Head sizes 64 and 128 over fp32 or bf16 caches (bf16 widened in registers) run vector code
 // (vec.h: 16 lanes with AVX-512, 8 with AVX2) in one pass per item (decode_one_pass: each
 // block's scores, then its values, under a running max), the next block prefetched while
@@ -23,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_quant.h"
 #include "vec.h"
 
 static inline float to_f(float x) { return x; }
@@ -63,11 +66,15 @@ static inline void prefetch_block(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
-// One block as fp32: an fp32 cache's own memory, else converted into `buf`.
+// One block as fp32: an fp32 cache's own memory, else converted (a quantized cache's
+// codes times their row's scale) into `buf`.
 template <typename T, int64_t DK>
 static inline const float* as_float_block(const T* src, int64_t n, int64_t D_, float* buf) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
+  } else if constexpr (kvray::kQuantizedKV<T>) {
+    kvray::dequantize_rows(src, n, DK > 0 ? DK : D_, buf);
+    return buf;
   } else {
     to_float_block<T, DK>(src, n, D_, buf);
     return buf;
@@ -266,10 +273,10 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
                         at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hk = kv.size(1), NB = kv.size(2), BS = kv.size(3);
-  const int64_t G = Hq / Hk, max_blocks = tables.size(1);
+  const int64_t G = Hq / Hk, max_blocks = tables.size(1), RW = kvray::row_width<T>(D);
   const TQ* qp = q.data_ptr<TQ>();
   const T* kp = kv.data_ptr<T>();
-  const T* vp = kp + Hk * NB * BS * D;
+  const T* vp = kp + Hk * NB * BS * RW;
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
   TQ* op = out.data_ptr<TQ>();
@@ -292,9 +299,9 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
       // next one): the item's K blocks, then its V blocks, then the next item's first K
       // blocks are fetched about kPrefetchAhead bytes before they are used.
       const auto block_at = [&](const T* base, int64_t i) {
-        return base + ((h * NB + tp[b * max_blocks + i]) * BS) * D;
+        return base + ((h * NB + tp[b * max_blocks + i]) * BS) * RW;
       };
-      const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(T));
+      const int64_t block_bytes = BS * RW * static_cast<int64_t>(sizeof(T));
       const int64_t ahead = std::max<int64_t>(1, kPrefetchAhead / block_bytes);
       const int64_t nb = last - first;
       int64_t fetched = std::min(nb, ahead);  // the previous item fetched these
@@ -333,7 +340,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
           const int64_t first2 = (window > 0 ? std::max<int64_t>(0, len2 - window) : 0) / BS;
           const int64_t nb2 = (len2 + BS - 1) / BS - first2;
           for (int64_t j = 0; j < std::min(nb2, ahead); ++j)
-            prefetch_block(kp + ((h2 * NB + tp[b2 * max_blocks + first2 + j]) * BS) * D,
+            prefetch_block(kp + ((h2 * NB + tp[b2 * max_blocks + first2 + j]) * BS) * RW,
                            block_bytes);
         }
         const int64_t n_t = std::min(BS, len - i * BS);
@@ -364,7 +371,8 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
 constexpr int64_t kStepTokens = 32;
 
 // Decode attention in one pass over each (sequence, kv head)'s blocks, for head sizes of
-// whole chunks of four vectors over fp32 or bf16 caches (read in place): a step's scores
+// whole chunks of four vectors over fp32 or bf16 caches (read in place; an int8 / fp8
+// cache's blocks widened into two fp32 buffers of a block first): a step's scores
 // (kStepTokens), then at once its values, with a running max per query row (online
 // softmax), so that K and V are read as two interleaved streams, and the next block's K
 // and V are prefetched while this one's are used. On a 2-core AVX-512 Xeon (fp32, 30
@@ -376,20 +384,31 @@ template <typename TQ, typename T, int64_t DK>
 static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
                             const at::Tensor& seq_lens, double scale, int64_t window,
                             at::Tensor& out) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = DK;
+  const int64_t B = q.size(0), Hq = q.size(1), D = DK, RW = kvray::row_width<T>(DK);
   const int64_t Hk = kv.size(1), NB = kv.size(2), BS = kv.size(3);
   const int64_t G = Hq / Hk, max_blocks = tables.size(1);
   const TQ* qp = q.data_ptr<TQ>();
   const T* kp = kv.data_ptr<T>();
-  const T* vp = kp + Hk * NB * BS * D;
+  const T* vp = kp + Hk * NB * BS * RW;
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
   TQ* op = out.data_ptr<TQ>();
-  const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(T));
+  const int64_t block_bytes = BS * RW * static_cast<int64_t>(sizeof(T));
+  // What the vector code reads: the cache itself, or a quantized block widened to fp32.
+  using TR = std::conditional_t<kvray::kQuantizedKV<T>, float, T>;
   const int64_t P = std::max<int64_t>(1, kStepTokens / BS), S = P * BS;  // blocks, tokens
   const int64_t items = B * Hk;
   parallel_dynamic(items, chunk_for_threads(items), [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), s(G * S), m(G), l(G);
+    std::vector<float> buf(kvray::kQuantizedKV<T> ? BS * D : 0);
+    const auto block = [&](const T* p, int64_t n_t) -> const TR* {
+      if constexpr (kvray::kQuantizedKV<T>) {
+        kvray::dequantize_rows(p, n_t, D, buf.data());
+        return buf.data();
+      } else {
+        return p;
+      }
+    };
     const auto first_block = [&](int64_t len) {
       return (window > 0 ? std::max<int64_t>(0, len - window) : 0) / BS;
     };
@@ -399,7 +418,7 @@ static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at:
     const auto prefetch_next_item = [&](int64_t idx) {  // its first block, if in the chunk
       if (idx + 1 >= end) return;
       const int64_t b2 = (idx + 1) / Hk, h2 = (idx + 1) % Hk;
-      prefetch_kv(((h2 * NB + tp[b2 * max_blocks + first_block(lp[b2])]) * BS) * D);
+      prefetch_kv(((h2 * NB + tp[b2 * max_blocks + first_block(lp[b2])]) * BS) * RW);
     };
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / Hk, h = idx % Hk, len = lp[b];
@@ -408,7 +427,7 @@ static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at:
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = to_f(qp[(b * Hq + h * G + g) * D + d]) * static_cast<float>(scale);
-      const auto off = [&](int64_t i) { return ((h * NB + tp[b * max_blocks + i]) * BS) * D; };
+      const auto off = [&](int64_t i) { return ((h * NB + tp[b * max_blocks + i]) * BS) * RW; };
       if (idx == begin) prefetch_kv(off(first));
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -1e30f);  // finite: the build assumes no infinities
@@ -418,7 +437,8 @@ static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at:
         for (int64_t j = i; j < i_end; ++j) {  // scores, the next block fetched
           if (j + 1 < last) prefetch_kv(off(j + 1));
           else prefetch_next_item(idx);
-          block_scores_vec<DK>(qf.data(), kp + off(j), std::min(BS, len - j * BS), G,
+          const int64_t n_t = std::min(BS, len - j * BS);
+          block_scores_vec<DK>(qf.data(), block(kp + off(j), n_t), n_t, G,
                                s.data() + (j - i) * BS, S);
         }
         const int64_t masked = std::max<int64_t>(0, start - i * BS);  // before the window
@@ -438,9 +458,11 @@ static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at:
           if (alpha != 1.f)
             for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
         }
-        for (int64_t j = i; j < i_end; ++j)
-          block_values_vec<DK>(s.data() + (j - i) * BS, vp + off(j), std::min(BS, len - j * BS),
-                               G, acc.data(), S);
+        for (int64_t j = i; j < i_end; ++j) {
+          const int64_t n_t = std::min(BS, len - j * BS);
+          block_values_vec<DK>(s.data() + (j - i) * BS, block(vp + off(j), n_t), n_t, G,
+                               acc.data(), S);
+        }
       }
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.f / l[g];
@@ -460,7 +482,7 @@ static void decode_any_d(const at::Tensor& q, const at::Tensor& kv, const at::Te
                          at::Tensor& out) {
   const int64_t d = q.size(2);
 #ifdef __AVX2__
-  if constexpr (kReadsInPlace<T>) {
+  if constexpr (kReadsInPlace<T> || kvray::kQuantizedKV<T>) {
     if (d == 64 && kVectorHead<64>)
       return decode_one_pass<TQ, T, 64>(q, kv, tables, seq_lens, scale, window, out);
     if (d == 128 && kVectorHead<128>)
@@ -478,8 +500,29 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tens
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && tables.is_contiguous() &&
               seq_lens.is_contiguous(), "paged_decode: inputs must be contiguous");
   const bool fp32_q = q.scalar_type() == at::kFloat;
+  const at::ScalarType cache_type = kv.scalar_type();
+  if (kvray::is_quantized_kv(cache_type)) {
+    TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && kv.size(4) == q.size(2) + kvray::kScaleBytes,
+                "paged_decode: an int8/fp8 cache's rows are D codes and a 4-byte scale "
+                "(D + 4), D from q");
+    if (q.scalar_type() == at::kHalf)  // rare (fp16 models): through fp32
+      return paged_decode(q.to(at::kFloat), kv, tables, seq_lens, scale, window).to(at::kHalf);
+    TORCH_CHECK(fp32_q || q.scalar_type() == at::kBFloat16,
+                "paged_decode: q fp32, bf16 or fp16 over an int8/fp8 cache");
+    auto out = at::empty_like(q);
+    const auto run = [&](auto code) {
+      using T = decltype(code);
+      if (fp32_q) decode_any_d<float, T>(q, kv, tables, seq_lens, scale, window, out);
+      else decode_any_d<c10::BFloat16, T>(q, kv, tables, seq_lens, scale, window, out);
+    };
+    if (cache_type == at::kChar) run(int8_t{});
+    else if (cache_type == at::kFloat8_e4m3fn) run(c10::Float8_e4m3fn{});
+    else run(c10::Float8_e5m2{});
+    return out;
+  }
   TORCH_CHECK(q.scalar_type() == kv.scalar_type() || fp32_q,
               "paged_decode: q must have the cache's dtype or be fp32");
+  TORCH_CHECK(kv.size(4) == q.size(2), "paged_decode: cache rows of q's head size");
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv.scalar_type(), "paged_decode",
       [&] {

@@ -1,7 +1,8 @@
 // CPU paged prefill attention for kvray (built by kvray/kernels/cpu_ops.py): the new tokens
 // of B sequences attend causally (optionally within a sliding window) to their sequence's
 // K/V, read where they lie in the paged cache [2, Hk, num_blocks, block_size, D] - no gather
-// into a contiguous copy, no mask tensor, and no work above the diagonal.
+// into a contiguous copy, no mask tensor, and no work above the diagonal. An int8 / fp8
+// cache ([..., D + 4], kv_quant.h) has each block widened to fp32 as it is read.
 //
 // Flash-attention style, per (query tile, query head): a tile is up to two vectors of one
 // sequence's consecutive new tokens (32 rows with AVX-512, 16 with AVX2), held transposed
@@ -17,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_quant.h"
 #include "vec.h"
 
 #ifdef __AVX2__
@@ -141,11 +143,15 @@ inline void score_block(const float* qt, const float* const* keys, int64_t n, in
   for (; j < n; ++j) score_keys<1>(qt, keys + j, D, s + j * kTileRows);
 }
 
-// One block's n_t rows of D as fp32: an fp32 cache's own memory, else widened into buf.
+// One block's n_t rows of D as fp32: an fp32 cache's own memory, else widened into buf
+// (an int8 / fp8 cache's codes times their row's scale).
 template <typename T>
 inline const float* block_as_float(const T* src, int64_t n_t, int64_t D, float* buf) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
+  } else if constexpr (kvray::kQuantizedKV<T>) {
+    kvray::dequantize_rows(src, n_t, D, buf);
+    return buf;
   } else {
     for (int64_t i = 0; i < n_t * D; ++i) buf[i] = kvray::widen(src[i]);
     return buf;
@@ -159,9 +165,10 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& t
   const int64_t Hq = q.size(1), D = q.size(2), q_rows = q.stride(0);
   const int64_t Hk = kv.size(1), NB = kv.size(2), BS = kv.size(3);
   const int64_t G = Hq / Hk, B = seq_lens.size(0), max_blocks = tables.size(1);
+  const int64_t RW = kvray::row_width<T>(D);  // elements per cache row
   const TQ* qp = q.data_ptr<TQ>();
   const T* kp = kv.data_ptr<T>();
-  const T* vp = kp + Hk * NB * BS * D;
+  const T* vp = kp + Hk * NB * BS * RW;
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
   const int64_t* sp = query_start.data_ptr<int64_t>();
@@ -203,7 +210,7 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& t
       for (int64_t blk = first_key / BS; blk * BS <= p_last; ++blk) {
         const int64_t k0 = blk * BS, n_t = std::min(BS, p_last + 1 - k0);
         const int64_t phys = tp[b * max_blocks + blk];
-        const int64_t at = ((h * NB + phys) * BS) * D;
+        const int64_t at = ((h * NB + phys) * BS) * RW;
         const float* kb = block_as_float(kp + at, n_t, D, kbuf.data());
         const float* vb = block_as_float(vp + at, n_t, D, vbuf.data());
         for (int64_t j = 0; j < n_t; ++j) keys[j] = kb + j * D, vals[j] = vb + j * D;
@@ -260,9 +267,13 @@ bool paged_prefill_supported(const at::Tensor& q, const at::Tensor& kv) {
 #ifdef __AVX2__
   const at::ScalarType q_dtype = q.scalar_type(), cache_dtype = kv.scalar_type();
   const int64_t head_dim = q.size(-1);
+  if (kvray::is_quantized_kv(cache_dtype))  // int8 / fp8 rows: D codes and a scale
+    return (q_dtype == at::kFloat || q_dtype == at::kBFloat16) &&
+           kv.size(-1) == head_dim + kvray::kScaleBytes && head_dim > 0 &&
+           head_dim % kvray::Vec::kWidth == 0;
   const bool cache_ok = cache_dtype == at::kFloat || cache_dtype == at::kBFloat16;
   return cache_ok && (q_dtype == cache_dtype || q_dtype == at::kFloat) &&
-         head_dim > 0 && head_dim % kvray::Vec::kWidth == 0;
+         kv.size(-1) == head_dim && head_dim > 0 && head_dim % kvray::Vec::kWidth == 0;
 #else
   (void)q, (void)kv;
   return false;
@@ -282,7 +293,18 @@ at::Tensor paged_prefill(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Ten
   auto out = at::empty(q.sizes(), q.options());
 #ifdef __AVX2__
   const bool fp32_q = q.scalar_type() == at::kFloat;
-  if (kv.scalar_type() == at::kFloat) {
+  const at::ScalarType cache_type = kv.scalar_type();
+  if (kvray::is_quantized_kv(cache_type)) {
+    const auto run = [&](auto code) {
+      using T = decltype(code);
+      if (fp32_q) prefill_impl<float, T>(q, kv, tables, seq_lens, query_start, scale, window, out);
+      else prefill_impl<c10::BFloat16, T>(q, kv, tables, seq_lens, query_start, scale, window,
+                                          out);
+    };
+    if (cache_type == at::kChar) run(int8_t{});
+    else if (cache_type == at::kFloat8_e4m3fn) run(c10::Float8_e4m3fn{});
+    else run(c10::Float8_e5m2{});
+  } else if (kv.scalar_type() == at::kFloat) {
     prefill_impl<float, float>(q, kv, tables, seq_lens, query_start, scale, window, out);
   } else if (fp32_q) {
     prefill_impl<float, c10::BFloat16>(q, kv, tables, seq_lens, query_start, scale, window, out);

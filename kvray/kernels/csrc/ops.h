@@ -34,7 +34,8 @@ inline int64_t chunk_for_threads(int64_t n, int64_t per_thread = 4) {
   return std::max<int64_t>(1, n / (per_thread * std::max(at::get_num_threads(), 1)));
 }
 
-// Paged decode attention: q [B, Hq, D] against the paged cache [2, Hk, blocks, bs, D].
+// Paged decode attention: q [B, Hq, D] against the paged cache [2, Hk, blocks, bs, D]
+// (D + 4 for an int8 / fp8 cache: codes and a scale per row, kv_quant.h).
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
                         double scale, int64_t window);
 
@@ -84,7 +85,8 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps,
 void rotary_inplace(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin);
 
 // Write this step's K and V ([T, Hk, D], unit stride in D; the cache's dtype or fp32) into
-// the paged cache at `slots` (int64 [T]); a slot outside the cache is an error.
+// the paged cache at `slots` (int64 [T]); a slot outside the cache is an error. An int8 /
+// fp8 cache gets each (token, head) row quantized: codes and its scale (kv_quant.h).
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor kv, at::Tensor slots);
 
 // silu(gate) * up for gate_up = [gate | up] of shape [T, 2 * I] -> [T, I].
@@ -119,3 +121,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 // Index of each row's largest value of x [B, V] (fp32/bf16/fp16, unit stride along V), as
 // torch.argmax(dim=-1) picks it: the first of equal maxima; a NaN beats everything.
 at::Tensor argmax_rows(at::Tensor x);
+
+// y = x W^T (+ bias) for fp32 x [M, K] (unit stride along K) and W a quantized blob
+// (kvray/quant/tensor.py's BLOB_LAYOUT: U4/S8 segments, any group, fp16/fp32 scales, with or
+// without mins), read in place: few rows with int8-quantized activations and integer dot
+// products, many with fp32 panels dequantized per tile (cpu_quant.cpp).
+at::Tensor linear_q(at::Tensor x, at::Tensor blob, c10::optional<at::Tensor> bias);
+
+// Rows `ids` (int64, any shape) of a quantized blob dequantized -> fp32 [*ids.shape, K].
+at::Tensor embedding_q(at::Tensor blob, at::Tensor ids);
+
+// The whole quantized blob dequantized -> fp32 [N, K] (every kind, F8 included).
+at::Tensor dequantize_q(at::Tensor blob);

@@ -1,0 +1,128 @@
+"""The CPU kernels on quantized weights (``cpu_ops.linear_q``) against the read floor.
+
+Every linear of one decode step of the built-in model (SmolLM2-135M: hidden 576,
+intermediate 1536, 9 heads x 64, 3 KV heads, 30 layers; random codes of its shapes, each
+layer's weights distinct so that a step streams them from memory as a real one does) at
+M = 1, 4, 16 rows and a prefill chunk of 256, for Q4_1 (U4, groups of 32, fp16 scales and
+mins) and Q8_0 (S8, groups of 32, fp16 scales). For each: the time of the step's linears,
+the GB/s of the bytes actually read (codes, scales, mins), that as a % of the read bandwidth
+measured in the same run (``torch.sum`` over 512 MiB with the same threads), and the step
+time over the read floor (bytes / bandwidth); at M = 256 GFLOP/s against the fp32 path
+(``cpu_ops.linear_packed`` on packed fp32 weights of the same shapes). Formats and paths
+are timed alternating in one process (median of the rounds).
+
+    python benchmarks/quant_kernels.py [--rounds 7] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvray.hardware import describe
+from kvray.kernels import cpu_ops
+from kvray.quant.tensor import QuantKind, QuantSegment, QuantTensor, pack_u4
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 576, 1536, 9, 3, 64, 30
+# (name, N, K) of one layer's linears, QKV and gate_up fused as kvray runs them
+LINEARS = [("qkv", (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), ("o", HIDDEN, HEADS * HEAD_DIM),
+           ("gate_up", 2 * INTER, HIDDEN), ("down", HIDDEN, INTER)]
+ROWS = (1, 4, 16, 256)
+
+
+def _quantized(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantTensor:
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.01).half()
+    if fmt == "Q4_1":
+        codes = pack_u4(torch.randint(0, 16, (n, k), generator=gen))
+        mins = (torch.randn(n, k // 32, generator=gen) * 0.05).half()
+        return QuantTensor((n, k), (QuantSegment(QuantKind.U4, 32, codes, scales, mins),))
+    codes = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
+    return QuantTensor((n, k), (QuantSegment(QuantKind.S8, 32, codes, scales),))
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    """GB/s of torch.sum over 512 MiB (the best of ``repeats``)."""
+    big = torch.ones(128 << 20, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - t)
+    return big.numel() * 4 / best / 1e9
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    assert cpu_ops.load_ops() is not None, "the CPU kernels do not build here"
+    print(describe())
+    print(f"threads: {args.threads}; vector lanes: {cpu_ops.vector_lanes()}", flush=True)
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(n, k) for _ in range(LAYERS) for _, n, k in LINEARS]
+    mats = {fmt: [_quantized(fmt, n, k, gen) for n, k in shapes] for fmt in ("Q4_1", "Q8_0")}
+    blobs = {fmt: [m.to_blob() for m in ms] for fmt, ms in mats.items()}
+    read = {fmt: sum(m.nbytes for m in ms) for fmt, ms in mats.items()}
+    packed = [cpu_ops.pack_linear_weight(m.dequantize()) for m in mats["Q4_1"]]
+    xs = {m: {k: torch.randn(m, k, generator=gen) for k in (HIDDEN, INTER)} for m in ROWS}
+
+    def step(fmt: str, m: int) -> Callable[[], None]:
+        def run() -> None:
+            for blob, (_, k) in zip(blobs[fmt], shapes, strict=True):
+                cpu_ops.linear_q(xs[m][k], blob, None)
+        return run
+
+    def fp32_step(m: int) -> Callable[[], None]:
+        def run() -> None:
+            for w, (n, k) in zip(packed, shapes, strict=True):
+                cpu_ops.linear_packed(xs[m][k], w, n, None)
+        return run
+
+    cases = {(fmt, m): step(fmt, m) for m in ROWS for fmt in blobs}
+    cases[("fp32", 256)] = fp32_step(256)
+    times: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
+    bandwidths = []
+    for fn in cases.values():  # warm-up
+        fn()
+    for _ in range(args.rounds):
+        bandwidths.append(read_bandwidth(2))
+        for case, fn in cases.items():
+            times[case].append(_timed(fn))
+    bw = statistics.median(bandwidths)
+    flops = {m: 2 * m * sum(n * k for n, k in shapes) for m in ROWS}
+    print(f"read bandwidth: {bw:.1f} GB/s (torch.sum over 512 MiB, {args.threads} threads)")
+    fp32_mb = 4 * sum(n * k for n, k in shapes) / 1e6
+    print(f"bytes read per step: Q4_1 {read['Q4_1'] / 1e6:.1f} MB, "
+          f"Q8_0 {read['Q8_0'] / 1e6:.1f} MB (fp32: {fp32_mb:.0f} MB)")
+    print(f"{'format':7} {'M':>4} {'ms/step':>8} {'GB/s':>6} {'% bw':>5} {'x floor':>7} "
+          f"{'GFLOP/s':>8}")
+    for (fmt, m), ts in times.items():
+        t = statistics.median(ts)
+        gflops = flops[m] / t / 1e9
+        if fmt == "fp32":
+            print(f"{fmt:7} {m:>4} {t * 1e3:8.2f} {'':>6} {'':>5} {'':>7} {gflops:8.1f}")
+            continue
+        gbs = read[fmt] / t / 1e9
+        print(f"{fmt:7} {m:>4} {t * 1e3:8.2f} {gbs:6.1f} {100 * gbs / bw:5.0f} "
+              f"{t / (read[fmt] / bw / 1e9):7.2f} {gflops:8.1f}")
+    fp32 = statistics.median(times[("fp32", 256)])
+    for fmt in blobs:
+        ratio = fp32 / statistics.median(times[(fmt, 256)])
+        print(f"M = 256: {fmt} at {ratio:.2f}x the fp32 path's GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""The CPU kernels on quantized weights read in place (``cpu_ops`` ``linear_q``,
+``embedding_q``, ``dequantize_q``) agree with the plain reference, ``QuantTensor.dequantize()``
+and a float64 matmul: on odd shapes, every kind (U4 with and without mins, S8), group 16 to
+128, fp16 and fp32 scales, multi-segment blobs, strided inputs. ``linear_q`` quantizes the
+activations per block of 32 to int8, so its error is held to that quantization's bound (and
+is exactly zero where the activations are whole numbers its grid holds); malformed blobs
+raise; the fused decode layer runs quantized weights as it runs their dequantized values."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from kvray.quant.tensor import QuantKind, QuantSegment, QuantTensor, pack_u4, round_up
+
+pytestmark = pytest.mark.unit
+
+# (kind, group, scale dtype, mins): the layouts GGUF, AWQ/GPTQ and int8 checkpoints become
+LAYOUTS = {
+    "u4_g32_fp16_mins": (QuantKind.U4, 32, torch.float16, True),   # Q4_1 / Q4_K
+    "u4_g32_fp16": (QuantKind.U4, 32, torch.float16, False),       # Q4_0
+    "u4_g16_fp32_mins": (QuantKind.U4, 16, torch.float32, True),   # Q2_K-like halves
+    "u4_g128_fp16_mins": (QuantKind.U4, 128, torch.float16, True),  # AWQ / GPTQ
+    "s8_g32_fp16": (QuantKind.S8, 32, torch.float16, False),       # Q8_0
+    "s8_g16_fp32": (QuantKind.S8, 16, torch.float32, False),       # Q6_K
+    "s8_g64_fp32": (QuantKind.S8, 64, torch.float32, False),
+}
+
+
+def _segment(kind: QuantKind, rows: int, k_padded: int, group: int, scale_dtype: torch.dtype,
+             with_mins: bool, gen: torch.Generator) -> QuantSegment:
+    ng = k_padded // group
+    scales = (torch.rand(rows, ng, generator=gen) * 0.02 + 0.002).to(scale_dtype)
+    mins = (torch.randn(rows, ng, generator=gen) * 0.05).to(scale_dtype) if with_mins else None
+    if kind == QuantKind.U4:
+        codes = pack_u4(torch.randint(0, 16, (rows, k_padded), generator=gen))
+    else:
+        codes = torch.randint(-128, 128, (rows, k_padded), generator=gen).to(torch.int8)
+    return QuantSegment(kind, group, codes, scales, mins)
+
+
+def _matrix(layouts: list[str], n: int, k: int, seed: int) -> QuantTensor:
+    """An [n, k] matrix whose rows are split between the given layouts, in order."""
+    gen = torch.Generator().manual_seed(seed)
+    kp = round_up(k, 32)
+    cuts = [n * i // len(layouts) for i in range(len(layouts) + 1)]
+    segs = tuple(_segment(LAYOUTS[name][0], cuts[i + 1] - cuts[i], kp, *LAYOUTS[name][1:],
+                          gen)
+                 for i, name in enumerate(layouts) if cuts[i + 1] > cuts[i])
+    return QuantTensor((n, k), segs)
+
+
+def _activation_error_bound(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
+    """The bound [M, N] on |linear_q - exact| from quantizing x per block of 32 to int8:
+    rounding moves each x[m, k] by at most dx/2 (dx = the block's amax / 127), so
+    |err| <= sum over blocks of dx/2 * sum over the block's k of |w| (the mins multiply the
+    same quantized x as the codes). Plus fp32 rounding of the sums (far below the first
+    term)."""
+    m, k = x.shape
+    kp = qt.k_padded
+    xp = torch.nn.functional.pad(x.double(), (0, kp - k)).view(m, kp // 32, 32)
+    half_step = (xp.abs().amax(dim=2) / 127 / 2)  # [M, blocks]
+    w = qt.dequantize().double().abs()
+    sq = torch.nn.functional.pad(w, (0, kp - k)).view(qt.shape[0], kp // 32, 32)
+    bound = half_step @ sq.sum(dim=2).T
+    magnitude = x.double().abs() @ qt.dequantize().double().abs().T
+    return bound + 1e-5 * magnitude + 1e-6
+
+
+def _reference(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ qt.dequantize().double().T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.fixture(scope="module")
+def ops(cpu_kernels):
+    return cpu_kernels
+
+
+@pytest.mark.parametrize("k,n", [(32, 1), (96, 7), (100, 33), (576, 576), (1536, 33)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 40, 300])
+def test_linear_q_is_within_the_activation_quantization_bound(ops, k, n, m):
+    """Every layout that fits K (groups dividing the padded K), one at a time and all of them
+    as segments of one blob; a bias on odd M; the int8 path (few rows) and the fp32 panel
+    path (many) both."""
+    gen = torch.Generator().manual_seed(k * 1000 + n + m)
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if m % 2 else None
+    fitting = [name for name, (_, group, _, _) in LAYOUTS.items() if round_up(k, 32) % group == 0]
+    cases = [[name] for name in fitting] + [fitting]
+    for i, layouts in enumerate(cases):
+        qt = _matrix(layouts, n, k, seed=i)
+        got = ops.linear_q(x, qt.to_blob(), bias)
+        want = _reference(x, qt, bias)
+        bound = _activation_error_bound(x, qt)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        err = (got.double() - want).abs()
+        assert (err <= bound).all(), (layouts, float((err - bound).max()))
+        # a real constraint: ~1 % of the products' magnitudes (amax / 254 against |x|)
+        magnitude = x.double().abs() @ qt.dequantize().double().abs().T
+        assert float(bound.sum() / magnitude.sum()) < 0.03, layouts
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 13, 40, 300])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_linear_q_is_exact_on_whole_numbers_its_int8_grid_holds(ops, m, layout):
+    """Activations that are whole numbers with a 127 in every block of 32 (so the int8 step
+    is exactly 1) and scales/mins that are powers of two: every product and sum is exact in
+    fp32, so any indexing, nibble-order or scale-placement mistake shows as a difference."""
+    kind, group, scale_dtype, with_mins = LAYOUTS[layout]
+    k, n = 640, 37  # sums stay far below 2^24 halves: exact in fp32
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randint(-127, 128, (m, k), generator=gen).float()
+    x[:, ::32] = 127.0 * torch.sign(torch.randn(m, k // 32 + (k % 32 > 0), generator=gen))
+    seg = _segment(kind, n, k, group, scale_dtype, with_mins, gen)
+    pow2 = 2.0 ** torch.randint(-1, 1, seg.scales.shape, generator=gen)
+    mins = None if seg.mins is None else (torch.randint(-2, 3, seg.scales.shape,
+                                                        generator=gen) / 2).to(scale_dtype)
+    qt = QuantTensor((n, k), (QuantSegment(kind, group, seg.codes, pow2.to(scale_dtype),
+                                           mins),))
+    bias = torch.randint(-8, 8, (n,), generator=gen).float()
+    got = ops.linear_q(x, qt.to_blob(), bias)
+    assert torch.equal(got.double(), _reference(x, qt, bias))
+
+
+def test_linear_q_reads_strided_and_empty_inputs(ops):
+    qt = _matrix(["u4_g32_fp16_mins", "s8_g32_fp16"], 50, 96, seed=3)
+    blob = qt.to_blob()
+    gen = torch.Generator().manual_seed(4)
+    for m in (3, 70):  # both paths
+        rows_apart = torch.randn(m, 2, 96, generator=gen)[:, 1]  # rows 192 floats apart
+        padded = torch.randn(m, 101, generator=gen)[:, :96]      # a row stride of 101
+        cols = torch.randn(96, m, generator=gen).t()             # columns contiguous
+        for x in (rows_apart, padded, cols):
+            want = ops.linear_q(x.contiguous(), blob, None)
+            assert torch.equal(ops.linear_q(x, blob, None), want)
+            err = (want.double() - _reference(x, qt, None)).abs()
+            assert (err <= _activation_error_bound(x, qt)).all()
+    assert ops.linear_q(torch.randn(0, 96), blob, None).shape == (0, 50)
+
+
+def test_dequantize_q_and_embedding_q_equal_the_reference_exactly(ops):
+    gen = torch.Generator().manual_seed(5)
+    segs = [_segment(kind, 9, 128, group, sdt, mins, gen)
+            for kind, group, sdt, mins in LAYOUTS.values()]
+    fp8 = torch.randn(5, 128, generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)
+    segs.append(QuantSegment(QuantKind.F8, 32, fp8, torch.rand(5, 4, generator=gen), None))
+    qt = QuantTensor((9 * len(LAYOUTS) + 5, 100), tuple(segs))  # K padded 100 -> 128
+    blob = qt.to_blob()
+    dense = qt.dequantize()
+    assert torch.equal(ops.dequantize_q(blob), dense)
+    ids = torch.tensor([[0, 67, 8], [9, 66, 30]])
+    assert torch.equal(ops.embedding_q(blob, ids), dense[ids])
+    for bad in (-1, qt.shape[0]):
+        with pytest.raises(RuntimeError, match=f"token id {bad} outside the vocabulary"):
+            ops.embedding_q(blob, torch.tensor([0, bad]))
+
+
+def _with(blob: torch.Tensor, offset: int, fmt: str, value) -> torch.Tensor:
+    out = blob.clone()
+    packed = struct.pack(fmt, value)
+    out[offset: offset + len(packed)] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+    return out
+
+
+def test_malformed_blobs_raise_clear_errors(ops):
+    qt = _matrix(["u4_g32_fp16_mins", "s8_g16_fp32"], 40, 64, seed=6)
+    blob, x = qt.to_blob(), torch.randn(2, 64)
+    cases = [
+        (_with(blob, 0, "4s", b"GGUF"), "not a kvray quantized blob"),
+        (blob[:40], "not a kvray quantized blob"),
+        (blob[: blob.numel() - 100], "do not fit in the blob"),  # the last mins cut off
+        (blob[:100], "cannot hold its 2 segment entries"),
+        (_with(blob, 24, "<q", 96), "corrupt blob header"),        # padded K != K rounded up
+        (_with(blob, 64 + 32, "<q", 1 << 40), "do not fit in the blob"),  # codes offset
+        (_with(blob, 64 + 40, "<q", 65), "do not fit in the blob"),      # unaligned scales
+        (_with(blob, 64 + 4, "<i", 48), "corrupt entry"),          # group 48
+        (_with(blob, 64 + 24, "<q", 41), "holds rows"),            # more rows than N
+        (blob.view(torch.int8), "contiguous 1-D uint8"),
+    ]
+    for bad, message in cases:
+        for call in (lambda b: ops.linear_q(x, b, None), ops.dequantize_q,
+                     lambda b: ops.embedding_q(b, torch.tensor([0]))):
+            with pytest.raises(RuntimeError, match=message):
+                call(bad)
+    with pytest.raises(RuntimeError, match="x has 63 columns, the weight 64"):
+        ops.linear_q(torch.randn(2, 63), blob, None)
+    with pytest.raises(RuntimeError, match="fp32 bias \\[N\\]"):
+        ops.linear_q(x, blob, torch.randn(39))
+    fp8 = QuantSegment(QuantKind.F8, 32, torch.zeros(4, 64, dtype=torch.uint8),
+                       torch.ones(4, 2), None)
+    with pytest.raises(RuntimeError, match="F8 weights have no CPU kernel"):
+        ops.linear_q(x, QuantTensor((4, 64), (fp8,)).to_blob(), None)
+
+
+def _layer_weights(hidden: int, heads: int, kv_heads: int, dim: int, inter: int, seed: int
+                   ) -> list[QuantTensor]:
+    """Quantized qkv, o, gate_up, down of one layer (Q4_1-like; V rows as Q8_0, as a
+    Q4_K_M file stores them), with scales giving activations of a sane size."""
+    q4, q8 = "u4_g32_fp16_mins", "s8_g32_fp16"
+    qkv = QuantTensor.cat_rows([_matrix([q4], (heads + kv_heads) * dim, hidden, seed),
+                                _matrix([q8], kv_heads * dim, hidden, seed + 1)])
+    return [qkv, _matrix([q4], hidden, heads * dim, seed + 2),
+            _matrix([q4, q8], 2 * inter, hidden, seed + 3), _matrix([q4], hidden, inter, seed + 4)]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("first_layer", [True, False])
+def test_decode_layer_on_quantized_weights_follows_their_dequantized_values(ops, rows,
+                                                                            first_layer):
+    """The fused layer with blobs for weights computes what it computes on the same weights
+    dequantized to fp32 (the small-M kernel), but for the activations' int8 rounding: for
+    these inputs each linear's error is 0.5-1.2 % of its output's norm (within the bound
+    above; the most for down, whose input silu(gate) * up is heavy-tailed). Along the chain
+    qkv -> attention -> o -> gate_up -> silu * up (two factors' errors) -> down they add up
+    to at most ~4 %: the K/V written, the attention's output (added into the residual
+    stream) and the layer's output are held to 5 % (a wrong weight gives ~100 %)."""
+    hidden, heads, kv_heads, dim, inter, block = 96, 3, 1, 32, 160, 4
+    ext = ops.load_ops()
+    quant = _layer_weights(hidden, heads, kv_heads, dim, inter, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    norms = [torch.rand(n, generator=gen) + 0.5 for n in (hidden, hidden)]
+    empty = torch.empty(0)
+
+    def weights(mats):
+        return [norms[0], mats[0], empty, empty, mats[1], norms[1], mats[2], mats[3]]
+
+    lens = torch.randint(3, 20, (rows,), generator=gen)
+    tables = torch.arange(rows * 6).view(rows, 6)
+    kv = torch.randn(2, kv_heads, rows * 6, block, dim, generator=gen)
+    positions = lens - 1
+    slots = tables[torch.arange(rows), positions // block] * block + positions % block
+    angles = torch.arange(64).float()[:, None] * 0.1 / (1 + torch.arange(dim // 2).float())
+    x = torch.randn(rows, hidden, generator=gen)
+    residual = None if first_layer else torch.randn(rows, hidden, generator=gen)
+    outs = []
+    for mats in ([q.to_blob() for q in quant], [q.dequantize() for q in quant]):
+        cache = kv.clone()
+        res = None if residual is None else residual.clone()
+        out, res = ext.decode_layer(x.clone(), res, weights(mats), [None] * 4,
+                                    [heads, kv_heads, dim], 1e-5, positions, angles.cos(),
+                                    angles.sin(), cache, tables, lens, slots, dim ** -0.5, -1)
+        written = cache.view(2, kv_heads, -1, dim)[:, :, slots]
+        added = res - x - (0 if residual is None else residual)  # the attention's output
+        outs.append((out, added, written))
+    for got, want, what in zip(outs[0], outs[1], ("output", "attention", "K/V written"),
+                               strict=True):
+        rel = float((got - want).norm() / want.norm())
+        assert rel < 0.05, f"{what}: {rel:.4f} of its norm"
