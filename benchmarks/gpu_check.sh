@@ -5,13 +5,17 @@
 #   1. print the environment (GPU, CPU, Python and library versions) and check that
 #      kvray's offline path imports without ray, gguf and fastapi;
 #   2. the GPU tests: pytest tests/test_gpu.py, test_triton_kernels.py, test_triton_ops.py,
-#      test_cuda_graphs.py (those that exist; KVRAY_GPU_CHECK_TESTS overrides the list),
-#      under `timeout`;
+#      test_triton_quant.py, test_cuda_graphs.py (those that exist; KVRAY_GPU_CHECK_TESTS
+#      overrides the list), under `timeout`;
 #   3. the benchmark, benchmarks/gpu_bench.py (kvray vs transformers, roofline), under
-#      `timeout`; it writes gpu_bench.md / gpu_bench.json.
+#      `timeout`; it writes gpu_bench.md / gpu_bench.json;
+#   4. the quantization benchmark, benchmarks/gpu_quant_bench.py (bf16 / fp8 / int4 weights
+#      and bf16 / int8 / fp8 KV caches on a Llama-8B shape, roofline), under `timeout`; it
+#      writes gpu_quant_bench.md / gpu_quant_bench.json.
 # Every step runs even if an earlier one failed; the exit status is non-zero if any failed.
 # Logs and results go to $OUT (default /tmp/kvray-gpu-check): env.log, pytest.log, bench.log,
-# gpu_bench.md, gpu_bench.json, summary.txt.
+# gpu_bench.md, gpu_bench.json, quant.log, gpu_quant_bench.md, gpu_quant_bench.json,
+# summary.txt.
 #
 #   bash benchmarks/gpu_check.sh                                # on the GPU machine
 #   KVRAY_GPU_CHECK_SMOKE=1 OUT=/tmp/gpucheck bash benchmarks/gpu_check.sh   # CPU smoke run
@@ -19,7 +23,8 @@
 #
 # Knobs (environment): PYTHON (default: .venv/bin/python if present, else python3),
 # KVRAY_GPU_CHECK_SITE (wheel target, default /tmp/site), KVRAY_GPU_CHECK_TEST_TIMEOUT (s,
-# default 240), KVRAY_GPU_CHECK_BENCH_TIMEOUT (s, default 300).
+# default 240), KVRAY_GPU_CHECK_BENCH_TIMEOUT (s, default 300), KVRAY_GPU_CHECK_QUANT_TIMEOUT
+# (s, default 240; 0 skips step 4).
 set -uo pipefail
 
 START=$(date +%s)
@@ -49,6 +54,7 @@ fi
 SITE=${KVRAY_GPU_CHECK_SITE:-/tmp/site}
 TEST_TIMEOUT=${KVRAY_GPU_CHECK_TEST_TIMEOUT:-240}
 BENCH_TIMEOUT=${KVRAY_GPU_CHECK_BENCH_TIMEOUT:-300}
+QUANT_TIMEOUT=${KVRAY_GPU_CHECK_QUANT_TIMEOUT:-240}
 
 FAILED=()
 STEPS=()
@@ -146,7 +152,7 @@ if [ -n "${KVRAY_GPU_CHECK_TESTS:-}" ]; then
     read -r -a CANDIDATES <<< "$KVRAY_GPU_CHECK_TESTS"
 else
     CANDIDATES=(tests/test_gpu.py tests/test_triton_kernels.py tests/test_triton_ops.py
-                tests/test_cuda_graphs.py)
+                tests/test_triton_quant.py tests/test_cuda_graphs.py)
 fi
 TESTS=()
 for f in "${CANDIDATES[@]}"; do
@@ -172,6 +178,21 @@ timeout -k 10 "$BENCH_TIMEOUT" "$PY" benchmarks/gpu_bench.py "${BENCH_ARGS[@]}" 
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 124 ] && echo "benchmark: timed out after ${BENCH_TIMEOUT}s" | tee -a "$OUT/bench.log"
 step_done "benchmark" "$rc"
+
+# ---- 4. quantization benchmark ------------------------------------------------------------
+banner "quantization benchmark"
+if [ "$QUANT_TIMEOUT" -gt 0 ] && [ -e benchmarks/gpu_quant_bench.py ]; then
+    QUANT_ARGS=(--out "$OUT" --time-budget $(( QUANT_TIMEOUT * 3 / 4 )))
+    [ "$SMOKE" = 1 ] && QUANT_ARGS+=(--smoke)
+    timeout -k 10 "$QUANT_TIMEOUT" "$PY" benchmarks/gpu_quant_bench.py "${QUANT_ARGS[@]}" \
+        2>&1 | tee "$OUT/quant.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 124 ] && echo "quantization benchmark: timed out after ${QUANT_TIMEOUT}s" \
+        | tee -a "$OUT/quant.log"
+    step_done "quantization benchmark" "$rc"
+else
+    echo "quantization benchmark: skipped (KVRAY_GPU_CHECK_QUANT_TIMEOUT=0 or no script)"
+fi
 
 # ---- summary ------------------------------------------------------------------------------
 ELAPSED=$(( $(date +%s) - START ))
