@@ -72,7 +72,9 @@ def install_kernel_plan(model: nn.Module, plan: KernelPlan) -> InstalledKernels:
         done.onednn = use_packed_weights(model)
     if plan.huge_pages:
         done.huge_pages = move_to_huge_pages(model)
-    if plan.fused_decode:
+    # The fused layer reads the blobs without an act-order (GPTQ g_idx) input permutation.
+    if plan.fused_decode and not any(getattr(m, "input_perm", None) is not None
+                                     for m in model.modules()):
         ops = cpu_ops.load_ops()
         use_fused_decode_layer(model, ops.decode_layer, fused_decode_max_rows(model, plan.dtype),
                                ops.decode_layers)

@@ -55,8 +55,10 @@ def _set_quant(holders: list[nn.Module], qt: QuantTensor) -> None:
     empty = nn.Parameter(old.new_empty(0), requires_grad=False)
     for m in holders:
         m.quant, m.weight = qt, empty
-        if isinstance(m, SmallMMatmul):
-            m.out_features = qt.shape[0]
+        if isinstance(m, SmallMMatmul):  # correct (if slow) until install_quantized
+            m.out_features, m.quant_matmul = qt.shape[0], _reference_matmul
+        if isinstance(m, VocabParallelEmbedding):
+            m.quant_lookup = _segments_lookup
 
 
 def assemble_quantized(model: nn.Module) -> None:
@@ -212,6 +214,14 @@ def _triton_matmul(module: SmallMMatmul, x: torch.Tensor, bias: torch.Tensor | N
     shape = x.shape
     y = triton_quant.linear_quant(x.reshape(-1, shape[-1]), module.quant, bias)
     return y.view(*shape[:-1], y.shape[-1])
+
+
+def _reference_matmul(module: SmallMMatmul, x: torch.Tensor, bias: torch.Tensor | None
+                      ) -> torch.Tensor:
+    """x W^T (+ b) on the weight dequantized for this call: the reference a model has
+    between loading and :func:`install_quantized`."""
+    w = module.quant.dequantize(x.dtype).to(x.device)
+    return torch.nn.functional.linear(x, w, bias)
 
 
 def _segments_lookup(module: VocabParallelEmbedding, ids: torch.Tensor) -> torch.Tensor:

@@ -142,6 +142,11 @@ class QuantSegment:
 
     def narrow_cols(self, start: int, length: int) -> QuantSegment:
         """Columns [start, start + length) of codes on group and block boundaries."""
+        if self.group == self.k_padded and start % BLOCK == 0:
+            # One scale per row (per-channel FP8, GPTQ group -1): any block boundary splits it.
+            per_byte = 2 if self.kind == QuantKind.U4 else 1
+            codes = self.codes.narrow(1, start // per_byte, round_up(length, BLOCK) // per_byte)
+            return replace(self, group=round_up(length, BLOCK), codes=codes)
         unit = max(self.group, BLOCK)
         if start % unit or (length % unit and start + length != self.k_padded):
             raise ValueError(f"columns {start}..{start + length} do not fall on the "
@@ -221,6 +226,8 @@ class QuantTensor:
                 row += s.rows
             return replace(self, shape=(length, k), segments=tuple(out))
         if dim == 1:
+            if start == 0 and length == k:  # no split (tensor_parallel_size 1)
+                return self
             if self.input_perm is not None:
                 raise ValueError("splitting the columns of an act-order (g_idx) weight: not "
                                  "supported; use tensor_parallel_size 1 for this checkpoint")

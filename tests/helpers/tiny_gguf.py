@@ -1,12 +1,17 @@
 """Write a tiny Hugging Face model as a GGUF file the way llama.cpp's converter does
-(F32 tensors, llama.cpp names, Q/K rows interleaved for the Llama architecture)."""
+(llama.cpp names, Q/K rows interleaved for the Llama architecture), in F32 or with chosen
+tensors quantized: Q8_0/Q4_0/Q4_1 by the ``gguf`` package, Q4_K/Q6_K by the simple K-quant
+quantizers here (``gguf`` only reads K-quants), built block by block in llama.cpp's layout."""
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Mapping
 from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
 import transformers
 
 _LAYER = {
@@ -50,8 +55,94 @@ def _add_tokenizer(w: gguf.GGUFWriter, tokenizer) -> None:
     w.add_eos_token_id(tokenizer.eos_token_id)
 
 
-def write_gguf(model_dir: str | Path, out: str | Path) -> Path:
-    """Convert the HF model in ``model_dir`` (llama or qwen2 family) to an F32 GGUF."""
+QK_K = 256  # values per K-quant super-block
+# llama.cpp's Q4_K_M mix, simplified: V and down projections (and the head) in Q6_K.
+Q4_K_M = {"*.v_proj.*": "Q6_K", "*.down_proj.*": "Q6_K", "lm_head.weight": "Q6_K", "*": "Q4_K"}
+
+
+def _f16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fp16 bytes [n, 2], the fp16 values back in fp32 [n, 1])."""
+    h = x.astype(np.float16).reshape(-1, 1)
+    return h.view(np.uint8), h.astype(np.float32)
+
+
+def _divide(x: np.ndarray, by: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(by == 0, 0, x / np.where(by == 0, 1, by))
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """fp32 [N, K] (K % 256 == 0) -> Q4_K bytes [N, K / 256 * 144]: per sub-block of 32,
+    min/max -> a 4-bit affine grid, its scale and min rounded to 6 bits of the super-block's
+    fp16 d and dmin (llama.cpp's layout; a plainer fit than its make_qkx2_quants)."""
+    n = x.shape[0]
+    b = x.astype(np.float32).reshape(-1, 8, 32)
+    lo = np.minimum(b.min(axis=2), 0)
+    scale = (np.maximum(b.max(axis=2), lo) - lo) / 15
+    d_bytes, d = _f16(scale.max(axis=1) / 63)
+    dmin_bytes, dmin = _f16(-lo.min(axis=1) / 63)
+    sc = np.clip(np.rint(_divide(scale, d)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(_divide(-lo, dmin)), 0, 63).astype(np.uint8)
+    step, offset = (d * sc)[..., None], (dmin * m)[..., None]
+    q = np.clip(np.rint(_divide(b + offset, step)), 0, 15).astype(np.uint8)
+    packed = np.concatenate([  # inverse of gguf's Q4_K.get_scale_min
+        (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6),
+        (m[:, :4] & 0x3F) | ((m[:, 4:] >> 4) << 6),
+        (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)], axis=1)
+    q = q.reshape(-1, 4, 2, 32)  # 32 bytes hold sub-blocks 2i (low) and 2i + 1 (high)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    return np.concatenate([d_bytes, dmin_bytes, packed, qs], axis=1).reshape(n, -1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """fp32 [N, K] (K % 256 == 0) -> Q6_K bytes [N, K / 256 * 210]: per sub-block of 16,
+    a symmetric 6-bit grid whose scale is an int8 multiple of the super-block's fp16 d."""
+    n = x.shape[0]
+    b = x.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(b).max(axis=2) / 31
+    d_bytes, d = _f16(scale.max(axis=1) / 127)
+    sc = np.clip(np.rint(_divide(scale, d)), 0, 127).astype(np.int8)
+    q = np.clip(np.rint(_divide(b, (d * sc)[..., None])), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(-1, 2, 128)  # two halves of 128 values
+    ql = (q[:, :, :64] & 0x0F) | ((q[:, :, 64:] & 0x0F) << 4)
+    hi = (q >> 4).reshape(-1, 2, 4, 32)  # top 2 bits of value 32 t + j go to bits 2 t
+    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8),
+                           d_bytes], axis=1).reshape(n, -1)
+
+
+def quantize(x: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[
+        np.ndarray, gguf.GGMLQuantizationType]:
+    """``x`` [N, K] as ``qtype`` bytes, following llama.cpp's fallbacks: a K-quant needs
+    K % 256 == 0 (else Q8_0), a 32-block type K % 32 == 0 (else F32)."""
+    types = gguf.GGMLQuantizationType
+    if qtype in (types.Q4_K, types.Q6_K) and x.shape[1] % QK_K:
+        qtype = types.Q8_0
+    if qtype == types.F32 or x.shape[1] % 32:
+        return np.ascontiguousarray(x, dtype=np.float32), types.F32
+    if qtype == types.Q4_K:
+        return quantize_q4_k(x), qtype
+    if qtype == types.Q6_K:
+        return quantize_q6_k(x), qtype
+    return gguf.quants.quantize(np.ascontiguousarray(x, dtype=np.float32), qtype), qtype
+
+
+def _chosen_type(name: str, quant: Mapping[str, str | gguf.GGMLQuantizationType]
+                 ) -> gguf.GGMLQuantizationType:
+    for pattern, qtype in quant.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return gguf.GGMLQuantizationType[qtype] if isinstance(qtype, str) else qtype
+    return gguf.GGMLQuantizationType.F32
+
+
+def write_gguf(model_dir: str | Path, out: str | Path,
+               quant: Mapping[str, str | gguf.GGMLQuantizationType] | None = None) -> Path:
+    """Convert the HF model in ``model_dir`` (llama or qwen2 family) to a GGUF.
+
+    ``quant`` maps fnmatch patterns of Hugging Face tensor names to GGUF types ("Q4_K" or
+    ``GGMLQuantizationType.Q4_K``); the first matching pattern wins, unmatched tensors stay
+    F32, and so do 1-D tensors (norms, biases) as in llama.cpp. E.g. ``{"*": "Q8_0"}``, or
+    :data:`Q4_K_M`."""
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     cfg = model.config
@@ -79,9 +170,30 @@ def write_gguf(model_dir: str | Path, out: str | Path) -> Path:
             data = _llama_cpp_permute(data, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             data = _llama_cpp_permute(data, cfg.num_key_value_heads)
-        w.add_tensor(_gguf_name(name), np.ascontiguousarray(data))
+        qtype = _chosen_type(name, quant or {}) if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+        data, qtype = quantize(data, qtype)
+        w.add_tensor(_gguf_name(name), data, raw_dtype=None if qtype ==
+                     gguf.GGMLQuantizationType.F32 else qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return Path(out)
+
+
+def dequantized_reference(model_dir: str | Path,
+                          quant: Mapping[str, str | gguf.GGMLQuantizationType]
+                          ) -> transformers.PreTrainedModel:
+    """The HF model with every weight ``write_gguf(..., quant=quant)`` quantizes replaced by
+    its quantize -> dequantize round trip: what any reader of that GGUF must compute (rows
+    are quantized independently, so llama.cpp's Q/K row interleaving does not change it)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, local_files_only=True).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() != 2:
+                continue
+            data, qtype = quantize(p.numpy(), _chosen_type(name, quant))
+            back = gguf.quants.dequantize(data, qtype).reshape(p.shape)
+            p.copy_(torch.from_numpy(np.ascontiguousarray(back)))
+    return model

@@ -1,0 +1,161 @@
+"""GGUF block formats converted, exactly, into :class:`~kvray.quant.tensor.QuantTensor`.
+
+A GGUF tensor of ``N`` rows and ``K`` columns is ``N * K / block`` blocks of bytes, each
+holding its own scale(s) next to its codes. kvray keeps the codes and moves the scales into
+per-group arrays, so the kernels stream one layout whatever the file's type:
+
+=======  ===========================================  ==========================================
+GGUF     block (bytes)                                kvray segment
+=======  ===========================================  ==========================================
+Q8_0     fp16 d, 32 int8 q; ``d * q``                 S8, group 32, fp16 scale d
+Q4_0     fp16 d, 16 B nibbles; ``d * (q - 8)``        U4, group 32, fp16 scale d, min ``-8 d``
+Q4_1     fp16 d, fp16 m, 16 B nibbles; ``d * q + m``  U4, group 32, fp16 scale d, min m
+Q4_K     super-block of 256: fp16 d, fp16 dmin,       U4, group 32, fp32 scale ``d * sc_j``,
+         12 B of 6-bit sc/m for 8 sub-blocks of 32,   fp32 min ``-dmin * m_j``
+         128 B nibbles; ``d sc_j q - dmin m_j``
+Q6_K     super-block of 256: 128 B low nibbles,       S8, group 16, codes ``q - 32``,
+         64 B high 2 bits, 16 int8 sc, fp16 d;        fp32 scale ``d * sc_j``
+         ``d sc_j (q - 32)``
+=======  ===========================================  ==========================================
+
+Every conversion is exact: :meth:`QuantTensor.dequantize` equals ``gguf.quants.dequantize``
+bit for bit in fp32 (products of an fp16 by a 6- or 8-bit integer fit fp32's mantissa, and
+so do the sums). Other types (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ*, TQ*, and the float types)
+have no exact kind here: :func:`to_quant_tensor` returns None and the loader dequantizes them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvray.quant.tensor import QuantKind, QuantSegment, QuantTensor
+
+_FP16_MAX = float(np.finfo(np.float16).max)
+
+
+def _blocks(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> np.ndarray:
+    """The tensor's bytes as [N * K / block, type_size] uint8 (a view where possible)."""
+    n, k = shape
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if k % block:
+        raise ValueError(f"a {qtype.name} row of {k} values: not a whole number of blocks "
+                         f"of {block}")
+    data = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    if data.size != n * k // block * type_size:
+        raise ValueError(f"{data.size} bytes for a {qtype.name} tensor of shape {shape}")
+    return data.reshape(n * k // block, type_size)
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 at byte ``at`` of every block, as a contiguous [num_blocks] float16 array."""
+    return np.ascontiguousarray(blocks[:, at: at + 2]).view(np.float16).reshape(-1)
+
+
+def _tensor(a: np.ndarray, n: int) -> torch.Tensor:
+    """[n, -1] torch tensor; copied where ``a`` is still a view of the read-only file map."""
+    a = np.ascontiguousarray(a)
+    if not a.flags.writeable:
+        a = a.copy()
+    return torch.from_numpy(a.reshape(n, -1))
+
+
+def _q8_0(b: np.ndarray, n: int) -> QuantSegment:
+    codes = _tensor(b[:, 2:], n).view(torch.int8)
+    return QuantSegment(QuantKind.S8, 32, codes, _tensor(_f16(b, 0), n))
+
+
+def _q4_0(b: np.ndarray, n: int) -> QuantSegment:
+    d = _f16(b, 0)
+    # -8 d is exact in fp16 (a power-of-two multiple) unless it overflows.
+    dtype = np.float16 if np.all(np.abs(d.astype(np.float32)) * 8 <= _FP16_MAX) else np.float32
+    scale = d.astype(dtype)
+    return QuantSegment(QuantKind.U4, 32, _tensor(b[:, 2:], n), _tensor(scale, n),
+                        _tensor(scale * dtype(-8), n))
+
+
+def _q4_1(b: np.ndarray, n: int) -> QuantSegment:
+    return QuantSegment(QuantKind.U4, 32, _tensor(b[:, 4:], n), _tensor(_f16(b, 0), n),
+                        _tensor(_f16(b, 2), n))
+
+
+def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes per super-block -> 6-bit (scales, mins) [num_blocks, 8] as uint8.
+
+    Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the
+    same for the mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7."""
+    d, m, md = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=1)
+    return sc, mn
+
+
+def _q4_k(b: np.ndarray, n: int) -> QuantSegment:
+    d, dmin = _f16(b, 0).astype(np.float32), _f16(b, 2).astype(np.float32)
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    scales = d[:, None] * sc.astype(np.float32)
+    mins = -(dmin[:, None] * mn.astype(np.float32))
+    # llama.cpp's order: 32 bytes hold sub-block 2i in their low nibbles and sub-block
+    # 2i + 1 in their high nibbles. U4 wants code j | code j + 16 << 4 per sub-block.
+    q = b[:, 16:].reshape(-1, 4, 2, 16)
+    first, second = q[:, :, 0], q[:, :, 1]  # codes 0-15 and 16-31 of both sub-blocks
+    codes = np.stack([(first & 0x0F) | (second << 4), (first >> 4) | (second & 0xF0)], axis=2)
+    return QuantSegment(QuantKind.U4, 32, _tensor(codes, n), _tensor(scales, n),
+                        _tensor(mins, n))
+
+
+def _q6_k(b: np.ndarray, n: int) -> QuantSegment:
+    # Each half of 128 values: ql's 64 bytes give values 0-63 (low nibbles) and 64-127
+    # (high nibbles); qh's 32 bytes give the top 2 bits of values 32 t + j at bits 2 t.
+    ql = b[:, :128].reshape(-1, 2, 1, 64)
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 2, 128)
+    high = np.concatenate([(qh << 4) & 0x30, (qh << 2) & 0x30, qh & 0x30, (qh >> 2) & 0x30],
+                          axis=2).reshape(-1, 2, 128)
+    codes = ((low | high).view(np.int8) - np.int8(32)).reshape(-1, 256)
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)
+    scales = _f16(b, 208).astype(np.float32)[:, None] * sc
+    return QuantSegment(QuantKind.S8, 16, _tensor(codes, n).view(torch.int8),
+                        _tensor(scales, n))
+
+
+_CONVERTERS = {
+    GGMLQuantizationType.Q8_0: _q8_0,
+    GGMLQuantizationType.Q4_0: _q4_0,
+    GGMLQuantizationType.Q4_1: _q4_1,
+    GGMLQuantizationType.Q4_K: _q4_k,
+    GGMLQuantizationType.Q6_K: _q6_k,
+}
+KEPT_QUANTIZED = frozenset(_CONVERTERS)  # the GGUF types kvray holds without dequantizing
+
+
+def to_quant_tensor(raw: np.ndarray, qtype: GGMLQuantizationType,
+                    shape: tuple[int, int]) -> QuantTensor | None:
+    """A GGUF matrix kept quantized, or None where its type has no exact kvray kind.
+
+    Args:
+        raw: the tensor's bytes as ``GGUFReader``'s ``ReaderTensor.data`` gives them (uint8
+            [N, bytes per row] for block types; any view of the same bytes is accepted).
+        qtype: the tensor's ``tensor_type``.
+        shape: (N, K) in Hugging Face order (rows, then the ``K`` values of a row), i.e. the
+            reverse of GGUF's ``ReaderTensor.shape``.
+    Returns:
+        A one-segment :class:`QuantTensor` whose ``dequantize()`` equals
+        ``gguf.quants.dequantize`` exactly, or None (Q5_*, Q2_K, Q3_K, IQ*, float types...).
+    """
+    convert = _CONVERTERS.get(qtype)
+    if convert is None:
+        return None
+    n, k = shape
+    segment = convert(_blocks(raw, qtype, (n, k)), n)
+    return QuantTensor((n, k), (segment,), f"GGUF {qtype.name}")
+
+
+def gguf_type_bytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of ``shape`` takes in a GGUF file as ``qtype`` (for memory reports)."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    numel = int(np.prod(shape))
+    if numel % block:
+        raise ValueError(f"{numel} values of {qtype.name}: not whole blocks of {block}")
+    return numel // block * type_size
