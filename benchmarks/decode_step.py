@@ -13,7 +13,11 @@ in the environment (see benchmarks/RESULTS.md for the trade-off).
 
 Usage:
     python benchmarks/decode_step.py [--batches 1,4,8,16,64] [--steps 48] [--dtype auto]
-        [--neighbour] [--prompt-len 64]
+        [--neighbour] [--prompt-len 64] [--model PATH] [--quantization none|int8]
+
+The default model is the built-in one as kvray runs it: its Q4_1 GGUF, read in place
+(``--quantization none``: dequantized; ``--model`` the bf16 directory of
+``kvray setup --dense-weights`` for the dense path).
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ def _timed(fn) -> float:
 
 def weight_bytes_per_decode_step(model: torch.nn.Module) -> int:
     """Bytes of the matrices a decode step multiplies (what the small-M kernel reads: the
-    bf16 copies where they exist); norms and one embedding row are negligible."""
+    bf16 copies where they exist, a quantized layer's blob of codes and scales); norms and
+    one embedding row are negligible."""
     from kvray.models.layers import SmallMMatmul
 
     total = 0
@@ -117,6 +122,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--neighbour", action="store_true", help="a busy process on one core")
+    ap.add_argument("--model", default=None, help="default: the built-in model (its GGUF)")
+    ap.add_argument("--quantization", default=None, help="none | int8 (default: as stored)")
     ap.add_argument("--prompt-len", type=int, default=64,
                     help="prompt tokens per request: the context each step attends over "
                     "grows from here by one per step")
@@ -125,22 +132,32 @@ def main() -> None:
     from kvray.config import config_from_flat
     from kvray.engine.llm_engine import LLMEngine
     from kvray.hardware import describe
-    from kvray.models.default_model import default_model_dir
     from kvray.models.layers import SmallMMatmul
+    from kvray.quant.tensor import QuantTensor
 
     print(describe())
-    engine = LLMEngine(config_from_flat({"model": str(default_model_dir()), "dtype": args.dtype,
+    engine = LLMEngine(config_from_flat({"model": args.model, "dtype": args.dtype,
+                                         "quantization": args.quantization,
                                          "max_num_seqs": 256}))
     runner = engine.executor.worker.runner
     model, dtype = runner.model, runner.dtype
     spec = runner.spec
-    print(f"model {default_model_dir().name}, dtype {str(dtype).removeprefix('torch.')}, "
-          f"torch threads {torch.get_num_threads()}")
+    quantized = sorted({QuantTensor.from_blob(m.qweight).kinds[0].name for m in model.modules()
+                        if isinstance(m, SmallMMatmul) and m.qweight is not None})
+    print(f"model {Path(engine.model_path).name}, dtype {str(dtype).removeprefix('torch.')}, "
+          f"weights {'quantized (' + ', '.join(quantized) + ' codes)' if quantized else 'dense'}"
+          f", torch threads {torch.get_num_threads()}")
     bandwidth = read_bandwidth()
     peak = matmul_peak(dtype)
     weight_bytes = weight_bytes_per_decode_step(model)
-    flops_per_token = 2 * sum(m.kernel_weight.numel() for m in model.modules()
-                              if isinstance(m, SmallMMatmul))
+
+    def numel(m: SmallMMatmul) -> int:
+        if m.qweight is not None:
+            rows, cols = QuantTensor.from_blob(m.qweight).shape
+            return rows * cols
+        return m.kernel_weight.numel()
+
+    flops_per_token = 2 * sum(numel(m) for m in model.modules() if isinstance(m, SmallMMatmul))
     floor = weight_bytes / bandwidth
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; weights read per decode step "
           f"{weight_bytes / 2**20:.0f} MiB -> floor {floor * 1e3:.1f} ms; "

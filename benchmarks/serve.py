@@ -198,10 +198,10 @@ def stop_server(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
         proc.wait()
 
 
-def offline(reqs, dtype: str) -> float:
+def offline(reqs, dtype: str, model: str | None = None) -> float:
     from kvray import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype)
+    llm = LLM(model=model, dtype=dtype)
     llm.generate([{"prompt_token_ids": [5] * 16}], SamplingParams(max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     start = time.perf_counter()
@@ -279,6 +279,9 @@ def main() -> None:
                     "requests against, after kvray at each concurrency")
     ap.add_argument("--peer-name", default="peer")
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--model", default=None,
+                    help="the model kvray serves (and the offline run loads): a Hugging Face "
+                    "directory or a .gguf file (default: the built-in model)")
     ap.add_argument("--ingress", default="serve",
                     help="the kvray front ends to launch, comma-separated: serve (Ray Serve, "
                     "the default), replica (`--ingress replica`) and/or process (`kvray "
@@ -311,7 +314,8 @@ def main() -> None:
         """The loads on the running server (--base-url), else on a fresh one."""
         if args.base_url:
             return loads(args.base_url, label, concs, load_rates)
-        proc, base = launch_server(["--dtype", dtype, "--ingress", ingress])
+        model_flag = ["--model", args.model] if args.model else []
+        proc, base = launch_server(["--dtype", dtype, "--ingress", ingress, *model_flag])
         try:
             return loads(base, label, concs, load_rates)
         finally:
@@ -336,6 +340,8 @@ def main() -> None:
             rows.append(theirs[-1])
     if args.base_url:
         model = httpx.get(f"{args.base_url}/v1/models").json()["data"][0]["id"]
+    elif args.model:
+        model = Path(args.model).name
     else:
         from kvray.models.default_model import default_model_dir
 
@@ -354,7 +360,7 @@ def main() -> None:
     elif not args.skip_offline:
         best = max(r["out_tok_s"] for r in rows)
         off = offline(load_workload(args.num_requests, args.seed, "offline", prompt_len,
-                                    output_len), dtype)
+                                    output_len), dtype, args.model)
         print(f"\noffline LLM on the same workload: {off:.1f} output tok/s; best server load "
               f"{best:.1f} tok/s = {best / off:.2f}x offline (target >= 0.85x)")
 

@@ -11,11 +11,22 @@ Workloads (``--workload``): ``uniform`` lengths, ``chat`` (log-normal lengths, p
 ~120 and output median ~90 tokens) and ``prefix`` (90 % of every prompt is one shared system
 prompt, which prefix caching computes once).
 
+Peer mode (``--peer openvino``): instead of transformers, OpenVINO GenAI's continuous-batching
+pipeline (``ContinuousBatchingPipeline`` with a ``SchedulerConfig``, prefix caching on) on the
+built-in model exported with ``optimum-cli export openvino --weight-format int8``, in its own
+venv (``benchmarks/peer_openvino.sh`` makes both, once), driven as a subprocess that prints
+JSON; kvray runs the same requests first, in each of ``--kvray-variants`` (default ``int8``:
+the Hugging Face checkpoint with ``quantization: int8``, and ``Q8_0``: the Q8_0 GGUF that
+``benchmarks/peer_llamacpp.sh --kld`` makes). Defaults then: the ``chat`` workload, 48
+requests; the table gives each kvray / OpenVINO ratio (target >= 1.2x).
+
 Usage:
     python benchmarks/throughput.py [--workload uniform|chat|prefix] [--num-requests 128]
         [--seed 0] [--skip-baseline]
         [--skip-kvray] [--max-num-seqs N] [--max-num-batched-tokens N] [--dtype D]
         [--json PATH]
+    python benchmarks/throughput.py --peer openvino [--kvray-variants int8,Q8_0,Q4_1,default]
+        [--openvino-weights int8] [--kv-cache-dtype D] [--json PATH]
 """
 
 from __future__ import annotations
@@ -26,7 +37,9 @@ import math
 import os
 import platform
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +50,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGET_SPEEDUP = 5.0
 TARGET_DECODE_EFFICIENCY = 0.30
+TARGET_PEER_SPEEDUP = 1.2  # kvray int8 / Q8_0 vs OpenVINO GenAI int8
 WARMUP_REQUESTS = 4
 
 
@@ -275,7 +289,8 @@ def run_kvray(classes: tuple[Any, Any], requests: list[Request], warmup: list[Re
               engine_kwargs: dict[str, Any], dtype: str) -> RunResult:
     """kvray on the workload after a warm-up; decode counters are deltas over the timed run."""
     llm_cls, sampling_cls = classes
-    llm = llm_cls(model=None, dtype=dtype, enable_prefix_caching=True, **engine_kwargs)
+    llm = llm_cls(**{"model": None, "dtype": dtype, "enable_prefix_caching": True,
+                     **engine_kwargs})
     settings = engine_settings(llm)
     print(f"  kvray engine settings: {settings or 'n/a'}", flush=True)
     kvray_generate(llm, sampling_cls, warmup)
@@ -294,6 +309,7 @@ def run_kvray(classes: tuple[Any, Any], requests: list[Request], warmup: list[Re
               f"(first: request {wrong[0]}: {len(outputs[wrong[0]])} != "
               f"{requests[wrong[0]].output_len})", flush=True)
     useful = sum(min(len(o), r.output_len) for o, r in zip(outputs, requests, strict=True))
+    llm.shutdown()  # its memory back before whatever runs next
     return RunResult("kvray", wall, len(requests), sum(len(r.prompt_ids) for r in requests),
                      useful, {"decode": {k: delta[k] for k in DECODE_KEYS},
                               "counters": {k: delta[k] for k in COUNTER_KEYS},
@@ -399,15 +415,204 @@ def write_json(path: Path, config: dict[str, Any], results: dict[str, RunResult]
     print(f"wrote {path}")
 
 
+# --------------------------------------------------------------------------- OpenVINO peer
+
+
+def openvino_driver(spec_path: Path) -> int:
+    """Run inside OpenVINO's venv (no kvray there): the requests of ``spec_path`` through
+    ``ContinuousBatchingPipeline``, after a warm-up; prints one JSON line with the wall time,
+    the tokens and the pipeline's settings."""
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as ov_genai
+
+    spec = json.loads(spec_path.read_text())
+    sched = ov_genai.SchedulerConfig()
+    sched.cache_size = spec["cache_gb"]
+    sched.max_num_seqs = spec["max_num_seqs"]
+    sched.max_num_batched_tokens = spec["max_num_batched_tokens"]
+    sched.enable_prefix_caching = True
+    sched.dynamic_split_fuse = True
+    t0 = time.perf_counter()
+    pipe = ov_genai.ContinuousBatchingPipeline(spec["model_dir"], sched, "CPU")
+    load_s = time.perf_counter() - t0
+
+    def generate(reqs: list[list]) -> list[list[int]]:
+        inputs = [ov.Tensor(np.array([ids], dtype=np.int64)) for ids, _ in reqs]
+        configs = []
+        for _, n in reqs:
+            cfg = ov_genai.GenerationConfig()
+            cfg.max_new_tokens = cfg.min_new_tokens = n
+            cfg.ignore_eos, cfg.do_sample = True, False
+            configs.append(cfg)
+        return [list(r.m_generation_ids[0]) for r in pipe.generate(inputs, configs)]
+
+    generate(spec["warmup"])
+    t0 = time.perf_counter()
+    outputs = generate(spec["requests"])
+    wall = time.perf_counter() - t0
+    core = ov.Core()
+    props = {}
+    for name in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS"):
+        try:
+            props[name] = str(core.get_property("CPU", name))
+        except RuntimeError:
+            props[name] = "n/a"
+    print(json.dumps({"wall_s": wall, "load_s": load_s, "outputs": outputs,
+                      "openvino": ov.__version__, "openvino_genai": ov_genai.__version__,
+                      "cpu_properties": props, "scheduler": str(sched.to_string())
+                      if hasattr(sched, "to_string") else ""}))
+    return 0
+
+
+def peer_dir() -> Path:
+    from kvray.models.default_model import cache_dir
+
+    return cache_dir() / "peer"
+
+
+def run_openvino(requests: list[Request], warmup: list[Request], weights: str,
+                 max_num_seqs: int, max_num_batched_tokens: int) -> RunResult:
+    """OpenVINO GenAI on the workload, in its venv (set up by peer_openvino.sh if needed)."""
+    setup = subprocess.run([str(REPO_ROOT / "benchmarks" / "peer_openvino.sh"), weights],
+                           capture_output=True, text=True)
+    if setup.returncode != 0:
+        raise RuntimeError(f"benchmarks/peer_openvino.sh failed:\n{setup.stderr[-2000:]}")
+    model_dir = setup.stdout.strip().splitlines()[-1]
+    python = peer_dir() / "openvino-venv" / "bin" / "python"
+    spec = {"model_dir": model_dir, "cache_gb": 2, "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "warmup": [[r.prompt_ids, r.output_len] for r in warmup],
+            "requests": [[r.prompt_ids, r.output_len] for r in requests]}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        proc = subprocess.run([str(python), str(Path(__file__).resolve()),
+                               "--openvino-driver", f.name], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the OpenVINO driver failed:\n{proc.stderr[-3000:]}")
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    outputs = data.pop("outputs")
+    useful = sum(min(len(o), r.output_len) for o, r in zip(outputs, requests, strict=True))
+    wrong = sum(len(o) != r.output_len for o, r in zip(outputs, requests, strict=True))
+    print(f"  OpenVINO {data['openvino_genai']}: model {model_dir}, CPU properties "
+          f"{data['cpu_properties']}, load {data['load_s']:.1f} s", flush=True)
+    return RunResult(f"OpenVINO GenAI CB ({weights} weights)", data["wall_s"], len(requests),
+                     sum(len(r.prompt_ids) for r in requests), useful,
+                     {**data, "model_dir": model_dir, "wrong_lengths": wrong,
+                      "outputs": outputs})
+
+
+def kvray_variant(name: str) -> dict[str, Any] | str:
+    """Engine keys of one kvray variant, or why it cannot run here."""
+    from kvray.config import FIELD_SECTION
+    from kvray.models.default_model import (
+        DEFAULT_MODEL_NAME,
+        default_gguf_path,
+        default_model_dir,
+    )
+
+    if name == "default":
+        return {}
+    if name == "int8":
+        if "quantization" not in FIELD_SECTION:
+            return "config key quantization not in this kvray yet"
+        return {"model": str(default_model_dir()), "quantization": "int8"}
+    if name == "Q4_1":
+        return {"model": str(default_gguf_path())}
+    if name in ("Q8_0", "Q4_K_M"):
+        path = peer_dir() / f"{DEFAULT_MODEL_NAME}.{name}.gguf"
+        if not path.is_file():
+            return f"{path} not found (benchmarks/peer_llamacpp.sh --kld makes it)"
+        return {"model": str(path)}
+    return f"unknown variant {name!r} (int8, Q8_0, Q4_K_M, Q4_1, default)"
+
+
+def run_peer(args: argparse.Namespace, requests: list[Request], warmup: list[Request],
+             dtype: str, config: dict[str, Any]) -> int:
+    """kvray in each variant, then OpenVINO, on the same requests; the table with ratios."""
+    classes = import_kvray()
+    if isinstance(classes, str):
+        raise SystemExit(f"kvray cannot be imported: {classes}")
+    results: dict[str, RunResult] = {}
+    skipped: dict[str, str] = {}
+    for name in [v for v in args.kvray_variants.split(",") if v]:
+        keys = kvray_variant(name)
+        if isinstance(keys, str):
+            skipped[name] = keys
+            print(f"kvray {name}: skipped ({keys})", flush=True)
+            continue
+        if args.kv_cache_dtype:
+            keys["kv_cache_dtype"] = args.kv_cache_dtype
+        print(f"running kvray {name} {keys} ...", flush=True)
+        res = run_kvray(classes, requests, warmup, {**engine_kwargs(args), **keys}, dtype)
+        res.system = f"kvray {name} ({dtype} activations)"
+        res.extra["keys"] = keys
+        results[f"kvray {name}"] = res
+    print("running OpenVINO GenAI ...", flush=True)
+    ov_run = run_openvino(requests, warmup, args.openvino_weights,
+                          args.max_num_seqs or 256, args.max_num_batched_tokens or 2048)
+    results["openvino"] = ov_run
+    rows = [["system", "requests/s", "output tok/s", "total tok/s", "wall s"]]
+    rows += [result_row(r) for r in results.values()]
+    for key, r in results.items():
+        if key == "openvino":
+            continue
+        speed = r.output_tok_per_s / ov_run.output_tok_per_s
+        mark = "met" if speed >= TARGET_PEER_SPEEDUP else "NOT met"
+        rows.append([f"ratio {key} / OpenVINO (target >= {TARGET_PEER_SPEEDUP:g}x: {mark})",
+                     f"{r.requests_per_s / ov_run.requests_per_s:.3g}x", f"{speed:.3g}x",
+                     f"{r.total_tok_per_s / ov_run.total_tok_per_s:.3g}x",
+                     f"{r.wall_s / ov_run.wall_s:.3g}x"])
+    print()
+    print(f"workload: {args.workload}, {len(requests)} requests, "
+          f"{config['prompt_tokens']} prompt / {config['output_tokens']} output tokens "
+          "(greedy, ignore_eos)")
+    print(f"OpenVINO CPU properties: {ov_run.extra['cpu_properties']} (its KV cache "
+          "precision is its CPU default unless listed otherwise)")
+    print(format_table(rows))
+    for name, why in skipped.items():
+        print(f"kvray {name}: not run ({why})")
+    for key, r in results.items():
+        if key != "openvino":
+            same = greedy_agreement(r.extra["outputs"], ov_run.extra["outputs"])
+            print(f"greedy agreement (informational) {key} vs OpenVINO: first 8 tokens "
+                  f"identical in {same}/{len(requests)} requests")
+    if args.json:
+        runs = {}
+        for name, r in results.items():
+            d = r.to_dict()
+            d["extra"] = {k: v for k, v in d["extra"].items() if k != "outputs"}
+            runs[name] = d
+        data = {"config": config, "results": runs, "skipped": skipped,
+                "target_speedup_vs_openvino": TARGET_PEER_SPEEDUP}
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-requests", type=int, default=128)
-    p.add_argument("--workload", choices=["uniform", "chat", "prefix"], default="uniform",
-                   help="uniform lengths; chat: log-normal lengths; prefix: 90%% of every "
-                   "prompt is one shared system prompt")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="default 128; 48 with --peer")
+    p.add_argument("--workload", choices=["uniform", "chat", "prefix"], default=None,
+                   help="uniform lengths (the default); chat: log-normal lengths (the default "
+                   "with --peer); prefix: 90%% of every prompt is one shared system prompt")
+    p.add_argument("--peer", choices=["openvino"], default=None,
+                   help="compare with OpenVINO GenAI's continuous batching instead of "
+                   "transformers (see the module docstring)")
+    p.add_argument("--kvray-variants", default="int8,Q8_0",
+                   help="with --peer: kvray runs, comma-separated: int8 (HF checkpoint, "
+                   "quantization int8), Q8_0 / Q4_K_M (GGUFs made by peer_llamacpp.sh --kld), "
+                   "Q4_1 (the shipped GGUF), default (the engine's defaults)")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="with --peer: kvray's kv_cache_dtype (default: the engine's)")
+    p.add_argument("--openvino-weights", default="int8",
+                   help="with --peer openvino: optimum-cli's --weight-format (default int8)")
+    p.add_argument("--openvino-driver", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=512)
@@ -426,7 +631,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default="auto", help="dtype of both systems (default auto: kvray's choice "
                    "for this CPU, bf16 only where it is native)")
     p.add_argument("--json", type=Path, default=None, help="write the numbers to this file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.num_requests is None:
+        args.num_requests = 48 if args.peer else 128
+    if args.workload is None:
+        args.workload = "chat" if args.peer else "uniform"
+    return args
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -464,6 +674,8 @@ def use_repo_checkout() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and "--openvino-driver" in sys.argv:  # in OpenVINO's venv: no kvray
+        return openvino_driver(Path(sys.argv[sys.argv.index("--openvino-driver") + 1]))
     use_repo_checkout()
     from kvray.hardware import machine_dtype
     from kvray.models.default_model import default_model_dir
@@ -485,6 +697,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in config.items():
         print(f"  {k}: {v}")
     print(f"torch threads: {torch.get_num_threads()}", flush=True)
+    if args.peer:
+        return run_peer(args, requests, warmup, dtype, config)
 
     peak = matmul_peak_flops(getattr(torch, dtype))
     print(f"{dtype} matmul peak: {peak / 1e9:.1f} GFLOP/s", flush=True)
