@@ -96,18 +96,33 @@ def test_greedy_tokens_equal_transformers_in_fp32():
 
 def test_the_default_model_runs_its_q4_1_gguf_in_place_and_follows_the_dense_weights():
     """`model: null` is the shipped Q4_1 GGUF, its blocks read by the quantized kernels (no
-    dense weights held), with the tokenizer directory beside it; greedy tokens follow the
-    same weights dequantized (the bf16 directory holds them exactly: Q4_1 values are d*q + m
-    with fp16 d, m and q < 16, which bf16 does not always hold, so the reference is the GGUF
-    itself run dense) over a long common prefix."""
+    dense weights held), with the tokenizer directory beside it, and it predicts what the
+    same weights run dense predict (the reference is the GGUF itself dequantized: Q4_1 values
+    are d*q + m with fp16 d, m and q < 16, which bf16 does not always hold). Greedy texts of a
+    135M model part ways after a few tokens once any logit moves (activations go through
+    int8, as in llama.cpp), so the measure is teacher-forced: on the dense model's greedy
+    texts, the quantized model's top token at each position is mostly the dense one's."""
     from kvray import LLM, SamplingParams
     from kvray.models.default_model import default_gguf_path
     from kvray.models.quantized import quantized_modules
 
     builtin_model_or_skip()
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = ["The capital of France is", "Water boils at a temperature of",
                "The three primary colors are"]
+    scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+
+    def top_tokens(llm: LLM, texts: list[list[int]]) -> list[int]:
+        outs = llm.generate([{"prompt_token_ids": t} for t in texts], scored, use_tqdm=False)
+        return [max(step, key=step.get) for o in outs for step in o.prompt_logprobs if step]
+
+    dense = LLM(dtype="float32", quantization="none")
+    try:
+        greedy = dense.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24,
+                                                        ignore_eos=True), use_tqdm=False)
+        texts = [[*o.prompt_token_ids, *o.outputs[0].token_ids] for o in greedy]
+        ref = top_tokens(dense, texts)
+    finally:
+        dense.shutdown()
     llm = LLM(dtype="float32")
     try:
         runner = llm.llm_engine.executor.worker.runner
@@ -115,14 +130,14 @@ def test_the_default_model_runs_its_q4_1_gguf_in_place_and_follows_the_dense_wei
         held = quantized_modules(runner.model)
         assert len(held) >= 30 * 4 and all(m.qweight is not None for m in held)
         assert all(m.weight.numel() == 0 for m in held)
-        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        ours = top_tokens(llm, texts)
+        first = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3,
+                                                     ignore_eos=True), use_tqdm=False)
     finally:
         llm.shutdown()
-    dense = LLM(dtype="float32", quantization="none")
-    try:
-        ref = [o.outputs[0].token_ids for o in dense.generate(prompts, params, use_tqdm=False)]
-    finally:
-        dense.shutdown()
-    common = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
-              for x, y in zip(ours, ref, strict=True)]
-    assert min(common) >= 4 and sum(common) / len(common) >= 10, common
+    assert len(ours) == len(ref) >= 80
+    agree = sum(a == b for a, b in zip(ours, ref, strict=True)) / len(ref)
+    assert agree >= 0.85, agree
+    assert [list(o.outputs[0].token_ids) for o in first] == [t[len(o.prompt_token_ids):][:3]
+                                                            for t, o in zip(texts, first,
+                                                                            strict=True)]

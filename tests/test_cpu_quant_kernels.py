@@ -83,8 +83,7 @@ def ops(cpu_kernels):
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 40, 300])
 def test_linear_q_is_within_the_activation_quantization_bound(ops, k, n, m):
     """Every layout that fits K (groups dividing the padded K), one at a time and all of them
-    as segments of one blob; a bias on odd M; the int8 path (few rows) and the fp32 panel
-    path (many) both."""
+    as segments of one blob; a bias on odd M; from one row to a prefill's 300."""
     gen = torch.Generator().manual_seed(k * 1000 + n + m)
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen) if m % 2 else None
@@ -249,3 +248,16 @@ def test_decode_layer_on_quantized_weights_follows_their_dequantized_values(ops,
                                strict=True):
         rel = float((got - want).norm() / want.norm())
         assert rel < 0.05, f"{what}: {rel:.4f} of its norm"
+
+
+@pytest.mark.parametrize("layout", ["u4_g32_fp16_mins", "s8_g32_fp16"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, layout):
+    """Regression: rows computed alone (decode steps) and inside 300-row calls (prefill,
+    recompute after preemption) are bit-identical, so greedy tokens do not change with the
+    batch around them."""
+    blob = _matrix([layout], 96, 576, seed=7).to_blob()
+    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(8))
+    together = ops.linear_q(x, blob, None)
+    for m in (0, 1, 63, 64, 299):
+        assert torch.equal(ops.linear_q(x[m:m + 1].clone(), blob, None)[0], together[m]), m
+    assert torch.equal(ops.linear_q(x[:70].clone(), blob, None), together[:70])

@@ -67,7 +67,9 @@ def test_streams_on_two_replicas_each_get_their_own_tokens(two_replicas):
     for _ in range(2):  # the second round reuses carriers the first one opened
         got, batched = asyncio.run(asyncio.wait_for(all_streams(), 120))
         assert [(t, f) for t, f, _ in got] == [(e, "length") for e in expected]
-        assert all(chunks >= 2 for _, _, chunks in got)
+        # streamed, not sent whole: a loaded ingress may coalesce one short stream's tokens
+        # into a single chunk, but not every stream's
+        assert sum(chunks for _, _, chunks in got) > len(got)
         assert batched == [client.completions.create(model=name, prompt=p, max_tokens=6,
                                                      temperature=0).choices[0].text
                            for p in prompts[:4]]

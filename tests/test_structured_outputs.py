@@ -179,9 +179,12 @@ def test_regex_choice_json_object_and_grammar_hold_at_temperature_one(llm):
 
 @pytest.mark.engine
 def test_json_object_gives_an_object(llm):
-    """Any JSON object: unbounded keys and strings, so greedy with a JSON-minded prompt (at
-    temperature 1 a 135M model may still be writing its first key at max_tokens)."""
-    out = llm.generate('A user record as JSON, with "name" and "id":', SamplingParams(
+    """Any JSON object: unbounded keys and strings, so greedy with a JSON-minded prompt in
+    the model's chat format (at temperature 1, or on a bare prompt, a 135M model may still be
+    writing its first key or number at max_tokens)."""
+    prompt = ("<|im_start|>user\nGive me a JSON object with a \"name\" string and an \"id\" "
+              "number.<|im_end|>\n<|im_start|>assistant\n")
+    out = llm.generate(prompt, SamplingParams(
         temperature=0.0, max_tokens=80, structured_outputs={"json_object": True}),
         use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict), out.text

@@ -30,11 +30,14 @@ paths and says so once. Tests check every op against its reference.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -71,17 +74,40 @@ def load_ops():
 
 def _build():
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import get_default_build_root, load
 
-        return load(name=f"kvray_cpu_ops_{_build_tag()}",
-                    sources=[str(_CSRC / s) for s in _SOURCES],
-                    extra_cflags=[*_CFLAGS, f"-march={_march()}"],
-                    extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        name = f"kvray_cpu_ops_{_build_tag()}"
+        build_dir = Path(get_default_build_root()) / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with _build_dir_lock(build_dir):
+            return load(name=name, sources=[str(_CSRC / s) for s in _SOURCES],
+                        extra_cflags=[*_CFLAGS, f"-march={_march()}"],
+                        extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"],
+                        build_directory=str(build_dir), verbose=False)
     except Exception as err:  # a missing compiler must not stop the engine
         logger.warning("kvray: CPU kernels unavailable (%s); using the PyTorch reference "
                        "paths", err)
         return None
+
+
+@contextlib.contextmanager
+def _build_dir_lock(build_dir: Path) -> Iterator[None]:
+    """Serialise kvray's builds of one extension with an ``flock``, which the kernel drops
+    when its holder dies. torch's own lock is a file that exists while a build runs: a build
+    killed midway (Ctrl-C, a timeout) leaves it behind and every later start waits on it
+    forever. Holding the flock, no live kvray process is building, so a torch lock file
+    found then is stale and is removed."""
+    with open(build_dir / "kvray.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("kvray: removing %s, left by a build that did not finish",
+                               stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _march() -> str:

@@ -12,10 +12,12 @@
 // unpacked once for up to 4 rows of x (U4 rows two blocks per load, x's codes stored in the
 // matching pair order); the error against x's exact products is at most sum over blocks of
 // dx / 2 * sum |w| (tests/test_cpu_quant_kernels.py checks it).
-// Many rows (prefill): a tile's weight rows are dequantized into fp32 panels once and run
-// through register-blocked fp32 FMAs (as cpu_linear.cpp's packed kernel): exact weights,
-// x unquantized. panel_min_rows says where that starts and why. Without AVX2 (other
-// CPUs): the dequantized matrix through ATen's matmul.
+// Every number of rows takes this path, so that a row's result never depends on how many
+// rows share its call: greedy tokens stay the same whatever else is in the batch, and after
+// a preemption recomputes a request's tokens as a prefill. (An fp32 path on weights
+// dequantized into panels per tile ran prefills of 256 rows 1.5x faster for Q4_1, 1.3x
+// for Q8_0, but gave different numbers from the decode steps' int8 path: removed.)
+// Without AVX2 (other CPUs): the dequantized matrix through ATen's matmul.
 #include "ops.h"
 
 #include <c10/util/Float8_e4m3fn.h>
@@ -425,7 +427,9 @@ inline void u4_pair(const uint8_t* codes, const XView& x, const float* mult, int
 template <int M, int KD, bool G16, bool Half>
 void dot_rows(const SegView& s, const XView& x, int64_t r0, int64_t r1, float* y,
               int64_t ldy, const float* bias, float* bs, float* mult) {
-  constexpr int U = M <= 2 ? 2 : 1;
+  // Two accumulators per x row whatever M is: the sum for a row is then the same sequence of
+  // operations in a call of 1 row as of 300, so its result does not depend on the batch.
+  constexpr int U = 2;
   const int64_t sbytes = Half ? 2 : 4, nb = x.nb, ns = G16 ? 2 * nb : nb;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* codes = s.codes + r * s.row_bytes;
@@ -537,107 +541,6 @@ void linear_int8(const Blob& b, const float* x, int64_t ldx, int64_t M, const fl
   });
 }
 
-// ---- many rows: weights dequantized into fp32 panels, register-blocked FMAs ----
-constexpr int64_t kPanel = 16;  // weight rows per panel: two AVX2 vectors of outputs
-constexpr int kXRows = 6;       // x rows per register block (12 of the 16 registers)
-constexpr int64_t kTilePanels = 3;
-
-// R rows of x (row stride ldx) against one panel (k-major, [K][16]): y[r, 0:cols] (+ bias).
-template <int R>
-void panel_rows(const float* __restrict__ x, int64_t ldx, const float* __restrict__ wp,
-                int64_t K, float* y, int64_t ldy, const float* bias, int64_t cols) {
-  __m256 c0[R], c1[R];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(wp + k * kPanel);
-    const __m256 w1 = _mm256_loadu_ps(wp + k * kPanel + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
-      c0[r] = _mm256_fmadd_ps(xv, w0, c0[r]);
-      c1[r] = _mm256_fmadd_ps(xv, w1, c1[r]);
-    }
-  }
-  alignas(32) float out[kPanel];
-#pragma GCC unroll 6  // (the accumulators stay in registers only if every index is constant)
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(out, c0[r]);
-    _mm256_store_ps(out + 8, c1[r]);
-    for (int64_t j = 0; j < cols; ++j) y[r * ldy + j] = out[j] + (bias ? bias[j] : 0.f);
-  }
-}
-
-void panel_rows_any(int rows, const float* x, int64_t ldx, const float* wp, int64_t K,
-                    float* y, int64_t ldy, const float* bias, int64_t cols) {
-  switch (rows) {
-    case 1: panel_rows<1>(x, ldx, wp, K, y, ldy, bias, cols); break;
-    case 2: panel_rows<2>(x, ldx, wp, K, y, ldy, bias, cols); break;
-    case 3: panel_rows<3>(x, ldx, wp, K, y, ldy, bias, cols); break;
-    case 4: panel_rows<4>(x, ldx, wp, K, y, ldy, bias, cols); break;
-    case 5: panel_rows<5>(x, ldx, wp, K, y, ldy, bias, cols); break;
-    default: panel_rows<6>(x, ldx, wp, K, y, ldy, bias, cols); break;
-  }
-}
-
-// Panel q of the blob's rows dequantized into dst[K][16] (rows past N zero).
-void dequant_panel(const Blob& b, int64_t q, float* dst, float* row) {
-  for (int64_t j = 0; j < kPanel; ++j) {
-    const int64_t n = q * kPanel + j;
-    if (n < b.N) {
-      const Segment& s = segment_of(b, n);
-      dequant_row(b, s, n - s.row0, row);
-      for (int64_t k = 0; k < b.K; ++k) dst[k * kPanel + j] = row[k];
-    } else {
-      for (int64_t k = 0; k < b.K; ++k) dst[k * kPanel + j] = 0.f;
-    }
-  }
-}
-
-// Tiles of y (up to 256 rows of x, fewer for long K so that they stay in L2, x kTilePanels
-// panels) taken by the threads one at a time; each dequantizes its panels once.
-void linear_panels(const Blob& b, const float* x, int64_t ldx, int64_t M, const float* bias,
-                   float* y) {
-  const int64_t K = b.K, N = b.N;
-  const int64_t tile_rows = std::max<int64_t>(
-      kXRows, std::min<int64_t>(256, 196608 / K / kXRows * kXRows));
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t tiles_n = (panels + kTilePanels - 1) / kTilePanels;
-  const int64_t tiles = (M + tile_rows - 1) / tile_rows * tiles_n;
-  parallel_dynamic(tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf(kTilePanels * kPanel * K), row(b.Kp);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t m0 = t / tiles_n * tile_rows, m1 = std::min(M, m0 + tile_rows);
-      const int64_t q0 = t % tiles_n * kTilePanels, q1 = std::min(panels, q0 + kTilePanels);
-      for (int64_t q = q0; q < q1; ++q) {
-        float* wp = buf.data() + (q - q0) * kPanel * K;
-        dequant_panel(b, q, wp, row.data());
-        const int64_t n = q * kPanel, cols = std::min(kPanel, N - n);
-        for (int64_t m = m0; m < m1;) {
-          int64_t rows = std::min<int64_t>(kXRows, m1 - m);
-          if (m1 - m > kXRows && m1 - m < 2 * kXRows) rows = (m1 - m + 1) / 2;
-          panel_rows_any(static_cast<int>(rows), x + m * ldx, ldx, wp, K, y + m * N + n, N,
-                         bias ? bias + n : nullptr, cols);
-          m += rows;
-        }
-      }
-    }
-  });
-}
-
-// Rows of x from which the panel path runs (it dequantizes every weight once per tile of
-// up to 256 rows; the int8 path's cost grows with the rows). The built-in model's linears
-// on a 2-core AVX2 EPYC, int8 / panels, alternating in one process (ms per decode step's
-// linears): Q4_1 at 32 rows 101 / 124, 64: 184 / 153, 128: 393 / 254, 256: 680 / 441
-// (123 GFLOP/s; fp32 weights packed once: ~141); Q8_0 (S8: the int8 path is cheaper) at
-// 64 rows 137 / 150, 128: 254 / 246, 256: 573 / 444. Hence 64 rows with U4 segments, 128
-// without.
-int64_t panel_min_rows(const Blob& b) {
-  for (const Segment& s : b.segs)
-    if (s.kind == kU4) return 64;
-  return 128;
-}
-
 }  // namespace
 #endif  // __AVX2__
 
@@ -699,10 +602,7 @@ at::Tensor linear_q(at::Tensor x, at::Tensor blob, c10::optional<at::Tensor> bia
   const at::Tensor xc = x.stride(1) == 1 && x.stride(0) >= b.K ? x : x.contiguous();
   const at::Tensor bc = has_bias ? bias->contiguous() : at::Tensor();
   const float* bp = has_bias ? bc.data_ptr<float>() : nullptr;
-  if (M >= panel_min_rows(b))
-    linear_panels(b, xc.data_ptr<float>(), xc.stride(0), M, bp, y.data_ptr<float>());
-  else
-    linear_int8(b, xc.data_ptr<float>(), xc.stride(0), M, bp, y.data_ptr<float>());
+  linear_int8(b, xc.data_ptr<float>(), xc.stride(0), M, bp, y.data_ptr<float>());
   return y;
 #else
   // No vector kernels: the dequantized matrix through ATen's matmul.
