@@ -124,8 +124,8 @@ at::Tensor argmax_rows(at::Tensor x);
 
 // y = x W^T (+ bias) for fp32 x [M, K] (unit stride along K) and W a quantized blob
 // (kvray/quant/tensor.py's BLOB_LAYOUT: U4/S8 segments, any group, fp16/fp32 scales, with or
-// without mins), read in place: few rows with int8-quantized activations and integer dot
-// products, many with fp32 panels dequantized per tile (cpu_quant.cpp).
+// without mins), read in place: activations quantized to int8 per block and integer dot
+// products, the same operations for a row whatever the number of rows (cpu_quant.cpp).
 at::Tensor linear_q(at::Tensor x, at::Tensor blob, c10::optional<at::Tensor> bias);
 
 // Rows `ids` (int64, any shape) of a quantized blob dequantized -> fp32 [*ids.shape, K].
