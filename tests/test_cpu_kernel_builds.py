@@ -62,9 +62,7 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(cpu_kernels)
     """torch marks a running build with a ``lock`` file; a build killed midway leaves it and
     torch alone would wait on it forever. kvray's own flock proves no build is running, so
     a fresh process removes the stale file and loads the kernels."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    stale = Path(get_default_build_root()) / f"kvray_cpu_ops_{cpu_ops._build_tag()}" / "lock"
+    stale = cpu_ops.build_directory() / "lock"
     stale.touch()
     code = "from kvray.kernels import cpu_ops; print(cpu_ops.load_ops() is not None)"
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,

@@ -74,13 +74,12 @@ def load_ops():
 
 def _build():
     try:
-        from torch.utils.cpp_extension import get_default_build_root, load
+        from torch.utils.cpp_extension import load
 
-        name = f"kvray_cpu_ops_{_build_tag()}"
-        build_dir = Path(get_default_build_root()) / name
+        build_dir = build_directory()
         build_dir.mkdir(parents=True, exist_ok=True)
         with _build_dir_lock(build_dir):
-            return load(name=name, sources=[str(_CSRC / s) for s in _SOURCES],
+            return load(name=build_dir.name, sources=[str(_CSRC / s) for s in _SOURCES],
                         extra_cflags=[*_CFLAGS, f"-march={_march()}"],
                         extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"],
                         build_directory=str(build_dir), verbose=False)
@@ -90,6 +89,14 @@ def _build():
         return None
 
 
+def build_directory() -> Path:
+    """Where this build of the extension lives: torch's extension root (``TORCH_EXTENSIONS_DIR``
+    or ``~/.cache/torch_extensions/py*_cpu``), one folder per build tag."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root()) / f"kvray_cpu_ops_{_build_tag()}"
+
+
 @contextlib.contextmanager
 def _build_dir_lock(build_dir: Path) -> Iterator[None]:
     """Serialise kvray's builds of one extension with an ``flock``, which the kernel drops
@@ -97,17 +104,13 @@ def _build_dir_lock(build_dir: Path) -> Iterator[None]:
     killed midway (Ctrl-C, a timeout) leaves it behind and every later start waits on it
     forever. Holding the flock, no live kvray process is building, so a torch lock file
     found then is stale and is removed."""
-    with open(build_dir / "kvray.flock", "a") as f:
+    with open(build_dir / "kvray.flock", "a") as f:  # closing the file drops the flock
         fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            stale = build_dir / "lock"
-            if stale.exists():
-                logger.warning("kvray: removing %s, left by a build that did not finish",
-                               stale)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("kvray: removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def _march() -> str:

@@ -422,8 +422,8 @@ inline void u4_pair(const uint8_t* codes, const XView& x, const float* mult, int
 }
 
 // Rows [r0, r1) of a segment against M (1..4) rows of x: y[m * ldy + r] (+ bias[r]). U
-// accumulators per x row (alternate blocks) hide the FMA latency at one or two rows; bs and
-// mult are scratch for row_multipliers.
+// accumulators per x row (alternate blocks) hide the FMA latency; bs and mult are scratch
+// for row_multipliers.
 template <int M, int KD, bool G16, bool Half>
 void dot_rows(const SegView& s, const XView& x, int64_t r0, int64_t r1, float* y,
               int64_t ldy, const float* bias, float* bs, float* mult) {
@@ -469,8 +469,7 @@ void dot_rows(const SegView& s, const XView& x, int64_t r0, int64_t r1, float* y
     }
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) {
-      __m256 a = acc[m][0];
-      if constexpr (U == 2) a = _mm256_add_ps(a, acc[m][1]);
+      __m256 a = _mm256_add_ps(acc[m][0], acc[m][1]);
       if (s.mins) a = add_min_terms<Half>(a, s.mins + r * s.ng * sbytes, x.gs + m * x.ng, s.ng);
       y[m * ldy + r] = Vec8::sum(a) + (bias ? bias[r] : 0.f);
     }
