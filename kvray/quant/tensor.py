@@ -20,8 +20,10 @@ activations with zeros, so padding never contributes.
 :meth:`QuantTensor.to_blob` lays a matrix out as one contiguous ``uint8`` tensor (a header,
 a segment table, then each segment's codes, scales and mins at 64-byte-aligned offsets):
 what the C++ kernels and the fused decode layer take as "the weight", one tensor per
-linear. The layout is specified in :data:`BLOB_LAYOUT` and mirrored in
-``kvray/kernels/csrc/cpu_quant.cpp``.
+linear. Rows are interleaved in tiles of 8 (:data:`TILE`) so that the kernels' vector lanes
+are 8 weight rows: one broadcast of 4 activation codes meets 8 rows' codes, and a row's
+dot product never needs a horizontal sum. The layout is specified in :data:`BLOB_LAYOUT`
+and mirrored in ``kvray/kernels/csrc/cpu_quant.cpp``.
 """
 
 from __future__ import annotations
@@ -33,15 +35,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-BLOB_MAGIC = b"KVQ1"
+BLOB_MAGIC = b"KVQ2"
 HEADER_BYTES = 64
 SEGMENT_BYTES = 64
 ALIGN = 64
 BLOCK = 32  # codes per activation block (and the K padding unit)
+TILE = 8  # weight rows interleaved in the blob: one 8-lane vector holds one value per row
 
 BLOB_LAYOUT = """
 header (64 bytes, little-endian):
-  [0:4]   magic b"KVQ1"
+  [0:4]   magic b"KVQ2"
   [4:8]   int32 num_segments
   [8:16]  int64 N (rows)
   [16:24] int64 K (logical columns)
@@ -58,11 +61,13 @@ segment table at byte 64, num_segments entries of 64 bytes, in row order:
   [40:48] int64 scales offset
   [48:56] int64 mins offset (0 without mins)
   [56:64] zero
-codes: rows x k_padded/2 bytes (U4) or rows x k_padded bytes (S8, F8), row-major
-scales, mins: rows x (k_padded / group) values of the scale dtype, row-major
+A segment's rows are stored in tiles of 8 (the last one padded with zero rows), each tile
+as k_padded / 32 blocks of 32 columns:
+codes, per tile and block: U4 4 x 32 bytes, byte 4 r + e of part j holding row r's code of
+  column 8 j + e (low nibble) and 8 j + 4 + e (high nibble); S8 and F8 8 x 32 bytes, byte
+  4 r + e of part c holding row r's code of column 4 c + e
+scales, mins: per tile and group, the 8 rows' values of the scale dtype
 """
-
-
 class QuantKind(enum.IntEnum):
     U4 = 1
     S8 = 2
@@ -317,14 +322,13 @@ class QuantTensor:
                                                  * len(self.segments), ALIGN)
         row0 = 0
         for s in self.segments:
-            arrays = [s.codes.contiguous().view(torch.uint8),
-                      s.scales.contiguous().view(torch.uint8)]
+            arrays = [_tile_codes(s), _tile_rows(s.scales)]
             if s.mins is not None:
-                arrays.append(s.mins.contiguous().view(torch.uint8))
+                arrays.append(_tile_rows(s.mins))
             offsets = []
             for a in arrays:
                 offsets.append(offset)
-                chunks.append((offset, a.reshape(-1)))
+                chunks.append((offset, a))
                 offset = round_up(offset + a.numel(), ALIGN)
             mins_off = offsets[2] if s.mins is not None else 0
             table.append(struct.pack("<iiiiqqqqq8x", int(s.kind), s.group,
@@ -341,7 +345,8 @@ class QuantTensor:
 
     @staticmethod
     def from_blob(blob: torch.Tensor, source: str = "") -> QuantTensor:
-        """Views into ``blob`` (no copy): the inverse of :meth:`to_blob`."""
+        """The matrix ``blob`` holds (its rows untiled: a copy): the inverse of
+        :meth:`to_blob`."""
         if blob.dtype != torch.uint8 or blob.dim() != 1:
             raise ValueError("a quantized blob is a 1-D uint8 tensor")
         raw = bytes(blob[:HEADER_BYTES].cpu().numpy())
@@ -354,17 +359,60 @@ class QuantTensor:
             kind, group, sdt, has_min, _row0, rows, c_off, s_off, m_off = struct.unpack(
                 "<iiiiqqqqq8x", table[i * SEGMENT_BYTES:(i + 1) * SEGMENT_BYTES])
             kind = QuantKind(kind)
+            tiles = -(-rows // TILE)
             width = kp // 2 if kind == QuantKind.U4 else kp
-            codes = blob[c_off: c_off + rows * width].view(rows, width)
-            if kind == QuantKind.S8:
-                codes = codes.view(torch.int8)
+            codes = _untile_codes(kind, blob[c_off: c_off + tiles * TILE * width], rows, kp)
             sdtype = _SCALE_FROM_CODE[sdt]
             ng = kp // group
-            nb = rows * ng * torch.finfo(sdtype).bits // 8
-            scales = blob[s_off: s_off + nb].view(sdtype).view(rows, ng)
-            mins = blob[m_off: m_off + nb].view(sdtype).view(rows, ng) if has_min else None
+            nb = tiles * TILE * ng * torch.finfo(sdtype).bits // 8
+            scales = _untile_rows(blob[s_off: s_off + nb].view(sdtype), rows, ng)
+            mins = _untile_rows(blob[m_off: m_off + nb].view(sdtype), rows, ng) if has_min \
+                else None
             segs.append(QuantSegment(kind, group, codes, scales, mins))
         return QuantTensor((n, k), tuple(segs), source)
+
+
+def _tile_rows(values: torch.Tensor) -> torch.Tensor:
+    """[rows, n] -> bytes of [tiles, n, TILE]: per tile, the 8 rows' values side by side
+    (padded with zero rows)."""
+    rows, n = values.shape
+    tiles = -(-rows // TILE)
+    padded = values.new_zeros(tiles * TILE, n)
+    padded[:rows] = values
+    return padded.view(tiles, TILE, n).transpose(1, 2).contiguous().view(torch.uint8).view(-1)
+
+
+def _untile_rows(data: torch.Tensor, rows: int, n: int) -> torch.Tensor:
+    tiles = -(-rows // TILE)
+    return data.view(tiles, n, TILE).transpose(1, 2).reshape(tiles * TILE, n)[:rows].clone()
+
+
+def _tile_codes(s: QuantSegment) -> torch.Tensor:
+    """A segment's codes in the blob's order (:data:`BLOB_LAYOUT`): per tile of 8 rows and
+    block of 32 columns, parts of 32 bytes holding 4 consecutive codes of each row."""
+    kp, nb, tiles = s.k_padded, s.k_padded // BLOCK, -(-s.rows // TILE)
+    if s.kind == QuantKind.U4:
+        codes = s.int_codes().to(torch.uint8)
+    else:
+        codes = s.codes.contiguous().view(torch.uint8)
+    padded = codes.new_zeros(tiles * TILE, kp)
+    padded[: s.rows] = codes
+    if s.kind == QuantKind.U4:  # [tile, row, block, part, nibble, e] -> [.., block, part, row, e]
+        c = padded.view(tiles, TILE, nb, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        return (c[..., 0] | (c[..., 1] << 4)).contiguous().view(-1)
+    return padded.view(tiles, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(-1)
+
+
+def _untile_codes(kind: QuantKind, data: torch.Tensor, rows: int, kp: int) -> torch.Tensor:
+    nb, tiles = kp // BLOCK, -(-rows // TILE)
+    if kind == QuantKind.U4:
+        b = data.view(tiles, nb, 4, TILE, 4)
+        c = torch.stack([b & 0xF, b >> 4], dim=-1)  # [tile, block, part, row, e, nibble]
+        c = c.permute(0, 3, 1, 2, 5, 4).reshape(tiles * TILE, kp)[:rows]
+        return pack_u4(c)
+    c = data.view(tiles, nb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, kp)
+    c = c[:rows].contiguous()
+    return c.view(torch.int8) if kind == QuantKind.S8 else c
 
 
 def pack_u4(codes: torch.Tensor) -> torch.Tensor:

@@ -2,21 +2,23 @@
 // kvray/kernels/cpu_ops.py). The weight is one uint8 blob: kvray/quant/tensor.py's
 // BLOB_LAYOUT, mirrored by parse_blob below; rows in segments of one kind each (U4, S8, F8)
 // with per-group scales (fp32/fp16) and optional mins: w[n, k] = s[n, g] * q[n, k] (+ m[n, g]).
+// A segment's rows are interleaved in tiles of 8, so that a vector's 8 lanes are 8 weight
+// rows: 32 bytes hold 4 consecutive codes of each of the 8 rows.
 //
-// Few rows (decode): llama.cpp's method. Each row of x is quantized per block of 32 to int8
-// (dx = amax / 127); per weight row and block, an integer dot product of the codes with the
-// activation codes (AVX2 maddubs: unsigned U4 codes x signed activations; S8 through the
-// sign trick, maddubs(|w|, sign(x, w))), madd with ones, converted to float and accumulated
-// with the multiplier dx * scale: one vector accumulator per x row over the whole weight row,
-// summed once. Mins add m[n, g] * the sum of quantized x over group g. Each weight row is
-// unpacked once for up to 4 rows of x (U4 rows two blocks per load, x's codes stored in the
-// matching pair order); the error against x's exact products is at most sum over blocks of
-// dx / 2 * sum |w| (tests/test_cpu_quant_kernels.py checks it).
-// Every number of rows takes this path, so that a row's result never depends on how many
-// rows share its call: greedy tokens stay the same whatever else is in the batch, and after
-// a preemption recomputes a request's tokens as a prefill. (An fp32 path on weights
-// dequantized into panels per tile ran prefills of 256 rows 1.5x faster for Q4_1, 1.3x
-// for Q8_0, but gave different numbers from the decode steps' int8 path: removed.)
+// The activations are quantized per block of 32 to int8 (dx = amax / 127), as llama.cpp
+// does. Per tile and block, each x row's 4 codes at a time are broadcast against the tile's
+// 32-byte parts (AVX2 maddubs: unsigned U4 codes x signed activations; S8 through the sign
+// trick, maddubs(|w|, sign(x, w))), the products summed exactly in int16 / int32 to one int
+// per weight row (lane), converted once and accumulated with the multiplier s * dx: one fma
+// per block for 8 weight rows, no horizontal sums. Mins add m[n, g] times the sum of
+// quantized x over group g. A tile's parts are unpacked once for up to 4 x rows, the tiles
+// of an L2-sized stretch taken by every pass of 4 x rows (prefill, big decode batches).
+// The error against x's exact products is at most sum over blocks of dx / 2 * sum |w|
+// (tests/test_cpu_quant_kernels.py checks it).
+// A row's result is the same sequence of operations whatever the number of rows in the call
+// (integer sums are exact; the float accumulation runs over the blocks in order), so greedy
+// tokens stay the same whatever else is in the batch, and after a preemption recomputes a
+// request's tokens as a prefill.
 // Without AVX2 (other CPUs): the dequantized matrix through ATen's matmul.
 #include "ops.h"
 
@@ -35,6 +37,7 @@ namespace {
 
 enum Kind : int32_t { kU4 = 1, kS8 = 2, kF8 = 3 };
 constexpr int64_t kBlock = 32;  // codes per activation block (and the K padding unit)
+constexpr int64_t kTile = 8;    // weight rows interleaved per tile (one per vector lane)
 constexpr int64_t kHeaderBytes = 64, kSegmentBytes = 64, kMaxSegments = 1 << 16;
 
 // One segment of rows as parse_blob found it: pointers into the blob.
@@ -52,6 +55,7 @@ struct Blob {
   std::vector<Segment> segs;
   int64_t row_bytes(const Segment& s) const { return s.kind == kU4 ? Kp / 2 : Kp; }
   int64_t groups(const Segment& s) const { return Kp / s.group; }
+  static int64_t tiles(const Segment& s) { return (s.rows + kTile - 1) / kTile; }
 };
 
 template <typename T>
@@ -70,8 +74,8 @@ Blob parse_blob(const at::Tensor& t, const char* op) {
               "(QuantTensor.to_blob())");
   const int64_t size = t.numel();
   const uint8_t* base = t.data_ptr<uint8_t>();
-  TORCH_CHECK(size >= kHeaderBytes && std::memcmp(base, "KVQ1", 4) == 0, op,
-              ": not a kvray quantized blob (no KVQ1 magic, or shorter than its header)");
+  TORCH_CHECK(size >= kHeaderBytes && std::memcmp(base, "KVQ2", 4) == 0, op,
+              ": not a kvray quantized blob (no KVQ2 magic, or shorter than its header)");
   Blob b;
   const int32_t nseg = read<int32_t>(base + 4);
   b.N = read<int64_t>(base + 8), b.K = read<int64_t>(base + 16), b.Kp = read<int64_t>(base + 24);
@@ -98,15 +102,17 @@ Blob parse_blob(const at::Tensor& t, const char* op) {
                 " holds rows ", s.row0, "+", s.rows, " where row ", row, " of ", b.N,
                 " comes next");
     s.half = sdt == 1;
-    const int64_t scale_bytes = b.groups(s) * (s.half ? 2 : 4);
-    const int64_t bytes[3] = {b.row_bytes(s), scale_bytes, has_min ? scale_bytes : 0};
+    // bytes per tile of 8 rows
+    const int64_t scale_bytes = kTile * b.groups(s) * (s.half ? 2 : 4);
+    const int64_t bytes[3] = {kTile * b.row_bytes(s), scale_bytes, has_min ? scale_bytes : 0};
+    const int64_t tiles = Blob::tiles(s);
     const uint8_t** dst[3] = {&s.codes, &s.scales, &s.mins};
     static const char* names[3] = {"codes", "scales", "mins"};
     for (int j = 0; j < (has_min ? 3 : 2); ++j) {
       const int64_t off = read<int64_t>(e + 32 + 8 * j);
-      // rows * bytes <= size - off, written so that nothing overflows
+      // tiles * bytes <= size - off, written so that nothing overflows
       TORCH_CHECK(off >= data0 && off % 64 == 0 && off <= size &&
-                      (s.rows == 0 || bytes[j] <= (size - off) / s.rows),
+                      (tiles == 0 || bytes[j] <= (size - off) / tiles),
                   op, ": segment ", i, "'s ", names[j], " at byte ", off,
                   " do not fit in the blob's ", size, " bytes (truncated or corrupt)");
       *dst[j] = base + off;
@@ -142,51 +148,30 @@ inline float rounded(float v) {
   return v;
 }
 
-// Row r of segment s dequantized into out[0:Kp] (the reference formula, every kind).
+// Row r of segment s dequantized into out[0:Kp] (the reference formula, every kind): lane
+// r % 8 of its tile.
 void dequant_row(const Blob& b, const Segment& s, int64_t r, float* out) {
-  const uint8_t* codes = s.codes + r * b.row_bytes(s);
-  const int64_t ng = b.groups(s);
-  const uint8_t* sc = s.scales + r * ng * (s.half ? 2 : 4);
-  const uint8_t* mn = s.mins ? s.mins + r * ng * (s.half ? 2 : 4) : nullptr;
-#if defined(__AVX2__) && defined(__GNUC__)
-  if (s.kind != kF8) {  // 16 codes at a time (the panels of the many-rows path)
-    for (int64_t c = 0; c < b.Kp / 16; ++c) {
-      const int64_t g = c * 16 / s.group;
-      __m128i bytes;
-      if (s.kind == kU4) {
-        bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * (c / 2)));
-        if (c & 1) bytes = _mm_srli_epi16(bytes, 4);
-        bytes = _mm_and_si128(bytes, _mm_set1_epi8(0xF));
-      } else {
-        bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c));
-      }
-      const __m256 sv = _mm256_set1_ps(param(sc, s.half, g));
-      const __m256 mv = _mm256_set1_ps(mn ? param(mn, s.half, g) : 0.f);
-      for (int h = 0; h < 2; ++h) {
-        const __m128i part = h ? _mm_srli_si128(bytes, 8) : bytes;
-        const __m256i q = s.kind == kU4 ? _mm256_cvtepu8_epi32(part) : _mm256_cvtepi8_epi32(part);
-        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q), sv);
-        asm("" : "+x"(v));  // as rounded(): q * s rounded, then + min
-        _mm256_storeu_ps(out + 16 * c + 8 * h, _mm256_add_ps(v, mv));
-      }
+  const int64_t ng = b.groups(s), sbytes = s.half ? 2 : 4, lane = r % kTile;
+  const int64_t block_bytes = kTile * (s.kind == kU4 ? 16 : 32);
+  const uint8_t* codes = s.codes + r / kTile * (b.Kp / kBlock) * block_bytes + 4 * lane;
+  const uint8_t* sc = s.scales + r / kTile * ng * kTile * sbytes;
+  const uint8_t* mn = s.mins ? s.mins + r / kTile * ng * kTile * sbytes : nullptr;
+  for (int64_t k = 0; k < b.Kp; ++k) {
+    const uint8_t* block = codes + k / kBlock * block_bytes;
+    const int64_t j = k % kBlock;  // U4: part j / 8, nibble j / 4 % 2; else part j / 4
+    float q;
+    if (s.kind == kU4) {
+      const uint8_t byte = block[32 * (j / 8) + j % 4];
+      q = static_cast<float>(j / 4 % 2 ? byte >> 4 : byte & 0xF);
+    } else if (s.kind == kS8) {
+      q = static_cast<float>(static_cast<int8_t>(block[32 * (j / 4) + j % 4]));
+    } else {
+      q = static_cast<float>(
+          c10::Float8_e4m3fn(block[32 * (j / 4) + j % 4], c10::Float8_e4m3fn::from_bits()));
     }
-    return;
-  }
-#endif
-  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t g = (k / s.group * kTile + lane);
     const float scale = param(sc, s.half, g), min = mn ? param(mn, s.half, g) : 0.f;
-    for (int64_t k = g * s.group; k < (g + 1) * s.group; ++k) {
-      float q;
-      if (s.kind == kU4) {
-        const uint8_t byte = codes[k / kBlock * 16 + k % 16];
-        q = static_cast<float>(k % kBlock < 16 ? byte & 0xF : byte >> 4);
-      } else if (s.kind == kS8) {
-        q = static_cast<float>(static_cast<int8_t>(codes[k]));
-      } else {
-        q = static_cast<float>(c10::Float8_e4m3fn(codes[k], c10::Float8_e4m3fn::from_bits()));
-      }
-      out[k] = rounded(scale * q) + min;
-    }
+    out[k] = rounded(scale * q) + min;
   }
 }
 
@@ -202,7 +187,6 @@ const Segment& segment_of(const Blob& b, int64_t n) {
 struct QuantizedX {
   int64_t Kp = 0, nb = 0;
   std::vector<int8_t> q;   // [M, Kp] codes
-  std::vector<int8_t> qp;  // the codes in pair order (pair_order), for U4 weights
   std::vector<float> d;    // [M, nb] block scales dx
   std::vector<float> s16;  // [M, Kp / 16] sums of quantized x per 16 columns (mins' terms)
 };
@@ -216,16 +200,44 @@ void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, float* d, fl
       std::copy(x + k0, x + K, tmp);
       src = tmp;
     }
+#ifdef __AVX2__
+    // the scalar loop below, 8 lanes at a time (cvtps rounds to nearest even, as nearbyint)
+    __m256 v[4], amax8 = _mm256_setzero_ps();
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(src + 8 * i);
+      amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[i], abs_mask));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, amax8);
+    const float amax = *std::max_element(lanes, lanes + 8);
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i)
+      c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+    const __m256i lo = _mm256_add_epi32(c[0], c[1]), hi = _mm256_add_epi32(c[2], c[3]);
+    alignas(32) int32_t sum_lo[8], sum_hi[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sum_lo), lo);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sum_hi), hi);
+    int32_t sums[2] = {0, 0};
+    for (int i = 0; i < 8; ++i) sums[0] += sum_lo[i], sums[1] += sum_hi[i];
+    // int32 -> int8 (every value within +-127): packs keep the order within 128-bit halves
+    const __m256i w16 = _mm256_packs_epi32(c[0], c[1]), w16b = _mm256_packs_epi32(c[2], c[3]);
+    const __m256i b8 = _mm256_packs_epi16(w16, w16b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0),
+                        _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
     float amax = 0.f;
     for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(src[j]));
     const float id = amax > 0.f ? 127.f / amax : 0.f;
-    const float dx = amax / 127.f;
-    d[k0 / kBlock] = dx;
     int32_t sums[2] = {0, 0};
     for (int j = 0; j < kBlock; ++j) {
       q[k0 + j] = static_cast<int8_t>(std::nearbyint(src[j] * id));
       sums[j / 16] += q[k0 + j];
     }
+#endif
+    const float dx = amax / 127.f;
+    d[k0 / kBlock] = dx;
     // The mins' terms read the same quantized x as the codes' terms (llama.cpp's Q8_1
     // sums): the error is then that of the whole weight w = s * q + m times x's rounding,
     // where exact sums leave the error of s * q alone, which for 4-bit codes 0..15 is about
@@ -248,25 +260,6 @@ QuantizedX quantize_x(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t
   return qx;
 }
 
-// x's codes as U4 weights read them two blocks at a time: for blocks b, b + 1 (b even), 64
-// bytes [b's first 16, b + 1's first 16, b's last 16, b + 1's last 16], matching the low
-// and high nibbles of the two blocks' 32 code bytes loaded at once (an odd last block as is).
-void pair_order(QuantizedX& qx, int64_t M) {
-  qx.qp.resize(qx.q.size());
-  for (int64_t m = 0; m < M; ++m) {
-    const int8_t* src = qx.q.data() + m * qx.Kp;
-    int8_t* dst = qx.qp.data() + m * qx.Kp;
-    int64_t b = 0;
-    for (; b + 2 <= qx.nb; b += 2) {
-      const int8_t* b0 = src + b * kBlock;
-      int8_t* o = dst + b * kBlock;
-      std::memcpy(o, b0, 16), std::memcpy(o + 16, b0 + 32, 16);
-      std::memcpy(o + 32, b0 + 16, 16), std::memcpy(o + 48, b0 + 48, 16);
-    }
-    if (b < qx.nb) std::memcpy(dst + b * kBlock, src + b * kBlock, kBlock);
-  }
-}
-
 // sum of x over each group of `group` columns [M, Kp / group], from the sums per 16.
 std::vector<float> group_sums(const QuantizedX& qx, int64_t M, int64_t group) {
   const int64_t per = group / 16, n16 = qx.Kp / 16, ng = qx.Kp / group;
@@ -281,260 +274,222 @@ std::vector<float> group_sums(const QuantizedX& qx, int64_t M, int64_t group) {
 #ifdef __AVX2__
 namespace {
 
-using kvray::Vec8;
-
-// A segment's rows and x's codes as one kernel call reads them.
+// A segment as the kernel reads it.
 struct SegView {
   const uint8_t* codes;
   const uint8_t* scales;
   const uint8_t* mins;  // null without mins
-  int64_t row_bytes, ng, group;
+  int64_t tile_bytes, scale_tile_bytes, group, rows;
 };
+// x rows m0.. of the quantized activations.
 struct XView {
-  const int8_t* q;
-  const int8_t* qp;  // pair order (U4 weights)
-  const float* d;
-  const float* gs;  // sums of x per group of this segment's size (with mins)
+  const int8_t* q;   // [., Kp] codes
+  const float* d;    // [., nb] block scales dx
+  const float* gs;   // [., ng] sums of quantized x per group of this segment's size (mins)
   int64_t Kp, nb, ng;
   XView at(int64_t m) const {
-    return {q + m * Kp, qp ? qp + m * Kp : nullptr, d + m * nb, gs ? gs + m * ng : nullptr, Kp,
-            nb, ng};
+    return {q + m * Kp, d + m * nb, gs ? gs + m * ng : nullptr, Kp, nb, ng};
   }
 };
 
+// The 8 rows' scales (or mins) of group g.
 template <bool Half>
-inline float scale_at(const uint8_t* p, int64_t i) {
-  if constexpr (Half) return half_to_float(read<uint16_t>(p + 2 * i));
-  else return read<float>(p + 4 * i);
+inline __m256 lanes_at(const uint8_t* p, int64_t g) {
+  if constexpr (Half)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * g)));
+  else
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p + 32 * g));
 }
 
-// Block b's 32 codes: U4 unpacked to bytes 0..15 in code order (low nibbles, then high).
-template <int KD>
-inline __m256i load_codes(const uint8_t* row, int64_t b) {
+// v as it stands, in a register: keeps the compiler from regrouping a chain of integer adds
+// into a tree over every product at once (measured: the 32 products of a block for 4 x rows
+// then spill to the stack, and the kernel runs at half speed).
+inline void keep(__m256i& v) { asm("" : "+x"(v)); }
+
+// 4 activation codes in every 32-bit lane.
+inline __m256i x4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Per x row m, the int32 dot products [8 weight rows] of one tile's parts [P0, P1) of block
+// b (U4: parts of 64 codes; S8: of 32) with x's codes.
+template <int MR, int KD, int P0, int P1>
+inline void part_sums(const uint8_t* block, const XView& x, int64_t b, __m256i (&sum)[MR]) {
+  const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (KD == kU4) {
-    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0xF));
-  } else {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
-  }
-}
-
-// The 8 int32 partial dot products of a block (as floats): lanes 0-3 the first 16 codes.
-template <int KD>
-inline __m256 block_dot(__m256i w, __m256i w_abs, const int8_t* xq) {
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  const __m256i p = KD == kU4 ? _mm256_maddubs_epi16(w, xv)
-                              : _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xv, w));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-}
-
-// acc + mins[g] * gs[g] over a row's ng groups, as lanes (summed with the row's dot).
-template <bool Half>
-inline __m256 add_min_terms(__m256 acc, const uint8_t* mins, const float* gs, int64_t ng) {
-  int64_t g = 0;
-  for (; g + 8 <= ng; g += 8) {
-    const __m256 mv = Half ? _mm256_cvtph_ps(_mm_loadu_si128(
-                                 reinterpret_cast<const __m128i*>(mins + 2 * g)))
-                           : _mm256_loadu_ps(reinterpret_cast<const float*>(mins + 4 * g));
-    acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(gs + g), acc);
-  }
-  if (g < ng) {
-    alignas(32) float mv[8] = {}, gv[8] = {};
-    for (int64_t i = g; i < ng; ++i) mv[i - g] = scale_at<Half>(mins, i), gv[i - g] = gs[i];
-    acc = _mm256_fmadd_ps(_mm256_load_ps(mv), _mm256_load_ps(gv), acc);
-  }
-  return acc;
-}
-
-// Two U4 blocks (b, b + 1) against x's codes in pair order: lanes 0-3 block b, 4-7 b + 1.
-// The two maddubs products add in int16 without overflow (2 x 2 x 15 x 127 < 2^15).
-inline __m256 pair_dot(__m256i lo, __m256i hi, const int8_t* xp) {
-  const __m256i a = _mm256_maddubs_epi16(
-      lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
-  const __m256i c = _mm256_maddubs_epi16(
-      hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(a, c), _mm256_set1_epi16(1)));
-}
-
-// Bytes ahead of a row's codes that the code stream is prefetched. The built-in model's
-// linears of one decode step at M = 1 on a 2-core AVX2 EPYC (alternating, median of 5):
-// none / 512 / 1 KiB / 2 KiB: Q4_1 5.15 / 5.08 / 5.01 / 4.86 ms, Q8_0 5.47 / 5.49 / 5.24 /
-// 4.99 ms (a few %, near the noise, but in the same direction for both).
-constexpr int64_t kPrefetchBytes = 2048;
-
-// A weight row's multipliers for M rows of x: mult[m * ns + j] = dx[m, block of j] * its
-// scale, j over the row's blocks (ns = nb) or, with group 16, their halves (ns = 2 nb): one
-// broadcast per block in the hot loop instead of a conversion and a multiply per x row.
-template <int M, bool G16, bool Half>
-inline void row_multipliers(const uint8_t* sc, const XView& x, int64_t group, float* bs,
-                            float* mult) {
-  const int64_t nb = x.nb, ns = G16 ? 2 * nb : nb;
-  if (G16 || group == kBlock) {  // one scale per entry
-    int64_t j = 0;
-    for (; j + 8 <= ns; j += 8)
-      _mm256_storeu_ps(bs + j, Half ? _mm256_cvtph_ps(_mm_loadu_si128(
-                                          reinterpret_cast<const __m128i*>(sc + 2 * j)))
-                                    : _mm256_loadu_ps(reinterpret_cast<const float*>(sc + 4 * j)));
-    for (; j < ns; ++j) bs[j] = scale_at<Half>(sc, j);
-  } else {
-    const int64_t bpg = group / kBlock;
-    for (int64_t g = 0; g < nb / bpg; ++g)
-      std::fill(bs + g * bpg, bs + (g + 1) * bpg, scale_at<Half>(sc, g));
-  }
-  for (int m = 0; m < M; ++m) {
-    const float* d = x.d + m * nb;
-    float* out = mult + m * ns;
-    if constexpr (G16) {
-      for (int64_t j = 0; j < ns; ++j) out[j] = bs[j] * d[j >> 1];
-    } else {
-      int64_t j = 0;
-      for (; j + 8 <= nb; j += 8)
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_loadu_ps(bs + j), _mm256_loadu_ps(d + j)));
-      for (; j < nb; ++j) out[j] = bs[j] * d[j];
-    }
-  }
-}
-
-// Block b's multiplier vector: one value, or with group 16 [half 0 x4 | half 1 x4].
-template <bool G16>
-inline __m256 mult_at(const float* mult, int64_t b) {
-  if constexpr (G16) {
-    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(mult + 2 * b)));
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two),
-                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-  } else {
-    return _mm256_broadcast_ss(mult + b);
-  }
-}
-
-// Blocks b, b + 1 of a U4 row (group >= 32) into accumulators acc[.][u].
-template <int M, int U>
-inline void u4_pair(const uint8_t* codes, const XView& x, const float* mult, int64_t ns,
-                    int64_t b, __m256 (&acc)[M][U], int u) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 16 * b));
-  const __m256i mask = _mm256_set1_epi8(0xF);
-  const __m256i lo = _mm256_and_si256(v, mask);
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    // maddubs of 15 x 127 pairs: |.| <= 3810 per int16 lane, 8 of them (one block) < 2^15
+    const __m256i mask = _mm256_set1_epi8(0xF);
+    __m256i s16[MR];
 #pragma GCC unroll 4
-  for (int m = 0; m < M; ++m)
-    acc[m][u] = _mm256_fmadd_ps(pair_dot(lo, hi, x.qp + m * x.Kp + kBlock * b),
-                                mult_at<true>(mult + m * ns + b, 0), acc[m][u]);
-}
-
-// Rows [r0, r1) of a segment against M (1..4) rows of x: y[m * ldy + r] (+ bias[r]). U
-// accumulators per x row (alternate blocks) hide the FMA latency; bs and mult are scratch
-// for row_multipliers.
-template <int M, int KD, bool G16, bool Half>
-void dot_rows(const SegView& s, const XView& x, int64_t r0, int64_t r1, float* y,
-              int64_t ldy, const float* bias, float* bs, float* mult) {
-  // Two accumulators per x row whatever M is: the sum for a row is then the same sequence of
-  // operations in a call of 1 row as of 300, so its result does not depend on the batch.
-  constexpr int U = 2;
-  const int64_t sbytes = Half ? 2 : 4, nb = x.nb, ns = G16 ? 2 * nb : nb;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* codes = s.codes + r * s.row_bytes;
-    for (int64_t off = 0; off < s.row_bytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(codes) + kPrefetchBytes + off, _MM_HINT_T0);
-    row_multipliers<M, G16, Half>(s.scales + r * s.ng * sbytes, x, s.group, bs, mult);
-    __m256 acc[M][U];
+    for (int p = P0; p < P1; ++p) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * p));
+      const __m256i lo = _mm256_and_si256(v, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
 #pragma GCC unroll 4
-    for (int m = 0; m < M; ++m)
-#pragma GCC unroll 2
-      for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
-    int64_t b = 0;
-    if constexpr (KD == kU4 && !G16) {  // two blocks per 32-byte load
-      for (; b + 2 * U <= nb; b += 2 * U)
-#pragma GCC unroll 2
-        for (int u = 0; u < U; ++u) u4_pair<M, U>(codes, x, mult, ns, b + 2 * u, acc, u);
-      for (; b + 2 <= nb; b += 2) u4_pair<M, U>(codes, x, mult, ns, b, acc, 0);
-    }
-    for (; b + U <= nb; b += U) {
-#pragma GCC unroll 2
-      for (int u = 0; u < U; ++u) {
-        const __m256i w = load_codes<KD>(codes, b + u);
-        const __m256i wa = KD == kS8 ? _mm256_abs_epi8(w) : w;
-#pragma GCC unroll 4
-        for (int m = 0; m < M; ++m)
-          acc[m][u] = _mm256_fmadd_ps(block_dot<KD>(w, wa, x.q + m * x.Kp + kBlock * (b + u)),
-                                      mult_at<G16>(mult + m * ns, b + u), acc[m][u]);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xq = x.q + m * x.Kp + kBlock * b + 8 * p;
+        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x4(xq)),
+                                           _mm256_maddubs_epi16(hi, x4(xq + 4)));
+        s16[m] = p == P0 ? t : _mm256_add_epi16(s16[m], t);
+        keep(s16[m]);
       }
     }
-    for (; b < nb; ++b) {
-      const __m256i w = load_codes<KD>(codes, b);
-      const __m256i wa = KD == kS8 ? _mm256_abs_epi8(w) : w;
 #pragma GCC unroll 4
-      for (int m = 0; m < M; ++m)
-        acc[m][0] = _mm256_fmadd_ps(block_dot<KD>(w, wa, x.q + m * x.Kp + kBlock * b),
-                                    mult_at<G16>(mult + m * ns, b), acc[m][0]);
-    }
+    for (int m = 0; m < MR; ++m) sum[m] = _mm256_madd_epi16(s16[m], ones);
+  } else {
+    // |w| * x pairs reach 2 x 128 x 127: each part's int16 sums widen to int32 at once
+#pragma GCC unroll 8
+    for (int p = P0; p < P1; ++p) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * p));
+      const __m256i wa = _mm256_abs_epi8(w);
 #pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) {
-      __m256 a = _mm256_add_ps(acc[m][0], acc[m][1]);
-      if (s.mins) a = add_min_terms<Half>(a, s.mins + r * s.ng * sbytes, x.gs + m * x.ng, s.ng);
-      y[m * ldy + r] = Vec8::sum(a) + (bias ? bias[r] : 0.f);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xq = x.q + m * x.Kp + kBlock * b + 4 * p;
+        const __m256i t = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x4(xq), w)), ones);
+        sum[m] = p == P0 ? t : _mm256_add_epi32(sum[m], t);
+        keep(sum[m]);
+      }
     }
   }
 }
 
-// Rows [r0, r1) of a segment against all M rows of x: tiles of weight rows small enough to
-// stay in L2 while passes of 4 x rows go over them.
-template <int KD, bool G16, bool Half>
-void int8_rows(const SegView& s, const XView& x, int64_t M, int64_t r0, int64_t r1, float* y,
+// acc[m] += float(sum[m]) * scales(g) * dx[m, b], then (at a group's end) mins(g) * gs[m, g].
+template <int MR, bool Half>
+inline void accumulate(const __m256i (&sum)[MR], __m256 sv, const XView& x, int64_t b,
+                       __m256 (&acc)[MR]) {
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]),
+                             _mm256_mul_ps(sv, _mm256_broadcast_ss(x.d + m * x.nb + b)), acc[m]);
+}
+template <int MR>
+inline void add_mins(__m256 mv, const XView& x, int64_t g, __m256 (&acc)[MR]) {
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+    acc[m] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(x.gs + m * x.ng + g), acc[m]);
+}
+
+// Tile t of a segment against MR (1..4) rows of x: y[m * ldy + 8 t + lane] (+ bias), the
+// rows past the segment's end left out.
+template <int MR, int KD, bool G16, bool Half, bool Mins>
+void dot_tile(const SegView& s, const XView& x, int64_t t, float* y, int64_t ldy,
+              const float* bias) {
+  constexpr int64_t kBlockBytes = kTile * (KD == kU4 ? 16 : 32);
+  constexpr int kParts = KD == kU4 ? 4 : 8;
+  const uint8_t* codes = s.codes + t * s.tile_bytes;
+  const uint8_t* sc = s.scales + t * s.scale_tile_bytes;
+  const uint8_t* mn = Mins ? s.mins + t * s.scale_tile_bytes : nullptr;
+  __m256 acc[MR];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  __m256i sum[MR];
+  if constexpr (G16) {  // a scale (and min) per half block
+    for (int64_t b = 0; b < x.nb; ++b) {
+      const uint8_t* block = codes + b * kBlockBytes;
+      part_sums<MR, KD, 0, kParts / 2>(block, x, b, sum);
+      accumulate<MR, Half>(sum, lanes_at<Half>(sc, 2 * b), x, b, acc);
+      if constexpr (Mins) add_mins<MR>(lanes_at<Half>(mn, 2 * b), x, 2 * b, acc);
+      part_sums<MR, KD, kParts / 2, kParts>(block, x, b, sum);
+      accumulate<MR, Half>(sum, lanes_at<Half>(sc, 2 * b + 1), x, b, acc);
+      if constexpr (Mins) add_mins<MR>(lanes_at<Half>(mn, 2 * b + 1), x, 2 * b + 1, acc);
+    }
+  } else {
+    const int64_t per_group = s.group / kBlock;
+    for (int64_t g = 0, b = 0; b < x.nb; ++g) {
+      const __m256 sv = lanes_at<Half>(sc, g);
+      for (const int64_t end = b + per_group; b < end; ++b) {
+        part_sums<MR, KD, 0, kParts>(codes + b * kBlockBytes, x, b, sum);
+        accumulate<MR, Half>(sum, sv, x, b, acc);
+      }
+      if constexpr (Mins) add_mins<MR>(lanes_at<Half>(mn, g), x, g, acc);
+    }
+  }
+  const int64_t r0 = t * kTile, valid = std::min<int64_t>(kTile, s.rows - r0);
+  const __m256 bv = bias == nullptr ? _mm256_setzero_ps()
+                    : valid == kTile ? _mm256_loadu_ps(bias + r0)
+                                     : _mm256_setzero_ps();
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) {
+    float* out = y + m * ldy + r0;
+    if (valid == kTile) {
+      _mm256_storeu_ps(out, _mm256_add_ps(acc[m], bv));
+    } else {
+      alignas(32) float lanes[kTile];
+      _mm256_store_ps(lanes, acc[m]);
+      for (int64_t i = 0; i < valid; ++i) out[i] = lanes[i] + (bias ? bias[r0 + i] : 0.f);
+    }
+  }
+}
+
+// Tiles [t0, t1) of a segment against all M rows of x: stretches of tiles small enough to
+// stay in L2 while every pass of 4 x rows goes over them.
+template <int KD, bool G16, bool Half, bool Mins>
+void dot_tiles(const SegView& s, const XView& x, int64_t M, int64_t t0, int64_t t1, float* y,
                int64_t ldy, const float* bias) {
-  const int64_t tile = std::max<int64_t>(4, 65536 / s.row_bytes);
-  std::vector<float> bs(2 * x.nb), mult(4 * 2 * x.nb);
-  float *bp = bs.data(), *mp = mult.data();
-  for (int64_t t0 = r0; t0 < r1; t0 += tile) {
-    const int64_t t1 = std::min(r1, t0 + tile);
+  const int64_t stretch = std::max<int64_t>(1, 65536 / s.tile_bytes);
+  for (int64_t a = t0; a < t1; a += stretch) {
+    const int64_t e = std::min(t1, a + stretch);
     int64_t m = 0;
     for (; m + 4 <= M; m += 4)
-      dot_rows<4, KD, G16, Half>(s, x.at(m), t0, t1, y + m * ldy, ldy, bias, bp, mp);
+      for (int64_t t = a; t < e; ++t)
+        dot_tile<4, KD, G16, Half, Mins>(s, x.at(m), t, y + m * ldy, ldy, bias);
     float* ym = y + m * ldy;
-    switch (M - m) {
-      case 3: dot_rows<3, KD, G16, Half>(s, x.at(m), t0, t1, ym, ldy, bias, bp, mp); break;
-      case 2: dot_rows<2, KD, G16, Half>(s, x.at(m), t0, t1, ym, ldy, bias, bp, mp); break;
-      case 1: dot_rows<1, KD, G16, Half>(s, x.at(m), t0, t1, ym, ldy, bias, bp, mp); break;
-      default: break;
+    const XView xm = x.at(m);
+    for (int64_t t = a; t < e; ++t) {
+      switch (M - m) {
+        case 3: dot_tile<3, KD, G16, Half, Mins>(s, xm, t, ym, ldy, bias); break;
+        case 2: dot_tile<2, KD, G16, Half, Mins>(s, xm, t, ym, ldy, bias); break;
+        case 1: dot_tile<1, KD, G16, Half, Mins>(s, xm, t, ym, ldy, bias); break;
+        default: break;
+      }
     }
   }
 }
 
-using RowsFn = void (*)(const SegView&, const XView&, int64_t, int64_t, int64_t, float*,
-                        int64_t, const float*);
+using TilesFn = void (*)(const SegView&, const XView&, int64_t, int64_t, int64_t, float*,
+                         int64_t, const float*);
 
 template <int KD>
-RowsFn pick_rows(bool g16, bool half) {
-  if (g16) return half ? &int8_rows<KD, true, true> : &int8_rows<KD, true, false>;
-  return half ? &int8_rows<KD, false, true> : &int8_rows<KD, false, false>;
+TilesFn pick_tiles(bool g16, bool half, bool mins) {
+  if (g16) {
+    if (half) return mins ? &dot_tiles<KD, true, true, true> : &dot_tiles<KD, true, true, false>;
+    return mins ? &dot_tiles<KD, true, false, true> : &dot_tiles<KD, true, false, false>;
+  }
+  if (half) return mins ? &dot_tiles<KD, false, true, true> : &dot_tiles<KD, false, true, false>;
+  return mins ? &dot_tiles<KD, false, false, true> : &dot_tiles<KD, false, false, false>;
 }
 
 void linear_int8(const Blob& b, const float* x, int64_t ldx, int64_t M, const float* bias,
                  float* y) {
-  QuantizedX qx = quantize_x(x, ldx, M, b.K, b.Kp);
-  for (const Segment& s : b.segs)
-    if (s.kind == kU4 && s.group != 16 && qx.qp.empty()) pair_order(qx, M);
-  struct Job { SegView view; XView xv; RowsFn fn; int64_t row0, rows; };
+  const QuantizedX qx = quantize_x(x, ldx, M, b.K, b.Kp);
+  struct Job { SegView view; XView xv; TilesFn fn; int64_t tile0, tiles, row0; };
   std::vector<std::vector<float>> sums(b.segs.size());
   std::vector<Job> jobs;
+  int64_t tiles = 0;
   for (size_t i = 0; i < b.segs.size(); ++i) {
     const Segment& s = b.segs[i];
     if (s.mins) sums[i] = group_sums(qx, M, s.group);
-    const RowsFn fn = s.kind == kU4 ? pick_rows<kU4>(s.group == 16, s.half)
-                                    : pick_rows<kS8>(s.group == 16, s.half);
-    jobs.push_back({{s.codes, s.scales, s.mins, b.row_bytes(s), b.groups(s), s.group},
-                    {qx.q.data(), qx.qp.empty() ? nullptr : qx.qp.data(), qx.d.data(),
-                     s.mins ? sums[i].data() : nullptr, qx.Kp,
-                     qx.nb, b.groups(s)},
-                    fn, s.row0, s.rows});
+    const bool g16 = s.group == 16, mins = s.mins != nullptr;
+    const TilesFn fn = s.kind == kU4 ? pick_tiles<kU4>(g16, s.half, mins)
+                                     : pick_tiles<kS8>(g16, s.half, mins);
+    const SegView view{s.codes, s.scales, s.mins, kTile * b.row_bytes(s),
+                       kTile * b.groups(s) * (s.half ? 2 : 4), s.group, s.rows};
+    const XView xv{qx.q.data(), qx.d.data(), mins ? sums[i].data() : nullptr, qx.Kp, qx.nb,
+                   b.groups(s)};
+    jobs.push_back({view, xv, fn, tiles, Blob::tiles(s), s.row0});
+    tiles += Blob::tiles(s);
   }
   // chunks of at least ~16 KiB of codes, about 4 per thread (as cpu_linear.cpp's run)
-  const int64_t grain = std::max<int64_t>(4, 16384 / (b.Kp / 2) / 4 * 4);
-  const int64_t chunk = std::max(grain, chunk_for_threads(b.N) / 4 * 4);
-  parallel_dynamic(b.N, chunk, [&](int64_t n0, int64_t n1) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / (kTile * b.Kp / 2));
+  const int64_t chunk = std::max(grain, chunk_for_threads(tiles));
+  parallel_dynamic(tiles, chunk, [&](int64_t c0, int64_t c1) {
     for (const Job& j : jobs) {
-      const int64_t lo = std::max(n0, j.row0), hi = std::min(n1, j.row0 + j.rows);
+      const int64_t lo = std::max(c0, j.tile0), hi = std::min(c1, j.tile0 + j.tiles);
       if (lo < hi)
-        j.fn(j.view, j.xv, M, lo - j.row0, hi - j.row0, y + j.row0, b.N,
+        j.fn(j.view, j.xv, M, lo - j.tile0, hi - j.tile0, y + j.row0, b.N,
              bias ? bias + j.row0 : nullptr);
     }
   });
