@@ -211,6 +211,9 @@ class ParallelConfig(_Section):
 
     tensor_parallel_size: int = Field(1, ge=1, le=512, description="Tensor-parallel ranks.")
     pipeline_parallel_size: int = Field(1, ge=1, le=512, description="Pipeline stages.")
+    enable_expert_parallel: bool = Field(
+        False, description="MoE models: each tensor-parallel rank holds whole experts "
+        "(num_experts / tensor_parallel_size of them) instead of a slice of every expert.")
     distributed_executor_backend: Literal["uni", "ray"] | None = Field(
         None, description="uni: one in-process worker; ray: worker actors. None = ray if TP*PP>1."
     )

@@ -21,6 +21,8 @@ class ParallelContext:
         tp_rank / tp_size: position in the tensor-parallel group.
         pp_rank / pp_size: pipeline stage index and count.
         tp_group: torch.distributed group of this stage's TP ranks (None when tp_size == 1).
+        expert_parallel: MoE layers shard whole experts over the TP ranks instead of
+            slicing every expert (``enable_expert_parallel``).
     """
 
     tp_rank: int = 0
@@ -29,6 +31,7 @@ class ParallelContext:
     pp_size: int = 1
     tp_group: Any = None
     world_rank: int = 0  # rank in the replica's world group (pp_rank * tp_size + tp_rank)
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         assert 0 <= self.tp_rank < self.tp_size, (self.tp_rank, self.tp_size)

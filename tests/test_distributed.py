@@ -41,6 +41,8 @@ def models(tmp_path_factory):
         "gqa4": make_tiny_model("llama_gqa", root / "gqa4", num_attention_heads=8,
                                 num_key_value_heads=4, hidden_size=64),
         "kv1": make_tiny_model("llama3_rope_tied", root / "kv1"),  # 1 KV head < TP size
+        "qwen2_moe": make_tiny_model("qwen2_moe_shared", root / "qwen2_moe"),
+        "qwen3_moe": make_tiny_model("qwen3_moe", root / "qwen3_moe"),
     }
 
 
@@ -96,10 +98,14 @@ def test_cluster_and_workers_listen_on_loopback_only(cluster, models):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("model,tp,pp", [("gqa4", 2, 1), ("gqa4", 1, 2), ("gqa4", 2, 2),
-                                         ("kv1", 2, 1)])
-def test_parallel_layouts_match_one_worker(cluster, models, reference, model, tp, pp):
-    llm = LLM(str(models[model]), tensor_parallel_size=tp, pipeline_parallel_size=pp, **COMMON)
+@pytest.mark.parametrize("model,tp,pp,ep", [
+    ("gqa4", 2, 1, False), ("gqa4", 1, 2, False), ("gqa4", 2, 2, False), ("kv1", 2, 1, False),
+    # MoE: every expert sliced over TP, or whole experts per rank (expert parallelism),
+    # also across pipeline stages
+    ("qwen2_moe", 2, 1, False), ("qwen2_moe", 2, 1, True), ("qwen3_moe", 2, 2, True)])
+def test_parallel_layouts_match_one_worker(cluster, models, reference, model, tp, pp, ep):
+    llm = LLM(str(models[model]), tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              enable_expert_parallel=ep, **COMMON)
     try:
         assert _tokens(llm) == reference[model]
         assert llm.llm_engine.stats.prefix_cache_hits > 0

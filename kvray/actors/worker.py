@@ -8,6 +8,7 @@ point to point over the global group.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from datetime import timedelta
@@ -86,8 +87,10 @@ class Worker:
         self._owns_process_group = par.world_size > 1
         if par.world_size > 1:
             assert init_method not in (None, "single"), "multi-rank workers need a rendezvous"
-            self.ctx = init_distributed(rank, par.tensor_parallel_size,
-                                        par.pipeline_parallel_size, init_method, self.device)
+            self.ctx = dataclasses.replace(
+                init_distributed(rank, par.tensor_parallel_size, par.pipeline_parallel_size,
+                                 init_method, self.device),
+                expert_parallel=par.enable_expert_parallel)
         else:
             self.ctx = ParallelContext()
         self.runner = ModelRunner(config, model_path, self.ctx, self.device)

@@ -22,7 +22,12 @@ from kvray.models.layers import (
     use_prepacked_weights,
     use_small_m_kernel,
 )
-from kvray.models.llama import LlamaDecoderLayer, use_fused_decode_layer, use_fused_ops
+from kvray.models.llama import (
+    LlamaDecoderLayer,
+    LlamaMLP,
+    use_fused_decode_layer,
+    use_fused_ops,
+)
 from kvray.models.quantized import QuantInstall, install_quantized
 
 logger = logging.getLogger("kvray")
@@ -120,7 +125,8 @@ def fused_decode_max_rows(model: nn.Module, dtype: torch.dtype) -> int:
     has its weights packed once (the fused layer takes those past the small-M kernel's rows:
     the same kernels as the Python layer, without the Python between them). bf16:
     :data:`~kvray.kernels.plan.BF16_FUSED_ROWS`."""
-    layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+    layers = [m for m in model.modules()
+              if isinstance(m, LlamaDecoderLayer) and isinstance(m.mlp, LlamaMLP)]
     if layers and all(m.qweight is not None for layer in layers for m in _linears(layer)):
         return 1 << 30  # the quantized kernel takes any rows, as the Python layer would
     if dtype != torch.float32:

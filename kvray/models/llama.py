@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3), tensor- and pipeline-parallel
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, and with MoE layers from
+:mod:`kvray.models.moe` Mixtral, Qwen2-MoE, Qwen3-MoE), tensor- and pipeline-parallel
 aware. Parameter names mirror Hugging Face's so checkpoints map one to one, except the fused
 ``qkv_proj`` and ``gate_up_proj`` (see :data:`STACKED_PARAMS`).
 
@@ -24,6 +25,7 @@ from kvray.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from kvray.models.moe import SparseMoeBlock
 from kvray.models.spec import ModelSpec
 from kvray.parallel import ParallelContext, pp_layer_range
 
@@ -106,7 +108,8 @@ class LlamaDecoderLayer(nn.Module):
                  rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(spec, ctx, layer_idx, rotary, dtype)
-        self.mlp = LlamaMLP(spec, ctx, dtype)
+        self.mlp = SparseMoeBlock(spec, ctx, dtype) if spec.is_moe_layer(layer_idx) \
+            else LlamaMLP(spec, ctx, dtype)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self._decode_args: tuple | None = None
@@ -291,13 +294,18 @@ def use_fused_decode_layer(model: nn.Module, kernel: Callable[..., tuple], max_r
     and the small-M kernel's input). Only for one tensor-parallel rank (a TP layer
     all-reduces mid-layer, in Python) and the CPU kernels' paged cache; inputs that are not
     contiguous take the Python layer. With ``stack`` (``decode_layers``) a batch that every
-    layer would take that way runs all of the stage's layers in one call."""
-    for module in model.modules():
-        if isinstance(module, LlamaDecoderLayer):
+    layer would take that way runs all of the stage's layers in one call. MoE layers keep
+    the Python layer (the fused one computes a dense MLP), and then no stage is one call."""
+    layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+    all_dense = all(isinstance(m.mlp, LlamaMLP) for m in layers)
+    for module in layers:
+        if isinstance(module.mlp, LlamaMLP):
             module.fused_decode, module.fused_decode_max_rows = kernel, max_rows
             module._decode_args = None
-        elif isinstance(module, LlamaModel):
-            module.fused_decode_stack, module._stack_args = stack, None
+    for module in model.modules():
+        if isinstance(module, LlamaModel):
+            module.fused_decode_stack = stack if all_dense else None
+            module._stack_args = None
 
 
 def use_fused_ops(model: nn.Module, ops: ModuleType) -> None:

@@ -28,6 +28,13 @@ from kvray.tokenizer import check_model_path, load_tokenizer
 logger = logging.getLogger("kvray")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+# One expert's tensor (Mixtral's w1/w3/w2 under block_sparse_moe or mlp, the Qwen MoEs'
+# gate/up/down_proj), or transformers v5's fused stacks of every expert.
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\."
+                        r"(?:(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight"
+                        r"|(gate_up_proj|down_proj))$")
+_EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up",
+                "w2": "down", "down_proj": "down"}
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -129,7 +136,7 @@ def load_weights(model: LlamaForCausalLM,
             raise WeightLoadError(
                 f"tensor '{name}' of shape {tuple(tensor.shape)} does not fit parameter "
                 f"'{target}' of shape {tuple(param.shape)}: {err}") from None
-        filled.add(target if shard_id is None else f"{target}#{shard_id}")
+        filled.update(_filled_keys(target, shard_id, model.spec.num_experts))
     _check_complete(model, params, filled, unexpected)
     try:
         assemble_quantized(model)
@@ -138,10 +145,29 @@ def load_weights(model: LlamaForCausalLM,
 
 
 def _target_param(name: str) -> tuple[str, Any]:
+    m = _EXPERT_RE.match(name)
+    if m:
+        prefix, expert, part, stacked = m.groups()
+        if stacked:  # [experts, 2 * inter, hidden] gate rows then up rows, or down's
+            param = "w13_weight" if stacked == "gate_up_proj" else "w2_weight"
+            return f"{prefix}.mlp.experts.{param}", "all." + stacked.removesuffix("_proj")
+        part = _EXPERT_PART[part]
+        param = "w2_weight" if part == "down" else "w13_weight"
+        return f"{prefix}.mlp.experts.{param}", f"{expert}.{part}"
+    name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
     for ckpt, (fused, shard_id) in STACKED_PARAMS.items():
         if f".{ckpt}." in name:
             return name.replace(f".{ckpt}.", f".{fused}."), shard_id
     return name, None
+
+
+def _filled_keys(target: str, shard_id: Any, num_experts: int) -> list[str]:
+    if shard_id is None:
+        return [target]
+    if isinstance(shard_id, str) and shard_id.startswith("all."):  # every expert at once
+        parts = ("gate", "up") if shard_id == "all.gate_up" else ("down",)
+        return [f"{target}#{e}.{p}" for e in range(num_experts) for p in parts]
+    return [f"{target}#{shard_id}"]
 
 
 def _belongs_to_other_stage(name: str, model: LlamaForCausalLM) -> bool:
@@ -153,6 +179,11 @@ def _expected_keys(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter
     expected = set()
     for name in params:
         if name == "lm_head.weight" and model.spec.tie_word_embeddings:
+            continue
+        if name.endswith((".experts.w13_weight", ".experts.w2_weight")):
+            parts = ("down",) if name.endswith("w2_weight") else ("gate", "up")
+            expected.update(f"{name}#{e}.{p}" for e in range(model.spec.num_experts)
+                            for p in parts)
             continue
         fused = [(f, s) for f, s in STACKED_PARAMS.values() if f".{f}." in name]
         expected.update(f"{name}#{s}" for _, s in fused) if fused else expected.add(name)
@@ -178,6 +209,9 @@ def _checkpoint_name(key: str) -> str:
     if "#" not in key:
         return key
     name, shard = key.split("#")
+    if ".experts.w" in name:  # "<layer>.mlp.experts.w13_weight#3.gate"
+        expert, part = shard.split(".")
+        return f"{name.rsplit('.', 1)[0]}.{expert}.{part}_proj.weight"
     for ckpt, (fused, shard_id) in STACKED_PARAMS.items():
         if f".{fused}." in name and str(shard_id) == shard:
             return name.replace(f".{fused}.", f".{ckpt}.")
@@ -260,4 +294,24 @@ def load_model(model_path: str | Path, dtype: str, ctx: ParallelContext | None =
     load_weights(model, ckpt.iter_weights(keep_quantized=quantization != "none"))
     if quantization in ("int8", "fp8"):
         quantize_online(model, quantization, torch.device(device))
+    if spec.num_experts:
+        _log_experts(model, spec, ctx)
     return model, spec
+
+
+def _log_experts(model: LlamaForCausalLM, spec: ModelSpec, ctx: ParallelContext) -> None:
+    """One line per rank: which experts it holds and their memory (the placement)."""
+    from kvray.models.moe import MoEExperts
+
+    held = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    if not held:
+        return
+    nbytes = sum(p.numel() * p.element_size() for m in held for p in m.parameters())
+    first = held[0]
+    what = (f"experts {first.first_expert}..{first.first_expert + first.num_local - 1} whole"
+            if first.expert_parallel else
+            f"all {spec.num_experts} experts, intermediate rows "
+            f"{first.inter_start}..{first.inter_start + first.inter - 1} of {first.full_inter}")
+    logger.info("kvray: MoE rank %d (tp %d/%d, pp %d): %s, top-%d, %d MoE layers here, "
+                "%.1f MiB of expert weights", ctx.world_rank, ctx.tp_rank, ctx.tp_size,
+                ctx.pp_rank, what, spec.num_experts_per_tok, len(held), nbytes / 2**20)

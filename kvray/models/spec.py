@@ -17,7 +17,11 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -46,6 +50,16 @@ class ModelSpec:
     layer_windows: tuple[int | None, ...]
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    # mixture of experts (num_experts 0: a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or dense MLP
+
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[i]
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -73,15 +87,41 @@ class ModelSpec:
             rope_scaling=scaling,
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=True if family == "qwen2" else attention_bias,
-            o_bias=False if family == "qwen2" else attention_bias,
+            qkv_bias=(bool(getattr(config, "qkv_bias", True))
+                      if family in ("qwen2", "qwen2_moe") else attention_bias),
+            o_bias=False if family in ("qwen2", "qwen2_moe") else attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             layer_windows=_layer_windows(config, family),
             eos_token_ids=_eos_ids(getattr(config, "eos_token_id", None)),
             torch_dtype=_dtype_name(getattr(config, "dtype", None)
                                     or getattr(config, "torch_dtype", None)),
+            **(_moe_fields(config, family) if family in _MOE_FAMILIES else {}),
         )
+
+
+def _moe_fields(config: Any, family: str) -> dict[str, Any]:
+    """The MoE switches of a Mixtral / Qwen2-MoE / Qwen3-MoE config (transformers' names;
+    Qwen3-MoE's saved configs may say ``num_local_experts`` for ``num_experts``)."""
+    n = config.num_hidden_layers
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+    top_k = getattr(config, "num_experts_per_tok", 0)
+    if not experts or not 0 < top_k <= experts:
+        raise UnsupportedModelError(f"{family}: num_experts_per_tok = {top_k} with "
+                                    f"{experts} experts")
+    if family == "mixtral":  # every layer, the experts as wide as intermediate_size
+        return dict(num_experts=experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=config.intermediate_size, norm_topk_prob=True,
+                    moe_layers=(True,) * n)
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    return dict(
+        num_experts=experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=config.moe_intermediate_size,
+        norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
+        shared_expert_intermediate_size=(getattr(config, "shared_expert_intermediate_size", 0)
+                                         if family == "qwen2_moe" else 0) or 0,
+        moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(n)))
 
 
 def _architecture(config: Any) -> str:
@@ -117,9 +157,11 @@ def _rope(config: Any) -> tuple[float, dict[str, Any] | None]:
 
 def _layer_windows(config: Any, family: str) -> tuple[int | None, ...]:
     n = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    if family == "mistral":
+    window = getattr(config, "sliding_window", None) or None
+    if family in ("mistral", "mixtral"):
         return (window,) * n
+    if family == "qwen3_moe":  # one switch for every layer
+        return (window if getattr(config, "use_sliding_window", False) else None,) * n
     layer_types = getattr(config, "layer_types", None)
     if window and getattr(config, "use_sliding_window", False) and layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)

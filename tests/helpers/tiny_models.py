@@ -36,7 +36,19 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", dict(sliding_window=None, num_key_value_heads=4)),
     "qwen2_bias": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3_qknorm_headdim": ("Qwen3Config", dict(head_dim=24, num_key_value_heads=2)),
+    # mixture of experts: Mixtral (renormalised top-2 of 4), Qwen2-MoE (shared expert and
+    # its gate, a dense layer among MoE ones, top-2 of 6 not renormalised), Qwen3-MoE (q/k
+    # norms, top-2 of 8 renormalised)
+    "mixtral_moe": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                          intermediate_size=96, sliding_window=None)),
+    "qwen2_moe_shared": ("Qwen2MoeConfig", dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=80, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=True,
+                                         head_dim=24)),
 }
+MOE_ARCHS = ("mixtral_moe", "qwen2_moe_shared", "qwen3_moe")
 
 
 def build_tokenizer() -> transformers.PreTrainedTokenizerFast:

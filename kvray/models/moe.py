@@ -1,0 +1,178 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE), tensor- or expert-parallel.
+
+A router picks ``top_k`` experts per token (softmax in fp32, then top-k; Mixtral always
+renormalises the k weights, the Qwen families when ``norm_topk_prob`` says so). Tokens are
+grouped by expert with one sort, and each expert that received tokens runs one GEMM pair on
+its rows (SwiGLU), scaled by the routing weights and added into the output: no per-token
+Python loop, and a decode step of one token reads only its k experts' weights. Qwen2-MoE
+adds a shared expert on every token, scaled by ``sigmoid(shared_expert_gate(x))``.
+
+Parallelism over the TP group, whose ranks all hold every token's activations:
+
+- plain TP (default): every rank holds every expert, each expert's intermediate dimension
+  split across the ranks like a dense MLP's (gate/up by rows, down by columns);
+- expert parallelism (``enable_expert_parallel``): each rank holds ``num_experts / tp``
+  whole experts and runs only the tokens routed to them.
+
+Either way each rank's output is a partial sum over the experts' contributions and one
+all-reduce (the dense MLP's) completes it; with expert parallelism no rank reads a slice of
+an expert, and a rank whose experts received no token runs no GEMM at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvray.models.layers import MergedColumnParallelLinear, RowParallelLinear
+from kvray.models.spec import ModelSpec
+from kvray.parallel import ParallelContext
+from kvray.quant.tensor import QuantTensor
+
+# the halves of a stacked gate_up weight, in checkpoint order
+EXPERT_PARTS = ("gate", "up", "down")
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's always-on expert: a dense SwiGLU MLP (its own all-reduce)."""
+
+    def __init__(self, ctx: ParallelContext, hidden: int, size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(ctx, hidden, [size, size], False, dtype)
+        self.down_proj = RowParallelLinear(ctx, size, hidden, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class MoEExperts(nn.Module):
+    """This rank's experts, stacked: ``w13_weight`` [experts, 2 * inter, hidden] (gate rows
+    then up rows) and ``w2_weight`` [experts, hidden, inter]; ``inter`` is the rank's slice
+    under plain TP, the whole width under expert parallelism."""
+
+    def __init__(self, ctx: ParallelContext, num_experts: int, hidden: int, inter: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.expert_parallel = ctx.expert_parallel and ctx.tp_size > 1
+        if self.expert_parallel:
+            if num_experts % ctx.tp_size:
+                raise ValueError(f"enable_expert_parallel: {num_experts} experts do not split "
+                                 f"evenly over tensor_parallel_size = {ctx.tp_size}")
+            self.num_local = num_experts // ctx.tp_size
+            self.first_expert = ctx.tp_rank * self.num_local
+            self.inter, self.inter_start = inter, 0
+        else:
+            if inter % ctx.tp_size:
+                raise ValueError(f"the experts' intermediate size {inter} does not split evenly "
+                                 f"over tensor_parallel_size = {ctx.tp_size} (or set "
+                                 "enable_expert_parallel)")
+            self.num_local, self.first_expert = num_experts, 0
+            self.inter = inter // ctx.tp_size
+            self.inter_start = ctx.tp_rank * self.inter
+        self.full_inter = inter
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden,
+                                                   dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden, self.inter,
+                                                  dtype=dtype), requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | QuantTensor,
+                      shard_id: str) -> None:
+        """``shard_id`` ``"<expert>.<gate|up|down>"`` (one expert's tensor, global index) or
+        ``"all.<gate_up|down>"`` (the fused 3-D tensors of a transformers v5 checkpoint)."""
+        if isinstance(loaded, QuantTensor):  # no quantized expert kernels: run them dense
+            loaded = loaded.dequantize(param.dtype)
+        which, part = shard_id.split(".")
+        if which == "all":
+            if loaded.dim() != 3 or loaded.shape[0] != self.num_experts:
+                raise ValueError(f"expected [{self.num_experts}, ...] stacked experts")
+            halves = loaded.chunk(2, dim=1) if part == "gate_up" else (loaded,)
+            names = ("gate", "up") if part == "gate_up" else ("down",)
+            for e in range(self.num_experts):
+                for name, t in zip(names, halves, strict=True):
+                    self._load_one(param, t[e], e, name)
+            return
+        self._load_one(param, loaded, int(which), part)
+
+    def _load_one(self, param: nn.Parameter, loaded: torch.Tensor, expert: int,
+                  part: str) -> None:
+        local = expert - self.first_expert
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} of {self.num_experts}")
+        if not 0 <= local < self.num_local:
+            return  # another rank's expert
+        hidden = param.shape[-1] if part != "down" else param.shape[1]
+        rows = slice(self.inter_start, self.inter_start + self.inter)
+        if part == "down":
+            if tuple(loaded.shape) != (hidden, self.full_inter):
+                raise ValueError(f"down: shape {tuple(loaded.shape)}, expected "
+                                 f"{(hidden, self.full_inter)}")
+            param.data[local].copy_(loaded[:, rows])
+            return
+        if tuple(loaded.shape) != (self.full_inter, hidden):
+            raise ValueError(f"{part}: shape {tuple(loaded.shape)}, expected "
+                             f"{(self.full_inter, hidden)}")
+        offset = 0 if part == "gate" else self.inter
+        param.data[local, offset:offset + self.inter].copy_(loaded[rows])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+                ) -> torch.Tensor:
+        """This rank's partial sum over the chosen experts: ``weights`` / ``experts``
+        [tokens, k] the routing weights and global expert ids."""
+        out = torch.zeros_like(x)
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        local = counts[self.first_expert:self.first_expert + self.num_local].tolist()
+        start = int(counts[:self.first_expert].sum()) if self.first_expert else 0
+        tokens = order // experts.shape[1]
+        flat_weights = weights.reshape(-1)
+        for e, n in enumerate(local):
+            if n == 0:
+                continue
+            pick = order[start:start + n]
+            rows = tokens[start:start + n]
+            start += n
+            gate, up = F.linear(x[rows], self.w13_weight[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2_weight[e])
+            out.index_add_(0, rows, y * flat_weights[pick].unsqueeze(1).to(y.dtype))
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ Qwen2-MoE's shared expert); in the decoder layer's ``mlp`` slot."""
+
+    def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.top_k = spec.num_experts_per_tok
+        self.renormalize = spec.norm_topk_prob
+        self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False, dtype=dtype)
+        self.gate.weight.requires_grad_(False)
+        self.experts = MoEExperts(ctx, spec.num_experts, spec.hidden_size,
+                                  spec.moe_intermediate_size, dtype)
+        self.shared_expert = self.shared_expert_gate = None
+        if spec.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(ctx, spec.hidden_size,
+                                              spec.shared_expert_intermediate_size, dtype)
+            self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False, dtype=dtype)
+            self.shared_expert_gate.weight.requires_grad_(False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids) [tokens, top_k], as transformers computes them."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        out = self.ctx.all_reduce(self.experts(x, weights, experts))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,167 @@
+"""Mixture-of-experts layers (kvray/models/moe.py): the grouped expert computation equals a
+plain per-token, per-expert loop on odd shapes (top-k 1 / 2 / 8, experts that receive no
+token, every expert hit); the ranks' partial sums under plain TP and under expert
+parallelism add up to the whole; transformers v5's fused expert tensors load like the
+per-expert ones; bad layouts are errors naming the setting. Greedy parity with transformers
+for Mixtral / Qwen2-MoE / Qwen3-MoE runs in the parity suites (their tiny models are in
+tests/helpers/tiny_models.py's ARCHS), TP / EP / PP in tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvray.models.moe import MoEExperts
+from kvray.parallel import ParallelContext
+from tests.helpers.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.unit
+
+HIDDEN, INTER = 24, 20
+
+
+def _expert_weights(num_experts: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"gate": torch.randn(INTER, HIDDEN, generator=g) * 0.3,
+             "up": torch.randn(INTER, HIDDEN, generator=g) * 0.3,
+             "down": torch.randn(HIDDEN, INTER, generator=g) * 0.3}
+            for _ in range(num_experts)]
+
+
+def _experts(weights: list[dict[str, torch.Tensor]], ctx: ParallelContext) -> MoEExperts:
+    experts = MoEExperts(ctx, len(weights), HIDDEN, INTER, torch.float32)
+    for e, w in enumerate(weights):
+        for part, t in w.items():
+            param = experts.w2_weight if part == "down" else experts.w13_weight
+            param.weight_loader(param, t, f"{e}.{part}")
+    return experts
+
+
+def _reference(x, weights, routing, choice):
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(choice.shape[1]):
+            w = weights[int(choice[t, j])]
+            h = F.silu(x[t] @ w["gate"].T) * (x[t] @ w["up"].T)
+            out[t] += routing[t, j] * (h @ w["down"].T)
+    return out
+
+
+def _routing(tokens: int, num_experts: int, top_k: int, allowed: list[int], seed: int):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, num_experts, generator=g)
+    mask = torch.full((num_experts,), float("-inf"))
+    mask[allowed] = 0
+    weights, choice = (scores + mask).topk(top_k, dim=-1)
+    return torch.softmax(weights, dim=-1), choice
+
+
+@pytest.mark.parametrize("tokens,top_k,allowed", [
+    (1, 1, list(range(8))), (1, 2, list(range(8))), (5, 2, [1, 6]),  # 6 experts get nothing
+    (37, 2, list(range(8))), (37, 8, list(range(8))),  # every token to every expert
+    (3, 1, [7]), (64, 3, [0, 2, 3, 5])])
+def test_grouped_experts_equal_a_per_token_loop(tokens, top_k, allowed):
+    weights = _expert_weights(8, seed=tokens + top_k)
+    experts = _experts(weights, ParallelContext())
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(top_k))
+    routing, choice = _routing(tokens, 8, top_k, allowed, seed=tokens)
+    got = experts(x, routing, choice)
+    torch.testing.assert_close(got, _reference(x, weights, routing, choice), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_ranks_partial_sums_add_up_to_the_whole(expert_parallel):
+    """Each rank loads only its share from the same per-expert tensors (a slice of every
+    expert, or whole experts), and the TP all-reduce's sum of the partials is the layer."""
+    weights = _expert_weights(6, seed=3)
+    x = torch.randn(29, HIDDEN, generator=torch.Generator().manual_seed(4))
+    routing, choice = _routing(29, 6, 2, list(range(6)), seed=5)
+    whole = _experts(weights, ParallelContext())(x, routing, choice)
+    parts = []
+    for rank in range(2):
+        ctx = ParallelContext(tp_rank=rank, tp_size=2, expert_parallel=expert_parallel)
+        experts = _experts(weights, ctx)
+        if expert_parallel:
+            assert experts.w13_weight.shape == (3, 2 * INTER, HIDDEN)
+        else:
+            assert experts.w13_weight.shape == (6, INTER, HIDDEN)
+        parts.append(experts(x, routing, choice))
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-5)
+
+
+def test_layouts_that_cannot_split_name_the_setting():
+    with pytest.raises(ValueError, match="enable_expert_parallel: 6 experts do not split "
+                                         "evenly over tensor_parallel_size = 4"):
+        MoEExperts(ParallelContext(tp_rank=0, tp_size=4, expert_parallel=True), 6, HIDDEN,
+                   INTER, torch.float32)
+    with pytest.raises(ValueError, match="intermediate size 20 does not split evenly over "
+                                         "tensor_parallel_size = 3"):
+        MoEExperts(ParallelContext(tp_rank=0, tp_size=3), 6, HIDDEN, INTER, torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["mixtral_moe", "qwen2_moe_shared"])
+@torch.inference_mode()
+def test_fused_expert_tensors_load_like_per_expert_ones(arch, tmp_path):
+    """transformers v5 keeps a layer's experts as ``experts.gate_up_proj`` [E, 2I, H] and
+    ``experts.down_proj`` [E, H, I] and can save them so: the same model either way."""
+    import transformers
+
+    from kvray.kernels.attention import AttentionMetadata
+    from kvray.models.loader import load_model
+
+    legacy = make_tiny_model(arch, tmp_path / "legacy")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(legacy), dtype=torch.float32)
+    fused = tmp_path / "fused"
+    hf.save_pretrained(fused, save_original_format=False)
+    from safetensors import safe_open
+
+    with safe_open(str(fused / "model.safetensors"), framework="pt") as f:
+        assert any(k.endswith("experts.gate_up_proj") for k in f.keys())  # noqa: SIM118
+    seq = torch.randint(3, 300, (19,), generator=torch.Generator().manual_seed(0))
+    meta = AttentionMetadata.for_full_sequences([19])
+    logits = []
+    for path in (legacy, fused):
+        model, _ = load_model(path, "float32")
+        logits.append(model.compute_logits(model(seq, meta)))
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_missing_expert_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from kvray.models.loader import WeightLoadError, load_model
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "m")
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match=r"missing from checkpoint: "
+                                              r"model\.layers\.1\.mlp\.experts\.5\.up_proj"):
+        load_model(path, "float32")
+
+
+def test_moe_layers_keep_the_python_layer_in_an_engine(tmp_path):
+    """The fused C++ decode layer computes a dense MLP: an engine on a MoE model installs it
+    only on the dense layers (Qwen2-MoE's mlp_only_layers), never as one call per stage,
+    and still decodes as transformers does."""
+    from kvray import LLM, SamplingParams
+    from kvray.models.llama import LlamaMLP
+    from kvray.models.moe import SparseMoeBlock
+    from tests.helpers.tiny_models import transformers_greedy
+
+    path = make_tiny_model("qwen2_moe_shared", tmp_path / "m")
+    prompts = [{"prompt_token_ids": [5, 9, 77, 3, 41]}, {"prompt_token_ids": [8] * 13}]
+    llm = LLM(str(path), dtype="float32", block_size=4)
+    try:
+        model = llm.llm_engine.executor.worker.runner.model.model
+        kinds = [type(layer.mlp) for layer in model.layers]
+        assert kinds == [SparseMoeBlock, LlamaMLP, SparseMoeBlock]
+        assert model.layers[0].fused_decode is None and model.layers[2].fused_decode is None
+        assert model.fused_decode_stack is None
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == transformers_greedy(path, prompts, 10)
