@@ -1,30 +1,74 @@
 """Rotary position embedding (the "rotate half" layout of Hugging Face Llama-family
-checkpoints), with Llama-3 and linear frequency scaling."""
+checkpoints), with the checkpoints' frequency scaling rules: linear, Llama-3, YaRN, dynamic
+NTK and LongRoPE, as transformers computes them."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # the scaling rules rope_inv_freq knows
+# the scaling rules rope_frequencies knows
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+
+
+@dataclass(frozen=True)
+class RopeFrequencies:
+    """What the cos/sin tables are built from: ``inv_freq`` for positions below
+    ``switch_at``, ``long_inv_freq`` from there on (dynamic NTK and LongRoPE; None for the
+    static rules), both tables multiplied by ``attention_factor`` (YaRN, LongRoPE)."""
+
+    inv_freq: torch.Tensor
+    attention_factor: float = 1.0
+    long_inv_freq: torch.Tensor | None = None
+    switch_at: int = 0
+
+
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def rope_frequencies(rot_dim: int, theta: float, scaling: dict[str, Any] | None,
+                     model_max_positions: int, max_positions: int) -> RopeFrequencies:
+    """The frequencies of the checkpoint's rule (transformers' ``modeling_rope_utils``).
+
+    transformers recomputes dynamic NTK and LongRoPE frequencies per forward from the
+    largest position in it (a prompt past the limit re-rotates every position; a decode step
+    only its own token). A paged cache rotates each key once, at its position, so kvray
+    picks per position, as vLLM does: below the limit (``max_position_embeddings`` for
+    dynamic, ``original_max_position_embeddings`` for LongRoPE) the frequencies
+    transformers uses for any sequence that stays below it, from there on the long ones
+    (dynamic: NTK sized for ``max_positions``, the configured context)."""
+    base = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    kind, s = rope_type(scaling), scaling or {}
+    if kind == "default":
+        return RopeFrequencies(base)
+    if kind == "linear":
+        return RopeFrequencies(base / float(s["factor"]))
+    if kind == "llama3":
+        return RopeFrequencies(_llama3_inv_freq(base, s))
+    if kind == "yarn":
+        return _yarn(rot_dim, theta, s, model_max_positions)
+    if kind == "dynamic":
+        factor = float(s["factor"])
+        seq_len = max(max_positions, model_max_positions)
+        ntk = theta * ((factor * seq_len / model_max_positions) - (factor - 1)) ** (
+            rot_dim / (rot_dim - 2))
+        long = 1.0 / (ntk ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+        return RopeFrequencies(base, long_inv_freq=long, switch_at=model_max_positions)
+    if kind == "longrope":
+        return _longrope(rot_dim, theta, s, model_max_positions)
+    raise ValueError(
+        f"rope scaling type '{kind}' is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+    )
 
 
 def rope_inv_freq(rot_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [rot_dim / 2] in fp32, after the checkpoint's scaling rule."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(
-        f"rope scaling type '{rope_type}' is not supported; supported: {SUPPORTED_ROPE_TYPES}"
-    )
+    """Inverse frequencies [rot_dim / 2] in fp32 of a static rule (no position switch)."""
+    return rope_frequencies(rot_dim, theta, scaling, 1 << 30, 1 << 30).inv_freq
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -41,6 +85,72 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(dim: int, theta: float, s: dict[str, Any], model_max: int) -> RopeFrequencies:
+    # Frequencies that turn fewer than beta_slow times over the original context are
+    # interpolated (divided by factor), more than beta_fast times kept, a linear ramp between.
+    original = int(s.get("original_max_position_embeddings") or model_max)
+    factor = s.get("factor")
+    factor = float(factor) if factor is not None else model_max / original
+    attention = s.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                     if mscale and mscale_all else _yarn_mscale(factor))
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) \
+        + (1.0 / pos_freqs) * extrapolation
+    return RopeFrequencies(inv_freq, float(attention))
+
+
+def _longrope(dim: int, theta: float, s: dict[str, Any], model_max: int) -> RopeFrequencies:
+    original = int(s.get("original_max_position_embeddings") or model_max)
+    factor = s.get("factor")
+    factor = float(factor) if factor is not None else model_max / original
+    attention = s.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+
+    def freqs(ext: list[float]) -> torch.Tensor:
+        if len(ext) != dim // 2:
+            raise ValueError(f"longrope: {len(ext)} factors for a rotary dim of {dim} "
+                             f"(need {dim // 2})")
+        return 1.0 / (torch.tensor(ext, dtype=torch.float32) * theta ** shape)
+
+    return RopeFrequencies(freqs(s["short_factor"]), float(attention),
+                           freqs(s["long_factor"]), original)
+
+
+def max_context(model_max_positions: int, scaling: dict[str, Any] | None) -> int:
+    """The longest context a checkpoint's rope rule is meant for: ``max_position_embeddings``,
+    times ``factor`` for dynamic NTK, ``original_max_position_embeddings`` times ``factor``
+    for YaRN (as vLLM derives it; LongRoPE and Llama-3 configs state the extended length)."""
+    kind, s = rope_type(scaling), scaling or {}
+    if kind == "dynamic":
+        return int(model_max_positions * float(s["factor"]))
+    if kind == "yarn" and s.get("factor"):
+        original = int(s.get("original_max_position_embeddings") or model_max_positions)
+        return max(model_max_positions, int(original * float(s["factor"])))
+    return model_max_positions
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Applies rotary embedding to q and k given each token's absolute position.
 
@@ -52,10 +162,12 @@ class RotaryEmbedding(torch.nn.Module):
     fused_inplace: Callable[..., torch.Tensor] | None = None
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
-                 max_positions: int) -> None:
+                 max_positions: int, model_max_positions: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.freqs = rope_frequencies(head_dim, theta, scaling,
+                                      model_max_positions or max_positions, max_positions)
+        self.inv_freq = self.freqs.inv_freq
         self._last = None
         self._grown_for: torch.Tensor | None = None
         self._fixed = False
@@ -71,8 +183,14 @@ class RotaryEmbedding(torch.nn.Module):
         self._fixed = True
 
     def _build(self, n: int) -> None:
-        freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
-        self.cos, self.sin = freqs.cos(), freqs.sin()
+        f = self.freqs
+        positions = torch.arange(n, dtype=torch.float32)
+        angles = torch.outer(positions, f.inv_freq)
+        if f.long_inv_freq is not None and n > f.switch_at:
+            angles[f.switch_at:] = torch.outer(positions[f.switch_at:], f.long_inv_freq)
+        self.cos, self.sin = angles.cos(), angles.sin()
+        if f.attention_factor != 1.0:
+            self.cos, self.sin = self.cos * f.attention_factor, self.sin * f.attention_factor
 
     def _grow(self, positions: torch.Tensor) -> None:
         """Extend the tables past the largest position, on the positions' device."""

@@ -191,7 +191,8 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.start_layer, self.end_layer = pp_layer_range(spec.num_layers, ctx.pp_rank,
                                                           ctx.pp_size)
-        rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_positions)
+        rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_positions,
+                                 spec.max_position_embeddings)
         self.embed_tokens = (VocabParallelEmbedding(ctx, spec.vocab_size, spec.hidden_size, dtype)
                              if ctx.is_first_stage or spec.tie_word_embeddings else None)
         self.layers = nn.ModuleList(

@@ -259,13 +259,17 @@ def open_checkpoint(path: str | Path) -> Any:
 
 
 def resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
-    """The configured context length, bounded by what the model was trained for."""
-    limit = spec.max_position_embeddings
+    """The configured context length, bounded by what the model was trained for (with its
+    rope scaling: :func:`kvray.kernels.rotary.max_context`)."""
+    from kvray.kernels.rotary import max_context
+
+    limit = max_context(spec.max_position_embeddings, spec.rope_scaling)
     if requested is None:
         return limit
     if requested > limit:
-        raise ValueError(f"max_model_len = {requested} exceeds the model's "
-                         f"max_position_embeddings ({limit}); use a value <= {limit}")
+        raise ValueError(f"max_model_len = {requested} exceeds the model's context of {limit} "
+                         f"(max_position_embeddings {spec.max_position_embeddings} and its "
+                         f"rope scaling); use a value <= {limit}")
     return requested
 
 

@@ -36,6 +36,16 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", dict(sliding_window=None, num_key_value_heads=4)),
     "qwen2_bias": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3_qknorm_headdim": ("Qwen3Config", dict(head_dim=24, num_key_value_heads=2)),
+    # rope scaling: YaRN (interpolated low frequencies, cos/sin scaled), LongRoPE (its short
+    # factors below the original context, and the attention factor)
+    "llama_yarn": ("LlamaConfig", dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 256})),
+    "llama_longrope": ("LlamaConfig", dict(max_position_embeddings=4096, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0,
+        "original_max_position_embeddings": 1024,
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]})),
     # mixture of experts: Mixtral (renormalised top-2 of 4), Qwen2-MoE (shared expert and
     # its gate, a dense layer among MoE ones, top-2 of 6 not renormalised), Qwen3-MoE (q/k
     # norms, top-2 of 8 renormalised)
