@@ -89,13 +89,19 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn(dim: int, theta: float, s: dict[str, Any], model_max: int) -> RopeFrequencies:
-    # Frequencies that turn fewer than beta_slow times over the original context are
-    # interpolated (divided by factor), more than beta_fast times kept, a linear ramp between.
+def _extension(s: dict[str, Any], model_max: int) -> tuple[int, float, float | None]:
+    """(original context, factor, attention factor or None) of a YaRN / LongRoPE rule; a
+    missing factor is the ratio of the two contexts, as transformers takes it."""
     original = int(s.get("original_max_position_embeddings") or model_max)
     factor = s.get("factor")
     factor = float(factor) if factor is not None else model_max / original
-    attention = s.get("attention_factor")
+    return original, factor, s.get("attention_factor")
+
+
+def _yarn(dim: int, theta: float, s: dict[str, Any], model_max: int) -> RopeFrequencies:
+    # Frequencies that turn fewer than beta_slow times over the original context are
+    # interpolated (divided by factor), more than beta_fast times kept, a linear ramp between.
+    original, factor, attention = _extension(s, model_max)
     if attention is None:
         mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")
         attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
@@ -120,10 +126,7 @@ def _yarn(dim: int, theta: float, s: dict[str, Any], model_max: int) -> RopeFreq
 
 
 def _longrope(dim: int, theta: float, s: dict[str, Any], model_max: int) -> RopeFrequencies:
-    original = int(s.get("original_max_position_embeddings") or model_max)
-    factor = s.get("factor")
-    factor = float(factor) if factor is not None else model_max / original
-    attention = s.get("attention_factor")
+    original, factor, attention = _extension(s, model_max)
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
