@@ -47,11 +47,12 @@ def test_greedy_decoding_matches_transformers_generate(arch, tiny_model_dir):
         assert generate_by_recompute(model, prompt.tolist(), 12) == expected
 
 
+@pytest.mark.parametrize("arch", ["mistral", "phi3_longrope"])
 @torch.inference_mode()
-def test_sliding_window_limits_attention(tiny_model_dir, tmp_path):
+def test_sliding_window_limits_attention(arch, tmp_path):
     from tests.helpers.tiny_models import make_tiny_model
 
-    path = make_tiny_model("mistral", tmp_path / "swa", sliding_window=8)
+    path = make_tiny_model(arch, tmp_path / "swa", sliding_window=8)
     hf = load_hf(path)
     model, spec = load_model(path, "float32")
     assert spec.layer_windows == (8, 8, 8)

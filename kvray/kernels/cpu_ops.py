@@ -188,6 +188,14 @@ def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return ext.linear_tiled(x, weight, bias)
 
 
+def expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` (no bias) for an MoE expert's rows: the small-M kernel for up to
+    :func:`small_m_max_rows` rows, else the tiled one (fp32 ``x``, contiguous weight)."""
+    if x.shape[0] <= small_m_max_rows():
+        return linear_small_m(x, weight, None)
+    return linear_tiled(x, weight, None)
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """A weight [N, K] in ``linear_packed``'s layout (a 1-D tensor of about N x K), in its
     own dtype: fp32, or bf16 (the kernel widens it to fp32 exactly)."""

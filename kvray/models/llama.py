@@ -25,7 +25,7 @@ from kvray.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from kvray.models.moe import SparseMoeBlock
+from kvray.models.moe import MoEExperts, SparseMoeBlock
 from kvray.models.spec import ModelSpec
 from kvray.parallel import ParallelContext, pp_layer_range
 
@@ -320,5 +320,8 @@ def use_fused_ops(model: nn.Module, ops: ModuleType) -> None:
         elif isinstance(module, RotaryEmbedding):
             module.fused_inplace = ops.rotary_inplace
         elif isinstance(module, LlamaMLP):
+            module.fused_silu_and_mul = ops.silu_and_mul
+        elif isinstance(module, MoEExperts):
+            module.fused_linear = getattr(ops, "expert_linear", None)
             module.fused_silu_and_mul = ops.silu_and_mul
 

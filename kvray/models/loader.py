@@ -109,7 +109,7 @@ def load_weights(model: LlamaForCausalLM,
     start, end = model.model.start_layer, model.model.end_layer
     filled: set[str] = set()
     unexpected: list[str] = []
-    for name, tensor in weights:
+    for name, tensor in _unfused(weights, model.spec):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         m = _LAYER_RE.match(name)
@@ -142,6 +142,26 @@ def load_weights(model: LlamaForCausalLM,
         assemble_quantized(model)
     except ValueError as err:
         raise WeightLoadError(f"{model.spec.architecture}: {err}") from None
+
+
+def _unfused(weights: Iterator[tuple[str, torch.Tensor | QuantTensor]], spec: ModelSpec
+             ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """Phi-3's fused ``qkv_proj`` (q, k, v rows) and ``gate_up_proj`` (gate, up rows) as the
+    separate tensors the parallel layers load: each is split along its own TP shards."""
+    q = spec.num_heads * spec.head_dim
+    kv = spec.num_kv_heads * spec.head_dim
+    for name, tensor in weights:
+        if name.endswith(".self_attn.qkv_proj.weight") and tensor.shape[0] == q + 2 * kv:
+            stem = name.removesuffix("qkv_proj.weight")
+            for part, start, size in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+                yield f"{stem}{part}_proj.weight", tensor.narrow(0, start, size)
+        elif name.endswith(".mlp.gate_up_proj.weight") and ".experts." not in name \
+                and tensor.shape[0] % 2 == 0:
+            stem, half = name.removesuffix("gate_up_proj.weight"), tensor.shape[0] // 2
+            yield f"{stem}gate_proj.weight", tensor.narrow(0, 0, half)
+            yield f"{stem}up_proj.weight", tensor.narrow(0, half, half)
+        else:
+            yield name, tensor
 
 
 def _target_param(name: str) -> tuple[str, Any]:

@@ -21,6 +21,8 @@ an expert, and a rank whose experts received no token runs no GEMM at all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,6 +53,11 @@ class MoEExperts(nn.Module):
     """This rank's experts, stacked: ``w13_weight`` [experts, 2 * inter, hidden] (gate rows
     then up rows) and ``w2_weight`` [experts, hidden, inter]; ``inter`` is the rank's slice
     under plain TP, the whole width under expert parallelism."""
+
+    # An expert's few rows through the CPU extension's linear and activation kernels (fp32;
+    # set by kvray.models.llama.use_fused_ops): ~2x F.linear at 8 rows.
+    fused_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    fused_silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, ctx: ParallelContext, num_experts: int, hidden: int, inter: int,
                  dtype: torch.dtype) -> None:
@@ -137,10 +144,22 @@ class MoEExperts(nn.Module):
             pick = order[start:start + n]
             rows = tokens[start:start + n]
             start += n
-            gate, up = F.linear(x[rows], self.w13_weight[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2_weight[e])
+            y = self._linear(self._act(self._linear(x[rows], self.w13_weight[e])),
+                             self.w2_weight[e])
             out.index_add_(0, rows, y * flat_weights[pick].unsqueeze(1).to(y.dtype))
         return out
+
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.fused_linear is not None and x.dtype == w.dtype == torch.float32:
+            return self.fused_linear(x, w)
+        return F.linear(x, w)
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused_silu_and_mul is not None:
+            return self.fused_silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class SparseMoeBlock(nn.Module):

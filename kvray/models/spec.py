@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Phi3ForCausalLM": "phi3",
 }
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -158,7 +159,7 @@ def _rope(config: Any) -> tuple[float, dict[str, Any] | None]:
 def _layer_windows(config: Any, family: str) -> tuple[int | None, ...]:
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None) or None
-    if family in ("mistral", "mixtral"):
+    if family in ("mistral", "mixtral", "phi3"):
         return (window,) * n
     if family == "qwen3_moe":  # one switch for every layer
         return (window if getattr(config, "use_sliding_window", False) else None,) * n

@@ -57,6 +57,13 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2,
                                          moe_intermediate_size=32, norm_topk_prob=True,
                                          head_dim=24)),
+    # Phi-3: fused qkv_proj / gate_up_proj tensors, LongRoPE in its own config fields
+    "phi3_longrope": ("Phi3Config", dict(
+        max_position_embeddings=4096, original_max_position_embeddings=1024, pad_token_id=0,
+        sliding_window=None, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.05, 1.2, 1.4, 1.7, 2.0, 2.4, 2.9],
+            "long_factor": [1.0, 1.4, 2.2, 3.5, 5.0, 8.0, 11.0, 15.0]})),
 }
 MOE_ARCHS = ("mixtral_moe", "qwen2_moe_shared", "qwen3_moe")
 
