@@ -16,13 +16,13 @@ from kvray import LLM, SamplingParams
 from kvray.kernels.attention import paged_batch
 from kvray.models.llama import LlamaDecoderLayer
 from tests.helpers.skips import NOT_THIS_HARDWARE
-from tests.helpers.tiny_models import ARCHS, MOE_ARCHS
+from tests.helpers.tiny_models import ARCHS, UNFUSED_ARCHS
 
 pytestmark = pytest.mark.parity
 
 BLOCK = 4
-# (MoE layers keep the Python layer: tests/test_moe.py)
-VARIANTS = {**{arch: (arch, {}) for arch in ARCHS if arch not in MOE_ARCHS},
+# (MoE and Gemma layers keep the Python layer: tests/test_moe.py, test_gemma.py)
+VARIANTS = {**{arch: (arch, {}) for arch in ARCHS if arch not in UNFUSED_ARCHS},
             "mistral_window": ("mistral", dict(sliding_window=8))}
 
 

@@ -200,7 +200,7 @@ def test_the_mlp_takes_its_activation_from_the_gemm_on_paired_weights(ops, monke
     if cut is None:
         pytest.skip(f"{NOT_THIS_HARDWARE}: this build's kernels do not pack weights once (no AVX2)")
     spec = SimpleNamespace(hidden_size=64, intermediate_size=3 * ops.vector_lanes(),
-                           mlp_bias=False)
+                           mlp_bias=False, hidden_act="silu")
     mlp = LlamaMLP(spec, ParallelContext(), torch.float32)
     for p in mlp.parameters():
         p.data = torch.randn(p.shape).bfloat16().float()

@@ -43,6 +43,7 @@ def models(tmp_path_factory):
         "kv1": make_tiny_model("llama3_rope_tied", root / "kv1"),  # 1 KV head < TP size
         "qwen2_moe": make_tiny_model("qwen2_moe_shared", root / "qwen2_moe"),
         "qwen3_moe": make_tiny_model("qwen3_moe", root / "qwen3_moe"),
+        "gemma2": make_tiny_model("gemma2_softcap", root / "gemma2"),
     }
 
 
@@ -102,7 +103,8 @@ def test_cluster_and_workers_listen_on_loopback_only(cluster, models):
     ("gqa4", 2, 1, False), ("gqa4", 1, 2, False), ("gqa4", 2, 2, False), ("kv1", 2, 1, False),
     # MoE: every expert sliced over TP, or whole experts per rank (expert parallelism),
     # also across pipeline stages
-    ("qwen2_moe", 2, 1, False), ("qwen2_moe", 2, 1, True), ("qwen3_moe", 2, 2, True)])
+    ("qwen2_moe", 2, 1, False), ("qwen2_moe", 2, 1, True), ("qwen3_moe", 2, 2, True),
+    ("gemma2", 2, 2, False)])  # capped scores, sandwich norms, sliding layers split over PP
 def test_parallel_layouts_match_one_worker(cluster, models, reference, model, tp, pp, ep):
     llm = LLM(str(models[model]), tensor_parallel_size=tp, pipeline_parallel_size=pp,
               enable_expert_parallel=ep, **COMMON)

@@ -108,12 +108,54 @@ def paged_batch(rows: list[PagedRow], block_size: int,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
               scale: float, sliding_window: int | None = None,
-              kv_cache: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq, D]; causal within each sequence."""
+              kv_cache: torch.Tensor | None = None,
+              softcap: float | None = None) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq, D]; causal within each sequence. With
+    ``softcap`` (Gemma 2) the scores become ``tanh(s / cap) * cap`` before the mask: the
+    PyTorch paths below, which compute the scores themselves (no kernel takes a cap)."""
+    if softcap is not None:
+        return softcapped_attention(q, k, v, meta, scale, sliding_window, kv_cache, softcap)
     if kv_cache is None:
         return dense_attention(q, k, v, meta, scale, sliding_window)
     (meta.write_kernel or write_kv_cache)(k, v, kv_cache, meta.slot_mapping)
     return paged_attention(q, kv_cache, meta, scale, sliding_window)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                         kv_cache: torch.Tensor | None, softcap: float) -> torch.Tensor:
+    """Attention with capped scores, each sequence's queries against its keys (the batch's
+    own, or the paged cache's after this step's K/V are written)."""
+    if kv_cache is not None:
+        (meta.write_kernel or write_kv_cache)(k, v, kv_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    for b in range(len(starts) - 1):
+        s, e = starts[b], starts[b + 1]
+        if e == s:
+            continue
+        if kv_cache is None:
+            keys, values = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)  # [Hk, L, D]
+            seq_len = e - s
+        else:
+            seq_len = meta.seq_lens_list[b]
+            keys, values = _gather(kv_cache, meta.block_tables[b][None],
+                                   -(-seq_len // kv_cache.shape[3]), q.dtype)
+            keys, values = keys[:, 0, :seq_len], values[:, 0, :seq_len]
+        q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            allowed &= q_pos[:, None] - k_pos[None, :] < sliding_window
+        hk = keys.shape[0]
+        qg = q[s:e].transpose(0, 1).reshape(hk, -1, keys.shape[-1])  # [Hk, G * Lq, D]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.view(hk, -1, e - s, seq_len).masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        o = torch.matmul(probs.view(hk, -1, seq_len), values)  # [Hk, G * Lq, D]
+        out[s:e] = o.view(-1, e - s, o.shape[-1]).transpose(0, 1)
+    return out
 
 
 def dense_attention(q, k, v, meta: AttentionMetadata, scale: float,

@@ -39,3 +39,25 @@ class RMSNorm(torch.nn.Module):
             return rms_norm(x, self.weight, self.eps)
         x = x + residual
         return rms_norm(x, self.weight, self.eps), x
+
+
+class GemmaRMSNorm(torch.nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + w)`` with the product taken in fp32 before the
+    cast back (transformers' Gemma 2 / 3; the checkpoint stores ``w``, zeros = identity).
+    Same ``forward(x, residual)`` contract as :class:`RMSNorm`; no fused kernel."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -24,7 +24,6 @@ from kvray.models.layers import (
 )
 from kvray.models.llama import (
     LlamaDecoderLayer,
-    LlamaMLP,
     use_fused_decode_layer,
     use_fused_ops,
 )
@@ -126,7 +125,7 @@ def fused_decode_max_rows(model: nn.Module, dtype: torch.dtype) -> int:
     the same kernels as the Python layer, without the Python between them). bf16:
     :data:`~kvray.kernels.plan.BF16_FUSED_ROWS`."""
     layers = [m for m in model.modules()
-              if isinstance(m, LlamaDecoderLayer) and isinstance(m.mlp, LlamaMLP)]
+              if isinstance(m, LlamaDecoderLayer) and m.takes_fused_kernel()]
     if layers and all(m.qweight is not None for layer in layers for m in _linears(layer)):
         return 1 << 30  # the quantized kernel takes any rows, as the Python layer would
     if dtype != torch.float32:

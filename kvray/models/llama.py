@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvray.kernels.attention import AttentionMetadata, attention
-from kvray.kernels.norm import RMSNorm
+from kvray.kernels.norm import GemmaRMSNorm, RMSNorm
 from kvray.kernels.rotary import RotaryEmbedding
 from kvray.models.layers import (
     MergedColumnParallelLinear,
@@ -39,6 +39,11 @@ STACKED_PARAMS = {
 }
 
 
+def make_norm(spec: ModelSpec, size: int, dtype: torch.dtype) -> nn.Module:
+    """The family's RMSNorm: Gemma's ``(1 + w)`` one, or Llama's."""
+    return (GemmaRMSNorm if spec.gemma_norms else RMSNorm)(size, spec.rms_norm_eps, dtype)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, spec: ModelSpec, ctx: ParallelContext, layer_idx: int,
                  rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
@@ -51,10 +56,11 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(ctx, spec.num_heads * spec.head_dim, spec.hidden_size,
                                         spec.o_bias, dtype)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype) if spec.qk_norm else None
+        self.q_norm = make_norm(spec, spec.head_dim, dtype) if spec.qk_norm else None
+        self.k_norm = make_norm(spec, spec.head_dim, dtype) if spec.qk_norm else None
         self.rotary = rotary
-        self.scale = spec.head_dim ** -0.5
+        self.scale = (spec.query_pre_attn_scalar or spec.head_dim) ** -0.5
+        self.softcap = spec.attn_logit_softcap
         self.sliding_window = spec.layer_windows[layer_idx]
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata,
@@ -72,7 +78,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = self.rotary(meta.positions, q, k)
-        out = attention(q, k, v, meta, self.scale, self.sliding_window, kv_cache)
+        out = attention(q, k, v, meta, self.scale, self.sliding_window, kv_cache, self.softcap)
         return self.o_proj(out.reshape(-1, q_size))
 
 
@@ -82,11 +88,15 @@ class LlamaMLP(nn.Module):
     def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
         size = spec.intermediate_size
+        self.act = spec.hidden_act
         self.gate_up_proj = MergedColumnParallelLinear(ctx, spec.hidden_size, [size, size],
                                                        spec.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(ctx, size, spec.hidden_size, spec.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act != "silu":  # Gemma's tanh GELU: no fused kernel
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         act = self.gate_up_proj.silu_mul_matmul(x, self.gate_up_proj.bias)
         if act is not None:  # the activation from the GEMM's epilogue
             return self.down_proj(act)
@@ -110,9 +120,22 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(spec, ctx, layer_idx, rotary, dtype)
         self.mlp = SparseMoeBlock(spec, ctx, dtype) if spec.is_moe_layer(layer_idx) \
             else LlamaMLP(spec, ctx, dtype)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.input_layernorm = make_norm(spec, spec.hidden_size, dtype)
+        self.post_attention_layernorm = make_norm(spec, spec.hidden_size, dtype)
+        # Gemma's sandwich: the attention's and the MLP's outputs normed before their adds
+        self.sandwich = spec.gemma_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = make_norm(spec, spec.hidden_size, dtype)
+            self.post_feedforward_layernorm = make_norm(spec, spec.hidden_size, dtype)
         self._decode_args: tuple | None = None
+
+    def takes_fused_kernel(self) -> bool:
+        """Whether the fused C++ layer computes this layer: a dense SwiGLU MLP, Llama's
+        norms, no score capping, one rotary table for the stack."""
+        attn = self.self_attn
+        return isinstance(self.mlp, LlamaMLP) and self.mlp.act == "silu" \
+            and not self.sandwich and attn.softcap is None \
+            and attn.scale == attn.head_dim ** -0.5
 
     def takes_fused_decode(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                            meta: AttentionMetadata, kv_cache: torch.Tensor | None) -> bool:
@@ -132,6 +155,10 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, meta, kv_cache)
+        if self.sandwich:
+            hidden = self.post_attention_layernorm(hidden)
+            hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -191,17 +218,26 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.start_layer, self.end_layer = pp_layer_range(spec.num_layers, ctx.pp_rank,
                                                           ctx.pp_size)
-        rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_positions,
-                                 spec.max_position_embeddings)
+        rotaries: dict[float, RotaryEmbedding] = {}  # one per rope base (Gemma 3 has two)
+
+        def rotary(i: int) -> RotaryEmbedding:
+            theta, scaling = spec.layer_rope(i)
+            if theta not in rotaries:
+                rotaries[theta] = RotaryEmbedding(spec.head_dim, theta, scaling, max_positions,
+                                                  spec.max_position_embeddings)
+            return rotaries[theta]
+
         self.embed_tokens = (VocabParallelEmbedding(ctx, spec.vocab_size, spec.hidden_size, dtype)
                              if ctx.is_first_stage or spec.tie_word_embeddings else None)
+        # Gemma scales the embeddings by sqrt(hidden), the factor rounded to the model's dtype
+        self.embed_scale = (torch.tensor(spec.hidden_size ** 0.5).to(dtype).item()
+                            if spec.gemma_norms else None)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, ctx, i, rotary, dtype)
+            LlamaDecoderLayer(spec, ctx, i, rotary(i), dtype)
             if self.start_layer <= i < self.end_layer else nn.Identity()
             for i in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype) if ctx.is_last_stage \
-            else None
+        self.norm = make_norm(spec, spec.hidden_size, dtype) if ctx.is_last_stage else None
 
     def forward(self, input_ids: torch.Tensor | None, meta: AttentionMetadata,
                 hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -211,6 +247,8 @@ class LlamaModel(nn.Module):
         Returns the final normed hidden states on the last stage, else (hidden, residual)."""
         if self.ctx.is_first_stage:
             hidden, residual = self.embed_tokens(input_ids), None
+            if self.embed_scale is not None:
+                hidden = hidden * self.embed_scale
         stacked = self._fused_decode_stack(hidden, residual, meta, kv_caches)
         if stacked is not None:
             hidden, residual = stacked
@@ -283,7 +321,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "only the last pipeline stage computes logits"
-        return self.lm_head.compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        cap = self.spec.final_logit_softcap
+        if cap is not None:  # Gemma 2: tanh(logits / cap) * cap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def use_fused_decode_layer(model: nn.Module, kernel: Callable[..., tuple], max_rows: int,
@@ -296,13 +338,14 @@ def use_fused_decode_layer(model: nn.Module, kernel: Callable[..., tuple], max_r
     all-reduces mid-layer, in Python) and the CPU kernels' paged cache; inputs that are not
     contiguous take the Python layer. With ``stack`` (``decode_layers``) a batch that every
     layer would take that way runs all of the stage's layers in one call. MoE layers keep
-    the Python layer (the fused one computes a dense MLP), and then no stage is one call."""
+    the Python layer (the fused one computes a dense MLP), as do Gemma's (sandwich norms,
+    GELU, capped scores); then no stage is one call."""
     layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
-    all_dense = all(isinstance(m.mlp, LlamaMLP) for m in layers)
-    for module in layers:
-        if isinstance(module.mlp, LlamaMLP):
-            module.fused_decode, module.fused_decode_max_rows = kernel, max_rows
-            module._decode_args = None
+    fusable = [m for m in layers if m.takes_fused_kernel()]
+    all_dense = len(fusable) == len(layers)
+    for module in fusable:
+        module.fused_decode, module.fused_decode_max_rows = kernel, max_rows
+        module._decode_args = None
     for module in model.modules():
         if isinstance(module, LlamaModel):
             module.fused_decode_stack = stack if all_dense else None

@@ -21,7 +21,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
+_GEMMA_FAMILIES = ("gemma2", "gemma3")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
@@ -58,9 +62,22 @@ class ModelSpec:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or dense MLP
+    # Gemma 2 / 3
+    hidden_act: str = "silu"
+    gemma_norms: bool = False  # (1 + w) RMSNorms, four per layer (sandwich), scaled embeddings
+    query_pre_attn_scalar: float | None = None  # attention scale ** -0.5 instead of head_dim
+    attn_logit_softcap: float | None = None  # tanh(s / cap) * cap on attention scores
+    final_logit_softcap: float | None = None  # ... and on the logits
+    local_rope_theta: float | None = None  # sliding-window layers' own rope base (Gemma 3)
 
     def is_moe_layer(self, i: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[i]
+
+    def layer_rope(self, i: int) -> tuple[float, dict[str, Any] | None]:
+        """(theta, scaling) of layer i's rotary embedding."""
+        if self.local_rope_theta is not None and self.layer_windows[i] is not None:
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -68,10 +85,12 @@ class ModelSpec:
         the architecture or an option (activation, rope type) is not one kvray runs."""
         arch = _architecture(config)
         family = SUPPORTED_ARCHITECTURES[arch]
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"{arch}: hidden_act '{act}' is not supported (only silu)")
-        theta, scaling = _rope(config)
+        act_key = "hidden_activation" if family in _GEMMA_FAMILIES else "hidden_act"
+        act = getattr(config, act_key, None) or "silu"
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise UnsupportedModelError(f"{arch}: {act_key} '{act}' is not supported "
+                                        f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+        theta, scaling, local_theta = _rope(config)
         num_heads = config.num_attention_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
@@ -92,13 +111,26 @@ class ModelSpec:
                       if family in ("qwen2", "qwen2_moe") else attention_bias),
             o_bias=False if family in ("qwen2", "qwen2_moe") else attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             layer_windows=_layer_windows(config, family),
             eos_token_ids=_eos_ids(getattr(config, "eos_token_id", None)),
             torch_dtype=_dtype_name(getattr(config, "dtype", None)
                                     or getattr(config, "torch_dtype", None)),
             **(_moe_fields(config, family) if family in _MOE_FAMILIES else {}),
+            hidden_act=act,
+            local_rope_theta=local_theta,
+            **(_gemma_fields(config, family) if family in _GEMMA_FAMILIES else {}),
         )
+
+
+def _gemma_fields(config: Any, family: str) -> dict[str, Any]:
+    """Gemma 2 / 3's switches. Gemma 3's ``attn_logit_softcapping`` is not applied by
+    transformers (its attention never receives it): ignored likewise."""
+    return dict(gemma_norms=True,
+                query_pre_attn_scalar=float(config.query_pre_attn_scalar),
+                attn_logit_softcap=(getattr(config, "attn_logit_softcapping", None)
+                                    if family == "gemma2" else None) or None,
+                final_logit_softcap=getattr(config, "final_logit_softcapping", None) or None)
 
 
 def _moe_fields(config: Any, family: str) -> dict[str, Any]:
@@ -131,6 +163,7 @@ def _architecture(config: Any) -> str:
         if arch in SUPPORTED_ARCHITECTURES:
             return arch
     by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+    by_type["gemma3_text"] = "Gemma3ForCausalLM"  # Gemma3TextConfig's model_type
     model_type = getattr(config, "model_type", None)
     if not archs and model_type in by_type:
         return by_type[model_type]
@@ -140,20 +173,38 @@ def _architecture(config: Any) -> str:
     )
 
 
-def _rope(config: Any) -> tuple[float, dict[str, Any] | None]:
+def _rope(config: Any) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(theta, scaling, the sliding layers' own theta or None). Gemma 3 keys its
+    ``rope_parameters`` by layer type: full-attention layers take the scaled rule, sliding
+    ones a plain rope of their own base."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    local_theta = None
+    if isinstance(params.get("full_attention"), dict):
+        local = params.get("sliding_attention") or {}
+        if rope_type_of(local) != "default":
+            raise UnsupportedModelError(
+                f"rope_parameters.sliding_attention: rope type '{rope_type_of(local)}' is not "
+                "supported for sliding-window layers (only default)")
+        local_theta = float(local.get("rope_theta", 10000.0))
+        params = dict(params["full_attention"])
     legacy = getattr(config, "rope_scaling", None)
     if legacy and not params.get("rope_type"):
         params.update(legacy)
     theta = float(params.pop("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = rope_type_of(params)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"rope scaling type '{rope_type}' is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
-    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+    if (params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", 1.0)
+            or 1.0) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
-    return theta, (params if rope_type != "default" else None)
+    params.pop("partial_rotary_factor", None)
+    return theta, (params if rope_type != "default" else None), local_theta
+
+
+def rope_type_of(params: dict[str, Any]) -> str:
+    return params.get("rope_type", params.get("type", "default"))
 
 
 def _layer_windows(config: Any, family: str) -> tuple[int | None, ...]:
@@ -161,6 +212,10 @@ def _layer_windows(config: Any, family: str) -> tuple[int | None, ...]:
     window = getattr(config, "sliding_window", None) or None
     if family in ("mistral", "mixtral", "phi3"):
         return (window,) * n
+    if family in _GEMMA_FAMILIES:  # sliding layers by layer_types, whatever other switches say
+        types = getattr(config, "layer_types", None) or ()
+        return tuple(window if t == "sliding_attention" else None for t in types) \
+            if window and types else (None,) * n
     if family == "qwen3_moe":  # one switch for every layer
         return (window if getattr(config, "use_sliding_window", False) else None,) * n
     layer_types = getattr(config, "layer_types", None)

@@ -64,8 +64,22 @@ ARCHS: dict[str, tuple[str, dict]] = {
             "rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0, 1.05, 1.2, 1.4, 1.7, 2.0, 2.4, 2.9],
             "long_factor": [1.0, 1.4, 2.2, 3.5, 5.0, 8.0, 11.0, 15.0]})),
+    # Gemma 2: (1 + w) sandwich norms, scaled embeddings, tanh GELU, query_pre_attn_scalar,
+    # capped attention scores and logits, alternating sliding-window layers
+    "gemma2_softcap": ("Gemma2Config", dict(
+        head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+        final_logit_softcapping=5.0, sliding_window=8, pad_token_id=0)),
+    # Gemma 3 (text): q/k norms, a rope base per layer type (linear x8 on the global layers)
+    "gemma3_text": ("Gemma3TextConfig", dict(
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=8, pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 1000000.0}})),
 }
 MOE_ARCHS = ("mixtral_moe", "qwen2_moe_shared", "qwen3_moe")
+# layers the fused C++ decode layer does not compute (MoE, Gemma's norms / GELU / caps)
+UNFUSED_ARCHS = (*MOE_ARCHS, "gemma2_softcap", "gemma3_text")
 
 
 def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
