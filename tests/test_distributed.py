@@ -44,6 +44,9 @@ def models(tmp_path_factory):
         "qwen2_moe": make_tiny_model("qwen2_moe_shared", root / "qwen2_moe"),
         "qwen3_moe": make_tiny_model("qwen3_moe", root / "qwen3_moe"),
         "gemma2": make_tiny_model("gemma2_softcap", root / "gemma2"),
+        "gemma3": make_tiny_model("gemma3_text", root / "gemma3"),
+        "mixtral": make_tiny_model("mixtral_moe", root / "mixtral"),
+        "phi3": make_tiny_model("phi3_longrope", root / "phi3"),
     }
 
 
@@ -104,7 +107,10 @@ def test_cluster_and_workers_listen_on_loopback_only(cluster, models):
     # MoE: every expert sliced over TP, or whole experts per rank (expert parallelism),
     # also across pipeline stages
     ("qwen2_moe", 2, 1, False), ("qwen2_moe", 2, 1, True), ("qwen3_moe", 2, 2, True),
-    ("gemma2", 2, 2, False)])  # capped scores, sandwich norms, sliding layers split over PP
+    # the dense families of issue 43: capped scores, sandwich norms, sliding layers and two
+    # rope bases split over PP; Phi-3's fused tensors split over TP
+    ("gemma2", 2, 2, False), ("gemma3", 2, 2, False), ("phi3", 2, 2, False),
+    ("mixtral", 2, 2, False)])
 def test_parallel_layouts_match_one_worker(cluster, models, reference, model, tp, pp, ep):
     llm = LLM(str(models[model]), tensor_parallel_size=tp, pipeline_parallel_size=pp,
               enable_expert_parallel=ep, **COMMON)
