@@ -16,8 +16,6 @@ from kvray.models.moe import MoEExperts
 from kvray.parallel import ParallelContext
 from tests.helpers.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.unit
-
 HIDDEN, INTER = 24, 20
 
 
@@ -57,6 +55,7 @@ def _routing(tokens: int, num_experts: int, top_k: int, allowed: list[int], seed
     return torch.softmax(weights, dim=-1), choice
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("tokens,top_k,allowed", [
     (1, 1, list(range(8))), (1, 2, list(range(8))), (5, 2, [1, 6]),  # 6 experts get nothing
     (37, 2, list(range(8))), (37, 8, list(range(8))),  # every token to every expert
@@ -71,6 +70,7 @@ def test_grouped_experts_equal_a_per_token_loop(tokens, top_k, allowed):
                                atol=1e-5)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_ranks_partial_sums_add_up_to_the_whole(expert_parallel):
     """Each rank loads only its share from the same per-expert tensors (a slice of every
@@ -91,6 +91,7 @@ def test_ranks_partial_sums_add_up_to_the_whole(expert_parallel):
     torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_layouts_that_cannot_split_name_the_setting():
     with pytest.raises(ValueError, match="enable_expert_parallel: 6 experts do not split "
                                          "evenly over tensor_parallel_size = 4"):
@@ -101,6 +102,7 @@ def test_layouts_that_cannot_split_name_the_setting():
         MoEExperts(ParallelContext(tp_rank=0, tp_size=3), 6, HIDDEN, INTER, torch.float32)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("arch", ["mixtral_moe", "qwen2_moe_shared"])
 @torch.inference_mode()
 def test_fused_expert_tensors_load_like_per_expert_ones(arch, tmp_path):
@@ -128,6 +130,7 @@ def test_fused_expert_tensors_load_like_per_expert_ones(arch, tmp_path):
     assert torch.equal(logits[0], logits[1])
 
 
+@pytest.mark.parity
 def test_missing_expert_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -142,6 +145,7 @@ def test_missing_expert_is_named(tmp_path):
         load_model(path, "float32")
 
 
+@pytest.mark.engine
 def test_moe_layers_keep_the_python_layer_in_an_engine(tmp_path):
     """The fused C++ decode layer computes a dense MLP: an engine on a MoE model installs it
     only on the dense layers (Qwen2-MoE's mlp_only_layers), never as one call per stage,
