@@ -142,11 +142,7 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             keys, values = _gather(kv_cache, meta.block_tables[b][None],
                                    -(-seq_len // kv_cache.shape[3]), q.dtype)
             keys, values = keys[:, 0, :seq_len], values[:, 0, :seq_len]
-        q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        allowed = k_pos[None, :] <= q_pos[:, None]
-        if sliding_window is not None:
-            allowed &= q_pos[:, None] - k_pos[None, :] < sliding_window
+        allowed = _query_mask(e - s, seq_len, sliding_window, q.device)
         hk = keys.shape[0]
         qg = q[s:e].transpose(0, 1).reshape(hk, -1, keys.shape[-1])  # [Hk, G * Lq, D]
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
@@ -289,6 +285,18 @@ def _decode(q, kv_cache, block_tables, seq_lens, max_len: int, scale: float,
     return out.transpose(0, 1).reshape(batch, hq, dim)
 
 
+def _query_mask(num_q: int, seq_len: int, sliding_window: int | None,
+                device: torch.device) -> torch.Tensor:
+    """[num_q, seq_len] keys each of a sequence's last ``num_q`` tokens may attend: causal,
+    within the window."""
+    q_pos = torch.arange(seq_len - num_q, seq_len, device=device)
+    k_pos = torch.arange(seq_len, device=device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
+    return mask
+
+
 def _prefill_one(q, kv_cache, block_table, seq_len: int, scale: float,
                  sliding_window: int | None) -> torch.Tensor:
     num_q = q.shape[0]
@@ -303,11 +311,7 @@ def _prefill_one(q, kv_cache, block_table, seq_len: int, scale: float,
             q.transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=scale,
             enable_gqa=q.shape[1] != k.shape[0])
         return out[0].transpose(0, 1)
-    q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)
-    k_pos = torch.arange(seq_len, device=q.device)
-    mask = k_pos[None, :] <= q_pos[:, None]
-    if sliding_window is not None:
-        mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
+    mask = _query_mask(num_q, seq_len, sliding_window, q.device)
     # 4-D inputs: 3-D ones fall back to SDPA's slow math path on CPU.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale,

@@ -31,6 +31,10 @@ def rope_type(scaling: dict[str, Any] | None) -> str:
     return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
 
 
+def _plain_inv_freq(theta: float, rot_dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+
+
 def rope_frequencies(rot_dim: int, theta: float, scaling: dict[str, Any] | None,
                      model_max_positions: int, max_positions: int) -> RopeFrequencies:
     """The frequencies of the checkpoint's rule (transformers' ``modeling_rope_utils``).
@@ -42,7 +46,7 @@ def rope_frequencies(rot_dim: int, theta: float, scaling: dict[str, Any] | None,
     dynamic, ``original_max_position_embeddings`` for LongRoPE) the frequencies
     transformers uses for any sequence that stays below it, from there on the long ones
     (dynamic: NTK sized for ``max_positions``, the configured context)."""
-    base = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    base = _plain_inv_freq(theta, rot_dim)
     kind, s = rope_type(scaling), scaling or {}
     if kind == "default":
         return RopeFrequencies(base)
@@ -57,8 +61,8 @@ def rope_frequencies(rot_dim: int, theta: float, scaling: dict[str, Any] | None,
         seq_len = max(max_positions, model_max_positions)
         ntk = theta * ((factor * seq_len / model_max_positions) - (factor - 1)) ** (
             rot_dim / (rot_dim - 2))
-        long = 1.0 / (ntk ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
-        return RopeFrequencies(base, long_inv_freq=long, switch_at=model_max_positions)
+        return RopeFrequencies(base, long_inv_freq=_plain_inv_freq(ntk, rot_dim),
+                               switch_at=model_max_positions)
     if kind == "longrope":
         return _longrope(rot_dim, theta, s, model_max_positions)
     raise ValueError(
@@ -148,9 +152,9 @@ def max_context(model_max_positions: int, scaling: dict[str, Any] | None) -> int
     kind, s = rope_type(scaling), scaling or {}
     if kind == "dynamic":
         return int(model_max_positions * float(s["factor"]))
-    if kind == "yarn" and s.get("factor"):
-        original = int(s.get("original_max_position_embeddings") or model_max_positions)
-        return max(model_max_positions, int(original * float(s["factor"])))
+    if kind == "yarn":
+        original, factor, _ = _extension(s, model_max_positions)
+        return max(model_max_positions, int(original * factor))
     return model_max_positions
 
 

@@ -85,9 +85,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     fused_silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype,
+                 size: int | None = None) -> None:
         super().__init__()
-        size = spec.intermediate_size
+        size = size or spec.intermediate_size  # Qwen2-MoE's shared expert: its own width
         self.act = spec.hidden_act
         self.gate_up_proj = MergedColumnParallelLinear(ctx, spec.hidden_size, [size, size],
                                                        spec.mlp_bias, dtype)
@@ -118,8 +119,12 @@ class LlamaDecoderLayer(nn.Module):
                  rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(spec, ctx, layer_idx, rotary, dtype)
-        self.mlp = SparseMoeBlock(spec, ctx, dtype) if spec.is_moe_layer(layer_idx) \
-            else LlamaMLP(spec, ctx, dtype)
+        if spec.is_moe_layer(layer_idx):
+            shared = (LlamaMLP(spec, ctx, dtype, spec.shared_expert_intermediate_size)
+                      if spec.shared_expert_intermediate_size else None)
+            self.mlp = SparseMoeBlock(spec, ctx, dtype, shared)
+        else:
+            self.mlp = LlamaMLP(spec, ctx, dtype)
         self.input_layernorm = make_norm(spec, spec.hidden_size, dtype)
         self.post_attention_layernorm = make_norm(spec, spec.hidden_size, dtype)
         # Gemma's sandwich: the attention's and the MLP's outputs normed before their adds

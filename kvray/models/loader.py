@@ -185,9 +185,14 @@ def _filled_keys(target: str, shard_id: Any, num_experts: int) -> list[str]:
     if shard_id is None:
         return [target]
     if isinstance(shard_id, str) and shard_id.startswith("all."):  # every expert at once
-        parts = ("gate", "up") if shard_id == "all.gate_up" else ("down",)
-        return [f"{target}#{e}.{p}" for e in range(num_experts) for p in parts]
+        return _expert_keys(target, num_experts)
     return [f"{target}#{shard_id}"]
+
+
+def _expert_keys(param: str, num_experts: int) -> list[str]:
+    """The completeness keys of a stacked expert parameter: one per expert and part."""
+    parts = ("down",) if param.endswith("w2_weight") else ("gate", "up")
+    return [f"{param}#{e}.{p}" for e in range(num_experts) for p in parts]
 
 
 def _belongs_to_other_stage(name: str, model: LlamaForCausalLM) -> bool:
@@ -201,9 +206,7 @@ def _expected_keys(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter
         if name == "lm_head.weight" and model.spec.tie_word_embeddings:
             continue
         if name.endswith((".experts.w13_weight", ".experts.w2_weight")):
-            parts = ("down",) if name.endswith("w2_weight") else ("gate", "up")
-            expected.update(f"{name}#{e}.{p}" for e in range(model.spec.num_experts)
-                            for p in parts)
+            expected.update(_expert_keys(name, model.spec.num_experts))
             continue
         fused = [(f, s) for f, s in STACKED_PARAMS.values() if f".{f}." in name]
         expected.update(f"{name}#{s}" for _, s in fused) if fused else expected.add(name)

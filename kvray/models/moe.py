@@ -27,26 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvray.models.layers import MergedColumnParallelLinear, RowParallelLinear
 from kvray.models.spec import ModelSpec
 from kvray.parallel import ParallelContext
 from kvray.quant.tensor import QuantTensor
 
 # the halves of a stacked gate_up weight, in checkpoint order
 EXPERT_PARTS = ("gate", "up", "down")
-
-
-class SharedExpert(nn.Module):
-    """Qwen2-MoE's always-on expert: a dense SwiGLU MLP (its own all-reduce)."""
-
-    def __init__(self, ctx: ParallelContext, hidden: int, size: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(ctx, hidden, [size, size], False, dtype)
-        self.down_proj = RowParallelLinear(ctx, size, hidden, False, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class MoEExperts(nn.Module):
@@ -79,7 +65,7 @@ class MoEExperts(nn.Module):
             self.num_local, self.first_expert = num_experts, 0
             self.inter = inter // ctx.tp_size
             self.inter_start = ctx.tp_rank * self.inter
-        self.full_inter = inter
+        self.full_inter, self.hidden = inter, hidden
         self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden,
                                                    dtype=dtype), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden, self.inter,
@@ -112,7 +98,7 @@ class MoEExperts(nn.Module):
             raise ValueError(f"expert {expert} of {self.num_experts}")
         if not 0 <= local < self.num_local:
             return  # another rank's expert
-        hidden = param.shape[-1] if part != "down" else param.shape[1]
+        hidden = self.hidden
         rows = slice(self.inter_start, self.inter_start + self.inter)
         if part == "down":
             if tuple(loaded.shape) != (hidden, self.full_inter):
@@ -149,7 +135,6 @@ class MoEExperts(nn.Module):
             out.index_add_(0, rows, y * flat_weights[pick].unsqueeze(1).to(y.dtype))
         return out
 
-
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.fused_linear is not None and x.dtype == w.dtype == torch.float32:
             return self.fused_linear(x, w)
@@ -165,7 +150,8 @@ class MoEExperts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen2-MoE's shared expert); in the decoder layer's ``mlp`` slot."""
 
-    def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype,
+                 shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.ctx = ctx
         self.top_k = spec.num_experts_per_tok
@@ -174,10 +160,10 @@ class SparseMoeBlock(nn.Module):
         self.gate.weight.requires_grad_(False)
         self.experts = MoEExperts(ctx, spec.num_experts, spec.hidden_size,
                                   spec.moe_intermediate_size, dtype)
-        self.shared_expert = self.shared_expert_gate = None
-        if spec.shared_expert_intermediate_size:
-            self.shared_expert = SharedExpert(ctx, spec.hidden_size,
-                                              spec.shared_expert_intermediate_size, dtype)
+        # Qwen2-MoE's always-on expert: a dense MLP the decoder layer builds (its own
+        # all-reduce), scaled per token by sigmoid(shared_expert_gate(x))
+        self.shared_expert, self.shared_expert_gate = shared_expert, None
+        if shared_expert is not None:
             self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False, dtype=dtype)
             self.shared_expert_gate.weight.requires_grad_(False)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvray.kernels.rotary import SUPPORTED_ROPE_TYPES
+from kvray.kernels.rotary import SUPPORTED_ROPE_TYPES, rope_type
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -181,9 +181,9 @@ def _rope(config: Any) -> tuple[float, dict[str, Any] | None, float | None]:
     local_theta = None
     if isinstance(params.get("full_attention"), dict):
         local = params.get("sliding_attention") or {}
-        if rope_type_of(local) != "default":
+        if rope_type(local) != "default":
             raise UnsupportedModelError(
-                f"rope_parameters.sliding_attention: rope type '{rope_type_of(local)}' is not "
+                f"rope_parameters.sliding_attention: rope type '{rope_type(local)}' is not "
                 "supported for sliding-window layers (only default)")
         local_theta = float(local.get("rope_theta", 10000.0))
         params = dict(params["full_attention"])
@@ -191,20 +191,16 @@ def _rope(config: Any) -> tuple[float, dict[str, Any] | None, float | None]:
     if legacy and not params.get("rope_type"):
         params.update(legacy)
     theta = float(params.pop("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    rope_type = rope_type_of(params)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    kind = rope_type(params)
+    if kind not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
-            f"rope scaling type '{rope_type}' is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+            f"rope scaling type '{kind}' is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
     if (params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", 1.0)
             or 1.0) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
     params.pop("partial_rotary_factor", None)
-    return theta, (params if rope_type != "default" else None), local_theta
-
-
-def rope_type_of(params: dict[str, Any]) -> str:
-    return params.get("rope_type", params.get("type", "default"))
+    return theta, (params if kind != "default" else None), local_theta
 
 
 def _layer_windows(config: Any, family: str) -> tuple[int | None, ...]:

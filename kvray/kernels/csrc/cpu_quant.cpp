@@ -156,22 +156,24 @@ void dequant_row(const Blob& b, const Segment& s, int64_t r, float* out) {
   const uint8_t* codes = s.codes + r / kTile * (b.Kp / kBlock) * block_bytes + 4 * lane;
   const uint8_t* sc = s.scales + r / kTile * ng * kTile * sbytes;
   const uint8_t* mn = s.mins ? s.mins + r / kTile * ng * kTile * sbytes : nullptr;
-  for (int64_t k = 0; k < b.Kp; ++k) {
-    const uint8_t* block = codes + k / kBlock * block_bytes;
-    const int64_t j = k % kBlock;  // U4: part j / 8, nibble j / 4 % 2; else part j / 4
-    float q;
-    if (s.kind == kU4) {
-      const uint8_t byte = block[32 * (j / 8) + j % 4];
-      q = static_cast<float>(j / 4 % 2 ? byte >> 4 : byte & 0xF);
-    } else if (s.kind == kS8) {
-      q = static_cast<float>(static_cast<int8_t>(block[32 * (j / 4) + j % 4]));
-    } else {
-      q = static_cast<float>(
-          c10::Float8_e4m3fn(block[32 * (j / 4) + j % 4], c10::Float8_e4m3fn::from_bits()));
+  for (int64_t g = 0; g < ng; ++g) {
+    const float scale = param(sc, s.half, g * kTile + lane);
+    const float min = mn ? param(mn, s.half, g * kTile + lane) : 0.f;
+    for (int64_t k = g * s.group; k < (g + 1) * s.group; ++k) {
+      const uint8_t* block = codes + k / kBlock * block_bytes;
+      const int64_t j = k % kBlock;  // U4: part j / 8, nibble j / 4 % 2; else part j / 4
+      float q;
+      if (s.kind == kU4) {
+        const uint8_t byte = block[32 * (j / 8) + j % 4];
+        q = static_cast<float>(j / 4 % 2 ? byte >> 4 : byte & 0xF);
+      } else if (s.kind == kS8) {
+        q = static_cast<float>(static_cast<int8_t>(block[32 * (j / 4) + j % 4]));
+      } else {
+        q = static_cast<float>(
+            c10::Float8_e4m3fn(block[32 * (j / 4) + j % 4], c10::Float8_e4m3fn::from_bits()));
+      }
+      out[k] = rounded(scale * q) + min;
     }
-    const int64_t g = (k / s.group * kTile + lane);
-    const float scale = param(sc, s.half, g), min = mn ? param(mn, s.half, g) : 0.f;
-    out[k] = rounded(scale * q) + min;
   }
 }
 
