@@ -4,12 +4,13 @@
 """
 
 from kvray.config import ConfigError, EngineConfig, load_config
+from kvray.lora.request import LoRARequest
 from kvray.outputs import CompletionOutput, RequestOutput
 from kvray.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "ConfigError", "EngineConfig", "RequestOutput",
-           "SamplingParams", "load_config", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "ConfigError", "EngineConfig", "LoRARequest",
+           "RequestOutput", "SamplingParams", "load_config", "__version__"]
 
 
 def __getattr__(name: str):

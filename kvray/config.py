@@ -334,12 +334,107 @@ class ServerConfig(_Section):
         "auto = llama3_json for a chat template in Llama 3's tool format, else hermes.")
 
 
+_ADAPTER_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:/@+-")
+
+
+def check_adapter_name(name: Any) -> str:
+    """An adapter name clients will send as ``model``: 1-128 characters of letters, digits
+    and ``._:/@+-``."""
+    if not isinstance(name, str) or not 1 <= len(name) <= 128 \
+            or not set(name) <= _ADAPTER_NAME_CHARS:
+        raise ValueError(f"adapter name {name!r}: 1-128 characters of letters, digits and "
+                         "'._:/@+-'")
+    return name
+
+
+class LoRAConfig(_Section):
+    """Multi-LoRA serving, named as vLLM names it: PEFT adapters of the base model, chosen
+    per request by ``model`` = the adapter's name; requests with different adapters share
+    one batch."""
+
+    enable_lora: bool = Field(
+        False, description="Serve LoRA adapters (implied by lora_modules).")
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="Adapters served from the start, name=path (PEFT directories): in YAML "
+        "a mapping; on the command line `--lora-modules a=/path/a b=/path/b`.")
+    max_loras: int = Field(
+        4, ge=1, le=256, description="Adapters resident on the workers at once (one batch "
+        "holds requests of at most this many adapters).")
+    max_lora_rank: int = Field(
+        16, ge=1, le=512, description="Largest adapter rank accepted; sizes the slots.")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, le=65536, description="Adapters whose weights stay in host memory (LRU; "
+        "the rest are read again when needed). None = 4 x max_loras.")
+    lora_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype of the adapter slots; auto = the model's weights' "
+        "(bf16 for a bf16 or quantized checkpoint, fp32 for an fp32 one).")
+    enable_runtime_lora_updating: bool = Field(
+        False, description="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "(behind the API key).")
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_modules(cls, value: Any) -> Any:
+        """name=path strings (a list, or one comma-separated string), {name, path} objects
+        (vLLM's JSON form) or a mapping."""
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, list):
+            parsed: dict[str, Any] = {}
+            for item in value:
+                if isinstance(item, str) and item.lstrip().startswith("{"):
+                    try:
+                        item = json.loads(item)
+                    except ValueError as err:
+                        raise ValueError(f"lora_modules: {item!r} is not valid JSON ({err})") \
+                            from None
+                if isinstance(item, dict) and set(item) >= {"name", "path"}:
+                    name, path = item["name"], item["path"]
+                elif isinstance(item, str) and "=" in item:
+                    name, path = item.split("=", 1)
+                else:
+                    raise ValueError(f"lora_modules: {item!r} is not name=path")
+                if name in parsed:
+                    raise ValueError(f"lora_modules: adapter name {name!r} given twice")
+                parsed[name] = path
+            return parsed
+        return value
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _check_modules(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, path in value.items():
+            check_adapter_name(name)
+            if not path.strip():
+                raise ValueError(f"lora_modules: adapter {name!r} has an empty path")
+        return value
+
+    @model_validator(mode="after")
+    def _check_cpu_loras(self) -> LoRAConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras or 4 * self.max_loras
+
+
 SECTIONS: Mapping[str, type[_Section]] = MappingProxyType({
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "server": ServerConfig,
+    "lora": LoRAConfig,
 })
 # Flat key -> section name; ModelConfig's "model" field shares its name with the section.
 FIELD_SECTION: Mapping[str, str] = MappingProxyType({
@@ -357,6 +452,7 @@ class EngineConfig(BaseModel):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> EngineConfig:

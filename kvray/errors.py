@@ -29,6 +29,13 @@ class InvalidRequestError(KVRayError, ValueError):
     err_type = "BadRequestError"
 
 
+class NotFoundError(KVRayError, LookupError):
+    """The request names something this server does not have (a model or adapter)."""
+
+    status = 404
+    err_type = "NotFoundError"
+
+
 class ServerBusyError(KVRayError):
     """Admission refused for now (full queue, draining, engine restarting): retry later."""
 

@@ -34,15 +34,16 @@ LAYERS: Mapping[str, float] = {
     "kvray.engine": 5,
     "kvray.actors": 4,
     "kvray.scheduler": 3,
+    "kvray.lora": 2.5,  # adapters: read against the model spec; the workers' slots
     "kvray.models": 2,
     # API and value types
     "kvray.config": 1.5, "kvray.sampling_params": 1.5, "kvray.outputs": 1.5,
-    "kvray.tokenizer": 1.5, "kvray.structured_output": 1.5,
+    "kvray.tokenizer": 1.5, "kvray.structured_output": 1.5, "kvray.lora.request": 1.5,
     "kvray.kernels": 1, "kvray.quant": 1,
     "kvray.errors": 0, "kvray.hardware": 0, "kvray.parallel": 0,
 }
 PURE = ("kvray.scheduler", "kvray.config", "kvray.sampling_params", "kvray.serve.protocol",
-        "kvray.outputs", "kvray.tokenizer", "kvray.actors.executor")
+        "kvray.outputs", "kvray.tokenizer", "kvray.actors.executor", "kvray.lora.request")
 FORBIDDEN_EXTERNAL = ("torch", "ray")
 FORBIDDEN_INTERNAL = "kvray.engine"
 

@@ -32,6 +32,7 @@ from kvray.kernels.sampling import (
     sample,
     sample_speculative,
 )
+from kvray.lora.layers import LoRAModel, lora_kernel, resolve_lora_dtype
 from kvray.models.kernel_install import install_kernel_plan
 from kvray.models.loader import load_model, resolve_max_model_len
 from kvray.parallel import ParallelContext
@@ -54,6 +55,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)  # sliced once, for penalties
     matcher: Matcher | None = None  # structured outputs (output rank only)
+    lora_slot: int = -1  # its adapter's slot (-1: the base model)
 
 
 @dataclass
@@ -98,6 +100,18 @@ class ModelRunner:
         installed = install_kernel_plan(self.model, self.plan)
         if ctx.world_rank == 0:
             installed.log()
+        self.lora: LoRAModel | None = None
+        if config.lora.enabled:
+            lora = config.lora
+            dtype = resolve_lora_dtype(lora.lora_dtype, self.model, self.dtype,
+                                       self.spec.torch_dtype)
+            self.lora = LoRAModel(self.model, lora.max_loras, lora.max_lora_rank, dtype,
+                                  device, lora_kernel(device, not self.plan.cpu_kernels or
+                                                      self.attention_backend == "torch"))
+            if ctx.world_rank == 0:
+                logger.info("kvray: LoRA slots: %d adapters of rank <= %d in %s (%.0f MiB "
+                            "on this worker)", lora.max_loras, lora.max_lora_rank,
+                            str(dtype).removeprefix("torch."), self.lora.num_bytes / 2**20)
         self.drafter: DraftRunner | None = None
         spec = config.model.speculative_config
         if spec is not None and spec.method == "draft_model" and ctx.is_output_rank:
@@ -197,7 +211,7 @@ class ModelRunner:
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens,
                 list(new.token_ids[new.num_prompt_tokens:]),
-                list(new.token_ids[:new.num_prompt_tokens]))
+                list(new.token_ids[:new.num_prompt_tokens]), lora_slot=new.lora_slot)
             if new.sampling_params.structured_outputs is not None and self.ctx.is_output_rank:
                 state.matcher = self.grammar.matcher(new.sampling_params,
                                                      state.output_token_ids)
@@ -238,6 +252,8 @@ class ModelRunner:
                 sample_rows.append(r)
         tokens, meta, row_last_token = paged_batch(rows, self.block_size, self._to_device,
                                                    **self.kernels)
+        if self.lora is not None:
+            self._set_lora_rows(req_ids, plan, rows, row_last_token, len(tokens))
         logits_index: list[int] = []
         first_rows: list[int] = []
         spans: dict[int, list[int]] = {}
@@ -251,6 +267,32 @@ class ModelRunner:
         token_starts = [row_last_token[first] - len(rows[first][0]) + 1 for first, _ in plan]
         return StepInputs(self._to_device(tokens), meta, req_ids, sample_rows,
                           self._to_device(logits_index), first_rows, spans, token_starts)
+
+    def _set_lora_rows(self, req_ids: list[str], plan: list[tuple[int, int]],
+                       rows: list, row_last_token: list[int], num_tokens: int) -> None:
+        """Each token's adapter slot, for the model's LoRA layers (None: no adapter rows)."""
+        slots = [self.requests[r].lora_slot for r in req_ids]
+        if all(s < 0 for s in slots):
+            self.lora.set_rows(None, self._to_device)
+            return
+        token_slots = [-1] * num_tokens
+        for r, (first, count) in enumerate(plan):
+            if slots[r] < 0:
+                continue
+            for row in range(first, first + count):
+                end = row_last_token[row] + 1
+                token_slots[end - len(rows[row][0]):end] = [slots[r]] * len(rows[row][0])
+        self.lora.set_rows(token_slots, self._to_device)
+
+    def _load_loras(self, out: SchedulerOutput) -> None:
+        """Put the adapters the scheduler assigned to slots this step in place (their
+        weights inline, or fetched once from the object store)."""
+        for load in out.lora_loads:
+            weights = load.weights
+            if not isinstance(weights, dict):  # an object-store reference
+                import ray
+                weights = ray.get(weights)
+            self.lora.load(load.slot, load.lora_id, weights)
 
     def _to_device(self, data: list) -> torch.Tensor:
         """An int64 tensor of ``data`` on this worker's device; on CUDA built in pinned host
@@ -266,6 +308,8 @@ class ModelRunner:
         (None elsewhere, unless a swap failed here: then an empty output that names the
         requests, for the executor to merge)."""
         self._swap(out)
+        if out.lora_loads:
+            self._load_loras(out)
         result = self._execute(out)
         failed = self.swap_pool.take_failed()
         if failed:
@@ -334,7 +378,8 @@ class ModelRunner:
         if not ctx.is_first_stage:
             shape = (inputs.input_ids.shape[0], self.spec.hidden_size)
             hidden, residual = ctx.recv_from_prev_stage([shape, shape], self.dtype, self.device)
-        if self.graphs is not None and \
+        no_lora = self.lora is None or self.lora.batch.row_slots is None
+        if self.graphs is not None and no_lora and \
                 inputs.meta.num_decodes == len(inputs.meta.seq_lens_list):
             result = self.graphs.run(inputs.input_ids, inputs.meta)
             if result is not None:

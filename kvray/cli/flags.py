@@ -47,6 +47,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             kwargs: dict[str, Any] = {"dest": key, "default": None, "help": field.description}
             if field.annotation is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
+            elif key == "lora_modules":  # vLLM's `--lora-modules a=/p/a b=/p/b`
+                kwargs["nargs"] = "+"
+                kwargs["metavar"] = "NAME=PATH"
             else:
                 choices = [a for a in get_args(field.annotation) if isinstance(a, str)]
                 kwargs["metavar"] = "{" + ",".join(choices) + "}" if choices else key.upper()

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from kvray.config import EngineConfig, config_from_flat, load_config
 from kvray.engine.llm_engine import LLMEngine, PromptType
+from kvray.lora.request import LoRARequest
 from kvray.outputs import RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
 
@@ -42,17 +43,35 @@ class LLM:
         """Stop the engine's workers; the cluster is left as it was found."""
         self._finalizer()
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Register (and validate) an adapter ahead of the requests that use it."""
+        self._loras().resolve(lora_request)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving adapter ``name``; False if it is unknown."""
+        return self._loras().unregister(name)
+
+    def list_loras(self) -> list[str]:
+        return self._loras().names()
+
+    def _loras(self):
+        if self.llm_engine.loras is None:
+            raise ValueError("LoRA is off: create the LLM with enable_lora=True")
+        return self.llm_engine.loras
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order.
 
         Prompts may be strings, ``{"prompt_token_ids": [...]}`` dicts, or a mix; one
-        SamplingParams for all or one per prompt.
+        SamplingParams for all or one per prompt; ``lora_request`` one LoRA adapter for all
+        prompts or one per prompt (None: the base model), as vLLM takes them.
         """
         if isinstance(prompts, str | dict) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -67,11 +86,21 @@ class LLM:
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                   for p in params]
         priority = list(priority) if priority is not None else [0] * len(prompts)
+        loras = list(lora_request) if isinstance(lora_request, list | tuple) \
+            else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         ids = []
-        for prompt, p, prio in zip(prompts, params, priority, strict=True):
-            request_id = str(next(self._counter))
-            self.llm_engine.add_request(request_id, prompt, p, priority=prio)
-            ids.append(request_id)
+        try:
+            for prompt, p, prio, lora in zip(prompts, params, priority, loras, strict=True):
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(request_id, prompt, p, priority=prio,
+                                            lora_request=lora)
+                ids.append(request_id)
+        except BaseException:
+            for request_id in ids:  # none of this call's requests stays queued
+                self.llm_engine.abort_request(request_id)
+            raise
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

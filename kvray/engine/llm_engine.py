@@ -20,6 +20,8 @@ from kvray.config import EngineConfig
 from kvray.engine.detokenizer import IncrementalDetokenizer
 from kvray.engine.stats import EngineStats
 from kvray.errors import EngineUnavailableError, InvalidRequestError
+from kvray.lora.manager import LoRARegistry
+from kvray.lora.request import LoRARequest
 from kvray.models.default_model import resolve_model_path, with_builtin_model
 from kvray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
@@ -92,6 +94,7 @@ class LLMEngine:
         self._failed: list[tuple[str, str]] = []  # see pop_failed_requests
         self._child_to_parent: dict[str, tuple[str, int]] = {}
         self.executor: Executor | None = None
+        self.loras: LoRARegistry | None = None  # the adapters served (LoRA on)
         # Steps submitted and not yet collected, oldest first: (output, handle, start time).
         self._in_flight: deque[tuple[SchedulerOutput, Any, float]] = deque()
         self._last_collect = 0.0  # when the previous step's result came back
@@ -112,18 +115,33 @@ class LLMEngine:
         self.executor = make_executor(config, self.model_path)
         self.spec = self.executor.spec
         self.max_model_len = self.executor.max_model_len
+        if config.lora.enabled and self.loras is None:  # kept across executor rebuilds
+            self.loras = self._lora_registry()
         kv = initialize_kv_cache(self.executor)
         swap_blocks = swap_pool_blocks(config, kv.bytes_per_block)
         costs = self._measure_preemption_costs(kv, swap_blocks) \
             if config.scheduler.preemption_mode == "auto" else None
         self.scheduler = Scheduler(config, kv.num_blocks, self.max_model_len, swap_blocks,
-                                   costs)
+                                   costs, self.loras)
         self._in_flight.clear()
         self.stats.num_blocks = kv.num_blocks
         if costs is not None:
             self.stats.prefill_s_per_token = costs.prefill_s_per_token
             self.stats.swap_s_per_byte = costs.swap_s_per_byte
         self.published_stats = dataclasses.replace(self.stats)
+
+    def _lora_registry(self) -> LoRARegistry:
+        """The adapter registry, with ``lora_modules`` registered (an adapter that cannot
+        be served stops the start, naming it). Under Ray each adapter's weights go to the
+        object store once; every worker reads that copy."""
+        put = None
+        if type(self.executor).__name__ == "RayExecutor":
+            import ray
+            put = ray.put
+        registry = LoRARegistry(self.config.lora, self.spec, put)
+        for name, path in self.config.lora.lora_modules.items():
+            registry.register(name, path)
+        return registry
 
     def _measure_preemption_costs(self, kv: KVCacheSize, swap_blocks: int) -> PreemptionCosts:
         """Time :func:`probe_steps` on the fresh cache, through the executor as real steps
@@ -184,9 +202,12 @@ class LLMEngine:
                                       f"[0, {vocab}): {bad[:5]}", param)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | str | None = None) -> None:
         """Queue a request; raise ValueError (the request is not queued) if it is invalid
-        or can never fit."""
+        or can never fit. ``lora_request``: the LoRA adapter to run with, by
+        :class:`LoRARequest` (registered on first sight) or by a registered name
+        (NotFoundError if unknown)."""
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.executor is None:
@@ -198,6 +219,7 @@ class LLMEngine:
         params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
         if params.structured_outputs is not None:  # an invalid grammar is the client's 400
             self._grammar_compiler().compile(params.structured_outputs)
+        lora_id = self._lora_id(lora_request)
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = _Parent(request_id, text, ids, params,
@@ -206,7 +228,8 @@ class LLMEngine:
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seed = None if params.seed is None else params.seed + i
-            children.append(Request(child_id, ids, params, arrival, priority, max_tokens, seed))
+            children.append(Request(child_id, ids, params, arrival, priority, max_tokens, seed,
+                                    lora_id))
         for child in children:  # validate all before queueing any
             self.scheduler.check_request(child)
         for i, child in enumerate(children):
@@ -219,6 +242,18 @@ class LLMEngine:
             self._child_to_parent[child.request_id] = (request_id, i)
         self._parents[request_id] = parent
         self._update_gauges()
+
+    def _lora_id(self, lora_request: LoRARequest | str | None) -> int:
+        """The registered id of the adapter a request names (0: none), its weights in host
+        memory (read again now if they were dropped: a read error is this request's)."""
+        if lora_request is None:
+            return 0
+        if self.loras is None:
+            raise InvalidRequestError("this server runs no LoRA adapters (start it with "
+                                      "enable_lora or lora_modules)", "model")
+        resolved = self.loras.resolve(lora_request)
+        self.loras.payload(resolved.lora_int_id)
+        return resolved.lora_int_id
 
     def _grammar_compiler(self) -> GrammarCompiler:
         """Compiles constraints at admission to reject invalid ones (workers in other

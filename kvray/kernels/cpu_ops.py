@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("cpu_paged_attention.cpp", "cpu_paged_prefill.cpp", "cpu_linear.cpp",
             "cpu_fused.cpp", "cpu_layer.cpp", "cpu_sampling.cpp", "cpu_quant.cpp",
-            "bindings.cpp")
+            "cpu_lora.cpp", "bindings.cpp")
 _HEADERS = ("ops.h", "vec.h", "kv_quant.h")
 _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 # The instruction set the kernels are built for: this CPU's own by default. Tests set
@@ -315,3 +315,16 @@ def dequantize_q(blob: torch.Tensor) -> torch.Tensor:
     ext = load_ops()
     assert ext is not None, "call load_ops() first and check it is available"
     return ext.dequantize_q(blob)
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+             ranks: torch.Tensor, slice_starts: list[int], row_slots: torch.Tensor
+             ) -> torch.Tensor:
+    """:func:`kvray.kernels.lora.lora_add_reference` in one call: ``y`` += each row's
+    adapter delta, in place."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return ext.lora_add(y, x, a, bt, ranks, slice_starts, row_slots)
+

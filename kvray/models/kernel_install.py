@@ -81,7 +81,7 @@ def install_kernel_plan(model: nn.Module, plan: KernelPlan) -> InstalledKernels:
                                      for m in model.modules()):
         ops = cpu_ops.load_ops()
         use_fused_decode_layer(model, ops.decode_layer, fused_decode_max_rows(model, plan.dtype),
-                               ops.decode_layers)
+                               ops.decode_layers, (ops.decode_layer_lora, ops.decode_layers_lora))
     return done
 
 

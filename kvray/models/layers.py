@@ -232,8 +232,26 @@ def release_plain_weights(model: nn.Module) -> int:
 class LinearBase(nn.Module, SmallMMatmul):
     """y = x W^T (+ b) with W of shape [out_local, in_local]."""
 
+    # The adapters' weights when LoRA is on (kvray.lora.layers.LoRAWeights): adds each
+    # row's delta to the output, before a row-parallel layer's all-reduce.
+    lora = None
+
+    def lora_active(self) -> bool:
+        """Whether this step adds adapter deltas to this layer's output."""
+        return self.lora is not None and self.lora.batch.row_slots is not None
+
+    def lora_slices(self) -> list[int]:
+        """This rank's output columns of each projection fused in the layer."""
+        return [self.out_size]
+
+    def lora_shard(self, index: int, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of projection ``index``'s adapter pair (A [r, in], B [out, r])."""
+        raise NotImplementedError
+
     def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
+        self.in_size, self.out_size = in_local, out_local  # (the weight may be released)
         self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype), False)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -277,8 +295,16 @@ class ColumnParallelLinear(LinearBase):
         _check_shape(param, shard, "column-parallel weight")
         self._place(param, 0, shard, "column-parallel weight")
 
+    def lora_shard(self, index: int, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.lora_slices()[index]
+        return a, b.narrow(0, self.ctx.tp_rank * size, size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        if self.lora_active():
+            self.lora.add(y, x)
+        return y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -300,6 +326,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return
         shard = loaded.narrow(0, self.ctx.tp_rank * size, size)
         self._place(param, offset, shard, f"merged projection {shard_id}")
+
+    def lora_slices(self) -> list[int]:
+        return list(self.out_local)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -344,6 +373,15 @@ class QKVParallelLinear(ColumnParallelLinear):
             return
         self._place(param, offset, shard, f"{shard_id}_proj")
 
+    def lora_slices(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def lora_shard(self, index: int, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        if index == 0:
+            return a, b.narrow(0, self.ctx.tp_rank * self.q_size, self.q_size)
+        return a, b.narrow(0, self.kv_head_start * self.head_dim, self.kv_size)
+
 
 class RowParallelLinear(LinearBase):
     """Input features split across TP ranks; partial outputs summed by one all-reduce."""
@@ -366,8 +404,16 @@ class RowParallelLinear(LinearBase):
         _check_shape(param, shard, "row-parallel weight")
         self._place(param, 0, shard, "row-parallel weight")
 
+    def lora_shard(self, index: int, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x's columns are split: each rank's partial delta joins the all-reduce
+        return a.narrow(1, self.ctx.tp_rank * self.in_size, self.in_size), b
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.all_reduce(self.matmul(x, None))
+        y = self.matmul(x, None)
+        if self.lora_active():
+            self.lora.add(y, x)
+        y = self.ctx.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -98,7 +98,8 @@ class LlamaMLP(nn.Module):
         if self.act != "silu":  # Gemma's tanh GELU: no fused kernel
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        act = self.gate_up_proj.silu_mul_matmul(x, self.gate_up_proj.bias)
+        act = None if self.gate_up_proj.lora_active() else \
+            self.gate_up_proj.silu_mul_matmul(x, self.gate_up_proj.bias)
         if act is not None:  # the activation from the GEMM's epilogue
             return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
@@ -114,6 +115,8 @@ class LlamaDecoderLayer(nn.Module):
     # use_fused_decode_layer.
     fused_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     fused_decode_max_rows: int = 0
+    # ... and with the rows' LoRA adapters added (decode_layer_lora's signature)
+    fused_decode_lora: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __init__(self, spec: ModelSpec, ctx: ParallelContext, layer_idx: int,
                  rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
@@ -133,6 +136,7 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = make_norm(spec, spec.hidden_size, dtype)
             self.post_feedforward_layernorm = make_norm(spec, spec.hidden_size, dtype)
         self._decode_args: tuple | None = None
+        self._lora_args: list[torch.Tensor] | None = None
 
     def takes_fused_kernel(self) -> bool:
         """Whether the fused C++ layer computes this layer: a dense SwiGLU MLP, Llama's
@@ -145,8 +149,11 @@ class LlamaDecoderLayer(nn.Module):
     def takes_fused_decode(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                            meta: AttentionMetadata, kv_cache: torch.Tensor | None) -> bool:
         """Whether this batch runs the layer as ``fused_decode``: a pure-decode batch of at
-        most ``fused_decode_max_rows`` rows, contiguous, over a paged cache."""
+        most ``fused_decode_max_rows`` rows, contiguous, over a paged cache (rows with LoRA
+        adapters where the kernel takes them)."""
         return self.fused_decode is not None and kv_cache is not None \
+            and (self.fused_decode_lora is not None
+                 or not self.self_attn.qkv_proj.lora_active()) \
             and meta.num_decodes == hidden.shape[0] <= self.fused_decode_max_rows \
             and hidden.is_contiguous() and (residual is None or residual.is_contiguous())
 
@@ -173,9 +180,24 @@ class LlamaDecoderLayer(nn.Module):
         """The same layer through ``fused_decode``: no Python between its kernels."""
         weights, biases, dims, eps, scale, window = self.decode_args()
         cos, sin = self.self_attn.rotary.tables(meta.positions)
-        return self.fused_decode(hidden, residual, weights, biases, dims, eps, meta.positions,
-                                 cos, sin, kv_cache, meta.block_tables, meta.seq_lens,
-                                 meta.slot_mapping, scale, window)
+        args = (hidden, residual, weights, biases, dims, eps, meta.positions, cos, sin,
+                kv_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping, scale, window)
+        if self.self_attn.qkv_proj.lora_active():
+            rows = self.self_attn.qkv_proj.lora.batch.row_slots
+            return self.fused_decode_lora(*args, self.lora_args(), rows)
+        return self.fused_decode(*args)
+
+    def lora_args(self) -> list[torch.Tensor]:
+        """This layer's adapter slots as ``decode_layer_lora`` takes them: (a, bt, ranks,
+        slice starts) of qkv, o, gate_up and down (the slot tensors are updated in place,
+        so the list is built once)."""
+        if self._lora_args is None:
+            linears = (self.self_attn.qkv_proj, self.self_attn.o_proj,
+                       self.mlp.gate_up_proj, self.mlp.down_proj)
+            self._lora_args = [t for m in linears for t in (
+                m.lora.a, m.lora.bt, m.lora.ranks,
+                torch.tensor(m.lora.slice_starts, dtype=torch.int64))]
+        return self._lora_args
 
     def decode_args(self) -> tuple:
         """This layer's part of a ``decode_layer`` call: (weights, biases, dims, eps, scale,
@@ -271,6 +293,7 @@ class LlamaModel(nn.Module):
     # All of the stage's layers as one call of ``decode_layers`` (set by
     # use_fused_decode_layer): where every layer would take its fused call anyway.
     fused_decode_stack: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    fused_decode_stack_lora: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     _stack_args: tuple | None = None
 
     def _fused_decode_stack(self, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -298,9 +321,15 @@ class LlamaModel(nn.Module):
                                 [a[5] for a in args])
         weights, biases, dims, eps, scale, windows = self._stack_args
         cos, sin = first.self_attn.rotary.tables(meta.positions)
-        return self.fused_decode_stack(
-            hidden, residual, weights, biases, dims, eps, meta.positions, cos, sin, caches,
-            meta.block_tables, meta.seq_lens, meta.slot_mapping, scale, windows)
+        args = (hidden, residual, weights, biases, dims, eps, meta.positions, cos, sin, caches,
+                meta.block_tables, meta.seq_lens, meta.slot_mapping, scale, windows)
+        if first.self_attn.qkv_proj.lora_active():
+            if self.fused_decode_stack_lora is None:
+                return None
+            lora = [self.layers[i].lora_args() for i in range(self.start_layer, self.end_layer)]
+            return self.fused_decode_stack_lora(
+                *args, lora, first.self_attn.qkv_proj.lora.batch.row_slots)
+        return self.fused_decode_stack(*args)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -334,7 +363,9 @@ class LlamaForCausalLM(nn.Module):
 
 
 def use_fused_decode_layer(model: nn.Module, kernel: Callable[..., tuple], max_rows: int,
-                           stack: Callable[..., tuple] | None = None) -> None:
+                           stack: Callable[..., tuple] | None = None,
+                           lora_kernels: tuple[Callable[..., tuple], Callable[..., tuple]]
+                           | None = None) -> None:
     """Run each decoder layer of decode batches of at most ``max_rows`` rows as one call of
     ``kernel`` (``decode_layer`` of :mod:`kvray.kernels.cpu_ops`' extension, which computes
     exactly what :meth:`LlamaDecoderLayer.forward` does with the same kernels in fp32; a
@@ -344,16 +375,22 @@ def use_fused_decode_layer(model: nn.Module, kernel: Callable[..., tuple], max_r
     contiguous take the Python layer. With ``stack`` (``decode_layers``) a batch that every
     layer would take that way runs all of the stage's layers in one call. MoE layers keep
     the Python layer (the fused one computes a dense MLP), as do Gemma's (sandwich norms,
-    GELU, capped scores); then no stage is one call."""
+    GELU, capped scores); then no stage is one call. ``lora_kernels`` (``decode_layer_lora``,
+    ``decode_layers_lora``) take batches with LoRA adapter rows the same way, once the
+    layers have adapter slots (:class:`kvray.lora.layers.LoRAModel`); without them such
+    batches take the Python layer."""
     layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
     fusable = [m for m in layers if m.takes_fused_kernel()]
     all_dense = len(fusable) == len(layers)
     for module in fusable:
         module.fused_decode, module.fused_decode_max_rows = kernel, max_rows
-        module._decode_args = None
+        module.fused_decode_lora = lora_kernels[0] if lora_kernels else None
+        module._decode_args = module._lora_args = None
     for module in model.modules():
         if isinstance(module, LlamaModel):
             module.fused_decode_stack = stack if all_dense else None
+            module.fused_decode_stack_lora = lora_kernels[1] \
+                if all_dense and lora_kernels else None
             module._stack_args = None
 
 

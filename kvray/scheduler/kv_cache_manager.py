@@ -4,7 +4,9 @@ caching. Pure Python: it hands out block ids; workers own the tensors.
 Prefix caching: a full block is keyed by ``hash((parent_hash, its token ids))``. A lookup
 only counts as a hit when the cached block's tokens equal the request's tokens *and* its
 recorded parent is the block already matched for the previous position, so by induction a
-hash collision can never make two different prefixes share a block.
+hash collision can never make two different prefixes share a block. A request with a LoRA
+adapter keys its blocks in the adapter's namespace (its chain starts from the adapter id, and
+each block records it): two adapters, or an adapter and the base model, never share K/V.
 
 Freed blocks keep their key and sit in an LRU free queue: they are reused by a later
 request with the same prefix, or evicted (key dropped) when a fresh block is needed.
@@ -27,6 +29,7 @@ class Block:
     block_hash: int | None = None
     token_ids: tuple[int, ...] = ()
     parent_id: int | None = None  # block holding the previous tokens when this was cached
+    namespace: int = 0  # the LoRA adapter whose K/V it holds (0: the base model)
 
 
 @dataclass
@@ -77,17 +80,18 @@ class BlockPool:
                 self.free_queue[block.block_id] = block
 
     def cache(self, block: Block, block_hash: int, token_ids: tuple[int, ...],
-              parent: Block | None) -> None:
+              parent: Block | None, namespace: int = 0) -> None:
         if block.block_hash is not None or block_hash in self.cached:
             return  # already cached, or another block holds this key: keep the first
         block.block_hash, block.token_ids = block_hash, token_ids
+        block.namespace = namespace
         block.parent_id = None if parent is None else parent.block_id
         self.cached[block_hash] = block
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: Block | None
-               ) -> Block | None:
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: Block | None,
+               namespace: int = 0) -> Block | None:
         block = self.cached.get(block_hash)
-        if block is None or block.token_ids != token_ids:
+        if block is None or block.token_ids != token_ids or block.namespace != namespace:
             return None
         if block.parent_id != (None if parent is None else parent.block_id):
             return None
@@ -144,7 +148,9 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while (len(request.block_hashes) + 1) * bs <= len(tokens):
             i = len(request.block_hashes)
-            parent = request.block_hashes[-1] if i else None
+            # an adapter's K/V differs from the base model's: its chain starts elsewhere
+            parent = request.block_hashes[-1] if i else (
+                ("lora", request.lora_id) if request.lora_id else None)
             request.block_hashes.append(hash((parent, tuple(tokens[i * bs:(i + 1) * bs]))))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
@@ -169,7 +175,8 @@ class KVCacheManager:
         hits: list[Block] = []
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
             parent = hits[-1] if hits else None
-            block = self.pool.lookup(block_hash, tuple(tokens[i * bs:(i + 1) * bs]), parent)
+            block = self.pool.lookup(block_hash, tuple(tokens[i * bs:(i + 1) * bs]), parent,
+                                     request.lora_id)
             if block is None:
                 break
             hits.append(block)
@@ -222,7 +229,7 @@ class KVCacheManager:
         for i in range(start, end):
             parent = blocks[i - 1] if i else None
             self.pool.cache(blocks[i], request.block_hashes[i],
-                            tuple(tokens[i * bs:(i + 1) * bs]), parent)
+                            tuple(tokens[i * bs:(i + 1) * bs]), parent, request.lora_id)
         self._num_keyed[request.request_id] = end
 
     def num_freed_by_prefixes(self, requests: Iterable[Request]) -> Iterator[int]:

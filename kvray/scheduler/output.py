@@ -21,6 +21,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     seed: int | None  # per-request generator seed (None: the engine's shared generator)
+    lora_slot: int = -1  # the worker slot of its LoRA adapter (-1: the base model)
 
 
 @dataclass
@@ -45,6 +46,8 @@ class SchedulerOutput:
     # Speculative decoding: req -> draft tokens fed after its last token this step (they
     # are the tail of its num_scheduled_tokens); the workers verify them.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # LoRA adapters to put in worker slots before this step's forward (LoRALoad each)
+    lora_loads: list = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -54,7 +57,8 @@ class SchedulerOutput:
     def is_noop(self) -> bool:
         """Nothing to run and nothing for the workers to update: may be skipped."""
         return not (self.num_scheduled_tokens or self.finished_req_ids or
-                    self.preempted_req_ids or self.swap_out or self.swap_in or self.swap_drop)
+                    self.preempted_req_ids or self.swap_out or self.swap_in or self.swap_drop
+                    or self.lora_loads)
 
 
 @dataclass

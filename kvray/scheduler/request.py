@@ -38,8 +38,9 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, priority: int = 0,
-                 max_tokens: int = 16, seed: int | None = None) -> None:
+                 max_tokens: int = 16, seed: int | None = None, lora_id: int = 0) -> None:
         self.request_id = request_id
+        self.lora_id = lora_id  # the LoRA adapter it runs with (0: the base model)
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = params
         self.priority = priority

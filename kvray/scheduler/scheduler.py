@@ -37,10 +37,13 @@ rewritten only by later steps.
 from __future__ import annotations
 
 import time
+from collections import Counter
+from typing import TYPE_CHECKING
 
 from kvray.config import EngineConfig
 from kvray.errors import InvalidRequestError
 from kvray.scheduler.kv_cache_manager import KVCacheManager
+from kvray.scheduler.lora_slots import LoRALoad, LoRASlots
 from kvray.scheduler.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -52,6 +55,9 @@ from kvray.scheduler.queues import make_waiting_queue
 from kvray.scheduler.request import Request, RequestStatus, next_draft_length
 from kvray.scheduler.speculation import Speculation
 from kvray.scheduler.step_plan import StepPlan
+
+if TYPE_CHECKING:
+    from kvray.lora.manager import LoRARegistry
 from kvray.scheduler.swap import SwapSpace
 
 
@@ -66,7 +72,8 @@ class Scheduler:
     """Decides each step which requests advance by how many tokens, and owns their blocks."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
-                 swap_capacity_blocks: int = 0, costs: PreemptionCosts | None = None) -> None:
+                 swap_capacity_blocks: int = 0, costs: PreemptionCosts | None = None,
+                 loras: LoRARegistry | None = None) -> None:
         """Limits and policies come from ``config``'s scheduler section, the block layout
         from its cache section, the steps in flight from its parallel section and drafts
         from its ``speculative_config``. The rest is what the engine learned at start-up:
@@ -98,13 +105,22 @@ class Scheduler:
         self.lookahead = self.speculation.lookahead  # KV slots a draft model writes ahead
         self.num_draft_tokens = 0  # speculative decoding: drafts verified
         self.num_accepted_tokens = 0  # of which accepted
+        # LoRA: at most max_loras adapters among the running requests, each in a slot
+        self.loras = loras
+        self.lora_slots = LoRASlots(config.lora.max_loras) if loras is not None else None
+        self._running_loras: Counter = Counter()  # lora id -> running requests
+        self._lora_loads: list[LoRALoad] = []  # for the next SchedulerOutput
 
     # ---- admission -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise RequestTooLongError if it could never run."""
         self.check_request(request)
+        if request.lora_id and self.loras is None:
+            raise ValueError("this engine serves no LoRA adapters (enable_lora is off)")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if request.lora_id:
+            self.loras.retain(request.lora_id, self.loras.name_of(request.lora_id))
 
     def check_request(self, request: Request) -> None:
         """Raise RequestTooLongError if ``request`` could never be scheduled."""
@@ -220,7 +236,7 @@ class Scheduler:
         swap pool or let it recompute later, as :meth:`_should_swap` decides."""
         plan.unschedule(req)
         plan.preempted = True
-        self.running.remove(req)
+        self._leave_running(req)
         num_saved = -(-req.num_computed_tokens // self.block_size)
         swap = self._should_swap(req, num_saved)  # before free: it reads the block table
         if swap:
@@ -266,6 +282,8 @@ class Scheduler:
             req = self.swap.peek()
             if len(self.waiting) and self._outranks(self.waiting.peek(), req):
                 break
+            if not self._lora_fits(req):
+                break
             num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
             ids = self.kv.allocate_slots(req, num_new, lookahead=self.lookahead)
             if ids is None:
@@ -282,6 +300,8 @@ class Scheduler:
             req = self.waiting.peek()
             if self.swap and not self._outranks(req, self.swap.peek()):
                 break  # a swapped request of equal or higher priority comes back first
+            if not self._lora_fits(req):
+                break  # its adapter waits for a slot (requests keep their order)
             admitted = self._admit_waiting(req, plan)
             if not admitted and self._preempt_for(req, plan, out):
                 admitted = self._admit_waiting(req, plan)
@@ -368,9 +388,29 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         plan.schedule(req, num_new, block_ids)
+        if req.lora_id:
+            self._running_loras[req.lora_id] += 1
+            slot, load = self.lora_slots.acquire(req.lora_id, self._running_loras)
+            if load:
+                self._lora_loads.append(
+                    LoRALoad(slot, req.lora_id, self.loras.payload(req.lora_id)))
+
+    def _leave_running(self, req: Request) -> None:
+        self.running.remove(req)
+        if req.lora_id:
+            self._running_loras[req.lora_id] -= 1
+            if not self._running_loras[req.lora_id]:
+                del self._running_loras[req.lora_id]
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether ``req`` may join the running requests without a (max_loras + 1)-th
+        adapter among them."""
+        return not req.lora_id or req.lora_id in self._running_loras \
+            or len(self._running_loras) < self.lora_slots.max_loras
 
     def _fill_output(self, out: SchedulerOutput, plan: StepPlan) -> None:
         out.spec_token_ids = plan.spec
+        out.lora_loads, self._lora_loads = self._lora_loads, []
         for req_id, num in plan.num_scheduled.items():
             req = self.requests[req_id]
             out.num_scheduled_tokens[req_id] = num
@@ -379,7 +419,7 @@ class Scheduler:
                 out.new_requests.append(NewRequestData(
                     req_id, req.all_token_ids, req.num_prompt_tokens, req.sampling_params,
                     self.kv.block_ids(req_id), req.num_computed_tokens,
-                    req.seed))
+                    req.seed, self._slot_of(req)))
             else:
                 # Workers got the whole prompt when the request was new: only outputs follow.
                 sent = self._last_sent_len[req_id] - req.num_prompt_tokens
@@ -388,6 +428,13 @@ class Scheduler:
                     req_id, req.output_token_ids[sent:], plan.new_blocks[req_id],
                     req.num_computed_tokens))
             self._last_sent_len[req_id] = req.num_tokens
+
+    def _slot_of(self, req: Request) -> int:
+        if not req.lora_id:
+            return -1
+        slot = self.lora_slots.slot(req.lora_id)
+        assert slot is not None, "a running request's adapter has no slot"
+        return slot
 
     # ---- results ---------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput
@@ -439,7 +486,7 @@ class Scheduler:
             if req.status is RequestStatus.SWAPPED:
                 self.swap.discard(req)
             elif req.status is RequestStatus.RUNNING and req_id not in self._in_flight:
-                self.running.remove(req)
+                self._leave_running(req)
                 req.num_computed_tokens = 0  # before free: none of its blocks stays keyed
                 self.kv.free(req)
                 self._known_to_workers.discard(req_id)
@@ -468,7 +515,7 @@ class Scheduler:
         if req.is_finished:
             return
         if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
+            self._leave_running(req)
         elif req.status is RequestStatus.SWAPPED:
             self.swap.discard(req)
         else:
@@ -481,6 +528,8 @@ class Scheduler:
         self._finished_since_last_step.add(req.request_id)
         self.speculation.forget(req.request_id)
         del self.requests[req.request_id]
+        if req.lora_id:
+            self.loras.release(req.lora_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a queued, running or swapped request; False if it is unknown."""

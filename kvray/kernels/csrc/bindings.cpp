@@ -37,8 +37,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one decoder layer for a decode batch (fp32 activations)");
   m.def("decode_layers", &decode_layers, nogil(),
         "decode_layer for each of a stage's layers in turn, in one call");
+  m.def("decode_layer_lora", &decode_layer_lora, nogil(),
+        "decode_layer with each row's LoRA adapter added to its linears' outputs");
+  m.def("decode_layers_lora", &decode_layers_lora, nogil(),
+        "decode_layers with each row's LoRA adapter added to its linears' outputs");
   m.def("linear_q", &linear_q, nogil(),
         "x [M, K] @ W^T (+ bias) with W a quantized blob read in place");
   m.def("embedding_q", &embedding_q, nogil(), "rows of a quantized blob, dequantized");
+  m.def("lora_add", &lora_add, nogil(),
+        "y += each row's LoRA delta (rows grouped by adapter slot), in place");
   m.def("dequantize_q", &dequantize_q, nogil(), "a quantized blob dequantized to fp32 [N, K]");
 }

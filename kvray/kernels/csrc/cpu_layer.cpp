@@ -85,11 +85,28 @@ void write_kv(at::Tensor k, at::Tensor v, at::Tensor kv, at::Tensor slots) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_layer(
-    at::Tensor hidden, c10::optional<at::Tensor> residual_in, std::vector<at::Tensor> w,
-    std::vector<c10::optional<at::Tensor>> bias, std::vector<int64_t> dims, double eps,
-    at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor tables,
-    at::Tensor seq_lens, at::Tensor slots, double scale, int64_t window) {
+namespace {
+
+// One linear's adapter slots in a decode_layer_lora call: a, bt, ranks and the slice
+// starts (int64), as kvray/kernels/lora.py lays them out.
+void add_lora(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& lora,
+              int which, const at::Tensor& rows) {
+  const at::Tensor& starts = lora[4 * which + 3];
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  lora_add(y, x, lora[4 * which], lora[4 * which + 1], lora[4 * which + 2],
+           std::vector<int64_t>(sp, sp + starts.numel()), rows);
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layer_impl(
+    at::Tensor hidden, c10::optional<at::Tensor> residual_in, const std::vector<at::Tensor>& w,
+    const std::vector<c10::optional<at::Tensor>>& bias, const std::vector<int64_t>& dims,
+    double eps, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor kv, const at::Tensor& tables, const at::Tensor& seq_lens,
+    const at::Tensor& slots, double scale, int64_t window,
+    const std::vector<at::Tensor>* lora, const at::Tensor* lora_rows) {
+  TORCH_CHECK(lora == nullptr || (lora->size() == 16 && lora_rows != nullptr),
+              "decode_layer_lora: [a, bt, ranks, slice starts] for qkv, o, gate_up and down "
+              "and the rows' slots expected");
   TORCH_CHECK((w.size() == 8 && dims.size() == 3) || (w.size() == 12 && dims.size() == 9),
               "decode_layer: weights [in_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, "
               "down] and dims [Hq, Hk, D], or those with packed [qkv, o, gate_up, down] and "
@@ -119,12 +136,17 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   // The packed weights for a batch past the small-M kernel's rows (where there are any).
   const bool packed = w.size() == 12 && T > dims[3];
   // A uint8 weight is a quantized blob (kvray/quant/tensor.py), read in place by linear_q.
-  const auto linear = [&](const at::Tensor& in, int which) {  // 0 qkv, 1 o, 3 down
+  const auto linear_base = [&](const at::Tensor& in, int which) {  // 0 qkv, 1 o, 3 down
     static constexpr int kPlain[] = {1, 4, 6, 7};
     if (w[kPlain[which]].scalar_type() == at::kByte)
       return linear_q(in, w[kPlain[which]], bias[which]);
     if (packed) return linear_packed(in, w[8 + which], dims[4 + which], bias[which]);
     return linear_small_m(in, w[kPlain[which]], opt(bias[which]));
+  };
+  const auto linear = [&](const at::Tensor& in, int which) {  // + the rows' adapters
+    at::Tensor y = linear_base(in, which);
+    if (lora != nullptr) add_lora(y, in, *lora, which, *lora_rows);
+    return y;
   };
 
   // input norm (+ the previous layer's output added into the residual stream)
@@ -157,15 +179,73 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 
   x = rms_norm(o, post_norm, eps, residual);  // residual += o
   at::Tensor act;
-  if (gate_up_w.scalar_type() == at::kByte)
+  if (lora != nullptr) {  // the adapters' delta goes in before the activation
+    at::Tensor gate_up;
+    if (gate_up_w.scalar_type() == at::kByte) gate_up = linear_q(x, gate_up_w, bias[2]);
+    else if (packed && dims[8] != 0)
+      gate_up = linear_packed_gate_up(x, w[10], dims[6], bias[2], false);
+    else if (packed) gate_up = linear_packed(x, w[10], dims[6], bias[2]);
+    else gate_up = linear_small_m(x, gate_up_w, opt(bias[2]));
+    add_lora(gate_up, x, *lora, 2, *lora_rows);
+    act = silu_and_mul(gate_up);
+  } else if (gate_up_w.scalar_type() == at::kByte) {
     act = silu_and_mul(linear_q(x, gate_up_w, bias[2]));
-  else if (packed && dims[8] != 0)  // paired: the activation from the GEMM's epilogue
+  } else if (packed && dims[8] != 0) {  // paired: the activation from the GEMM's epilogue
     act = linear_packed_gate_up(x, w[10], dims[6], bias[2], true);
-  else
+  } else {
     act = silu_and_mul(packed ? linear_packed(x, w[10], dims[6], bias[2])
                               : linear_small_m(x, gate_up_w, opt(bias[2])));
+  }
   return {linear(act, 3), residual};
 }
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    at::Tensor hidden, c10::optional<at::Tensor> residual_in, std::vector<at::Tensor> w,
+    std::vector<c10::optional<at::Tensor>> bias, std::vector<int64_t> dims, double eps,
+    at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor tables,
+    at::Tensor seq_lens, at::Tensor slots, double scale, int64_t window) {
+  return decode_layer_impl(hidden, residual_in, w, bias, dims, eps, positions, cos, sin, kv,
+                           tables, seq_lens, slots, scale, window, nullptr, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
+    at::Tensor hidden, c10::optional<at::Tensor> residual_in, std::vector<at::Tensor> w,
+    std::vector<c10::optional<at::Tensor>> bias, std::vector<int64_t> dims, double eps,
+    at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor tables,
+    at::Tensor seq_lens, at::Tensor slots, double scale, int64_t window,
+    std::vector<at::Tensor> lora, at::Tensor lora_rows) {
+  return decode_layer_impl(hidden, residual_in, w, bias, dims, eps, positions, cos, sin, kv,
+                           tables, seq_lens, slots, scale, window, &lora, &lora_rows);
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> decode_layers_impl(
+    at::Tensor hidden, c10::optional<at::Tensor> residual,
+    const std::vector<std::vector<at::Tensor>>& w,
+    const std::vector<std::vector<c10::optional<at::Tensor>>>& bias,
+    const std::vector<int64_t>& dims, double eps, const at::Tensor& positions,
+    const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kv,
+    const at::Tensor& tables, const at::Tensor& seq_lens, const at::Tensor& slots,
+    double scale, const std::vector<int64_t>& windows,
+    const std::vector<std::vector<at::Tensor>>* lora, const at::Tensor* lora_rows) {
+  const size_t n = w.size();
+  TORCH_CHECK(n > 0 && bias.size() == n && kv.size() == n && windows.size() == n,
+              "decode_layers: weights, biases, caches and windows for each layer expected");
+  c10::optional<at::Tensor> res = residual;
+  for (size_t i = 0; i < n; ++i) {
+    auto out = decode_layer_impl(hidden, res, w[i], bias[i], dims, eps, positions, cos, sin,
+                                 kv[i], tables, seq_lens, slots, scale, windows[i],
+                                 lora == nullptr ? nullptr : &(*lora)[i], lora_rows);
+    hidden = std::get<0>(out);
+    res = std::get<1>(out);
+  }
+  return {hidden, *res};
+}
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::Tensor hidden, c10::optional<at::Tensor> residual, std::vector<std::vector<at::Tensor>> w,
@@ -173,15 +253,18 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     double eps, at::Tensor positions, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kv,
     at::Tensor tables, at::Tensor seq_lens, at::Tensor slots, double scale,
     std::vector<int64_t> windows) {
-  const size_t n = w.size();
-  TORCH_CHECK(n > 0 && bias.size() == n && kv.size() == n && windows.size() == n,
-              "decode_layers: weights, biases, caches and windows for each layer expected");
-  c10::optional<at::Tensor> res = residual;
-  for (size_t i = 0; i < n; ++i) {
-    auto out = decode_layer(hidden, res, w[i], bias[i], dims, eps, positions, cos, sin, kv[i],
-                            tables, seq_lens, slots, scale, windows[i]);
-    hidden = std::get<0>(out);
-    res = std::get<1>(out);
-  }
-  return {hidden, *res};
+  return decode_layers_impl(hidden, residual, w, bias, dims, eps, positions, cos, sin, kv,
+                            tables, seq_lens, slots, scale, windows, nullptr, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layers_lora(
+    at::Tensor hidden, c10::optional<at::Tensor> residual, std::vector<std::vector<at::Tensor>> w,
+    std::vector<std::vector<c10::optional<at::Tensor>>> bias, std::vector<int64_t> dims,
+    double eps, at::Tensor positions, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kv,
+    at::Tensor tables, at::Tensor seq_lens, at::Tensor slots, double scale,
+    std::vector<int64_t> windows, std::vector<std::vector<at::Tensor>> lora,
+    at::Tensor lora_rows) {
+  TORCH_CHECK(lora.size() == w.size(), "decode_layers_lora: adapter slots for each layer");
+  return decode_layers_impl(hidden, residual, w, bias, dims, eps, positions, cos, sin, kv,
+                            tables, seq_lens, slots, scale, windows, &lora, &lora_rows);
 }

@@ -118,6 +118,24 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::Tensor tables, at::Tensor seq_lens, at::Tensor slots, double scale,
     std::vector<int64_t> windows);
 
+// decode_layer / decode_layers with each row's LoRA adapter added to the qkv, o, gate_up
+// and down outputs: lora [a, bt, ranks, slice starts (int64)] x 4 per layer (lora_add's
+// layout), lora_rows int64 [T] the rows' slots (-1: none).
+std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
+    at::Tensor hidden, c10::optional<at::Tensor> residual, std::vector<at::Tensor> w,
+    std::vector<c10::optional<at::Tensor>> bias, std::vector<int64_t> dims, double eps,
+    at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor tables,
+    at::Tensor seq_lens, at::Tensor slots, double scale, int64_t window,
+    std::vector<at::Tensor> lora, at::Tensor lora_rows);
+std::tuple<at::Tensor, at::Tensor> decode_layers_lora(
+    at::Tensor hidden, c10::optional<at::Tensor> residual,
+    std::vector<std::vector<at::Tensor>> w,
+    std::vector<std::vector<c10::optional<at::Tensor>>> bias, std::vector<int64_t> dims,
+    double eps, at::Tensor positions, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kv,
+    at::Tensor tables, at::Tensor seq_lens, at::Tensor slots, double scale,
+    std::vector<int64_t> windows, std::vector<std::vector<at::Tensor>> lora,
+    at::Tensor lora_rows);
+
 // Index of each row's largest value of x [B, V] (fp32/bf16/fp16, unit stride along V), as
 // torch.argmax(dim=-1) picks it: the first of equal maxima; a NaN beats everything.
 at::Tensor argmax_rows(at::Tensor x);
@@ -133,3 +151,9 @@ at::Tensor embedding_q(at::Tensor blob, at::Tensor ids);
 
 // The whole quantized blob dequantized -> fp32 [N, K] (every kind, F8 included).
 at::Tensor dequantize_q(at::Tensor blob);
+
+// y [T, N] += each row's LoRA delta in place (kvray/kernels/lora.py: a [S, slices, R, K],
+// bt [S, R, N], ranks int64 [S, slices], slice_starts [0, ..., N], row_slots int64 [T] with
+// -1 for rows without an adapter); x/y fp32 or bf16, a/bt fp32 or bf16. Returns y.
+at::Tensor lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor bt, at::Tensor ranks,
+                    std::vector<int64_t> slice_starts, at::Tensor row_slots);
