@@ -14,8 +14,9 @@ import pytest  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from kvray import LLM, SamplingParams  # noqa: E402
+from kvray import LLM, LoRARequest, SamplingParams  # noqa: E402
 from kvray.engine.llm_engine import EngineDeadError  # noqa: E402
+from tests.helpers.lora import make_lora_adapter, peft_greedy  # noqa: E402
 from tests.helpers.tiny_models import VOCAB_SIZE, make_tiny_model, transformers_greedy  # noqa: E402
 
 pytestmark = pytest.mark.cluster
@@ -121,6 +122,35 @@ def test_parallel_layouts_match_one_worker(cluster, models, reference, model, tp
         llm.shutdown()
     assert not ray.util.placement_group_table() or all(
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+@pytest.mark.parametrize("model,tp,pp", [("kv1", 2, 1), ("gqa4", 1, 2), ("phi3", 2, 2)])
+def test_lora_adapters_shard_like_their_layers(cluster, models, tmp_path, model, tp, pp):
+    """A batch mixing two adapters and the base model under TP (B split like the column
+    layers, A like the row layers; one KV head shared by both ranks), PP (each stage its
+    layers' adapters) and both (Phi-3's fused qkv/gate_up adapters): PEFT's tokens."""
+    base = models[model]
+    fused = model == "phi3"  # Phi-3's own module names
+    adapters = {
+        "a": make_lora_adapter(base, tmp_path / "a", rank=8, seed=1, targets=[
+            "qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if fused else None),
+        "b": make_lora_adapter(base, tmp_path / "b", rank=16, seed=2, targets=[
+            "qkv_proj", "down_proj"] if fused else ["q_proj", "k_proj", "v_proj", "down_proj"]),
+    }
+    prompts = _prompts()
+    names = [None, "a", "b", "a", "b", None, "b"]
+    expected = [peft_greedy(base, adapters[n] if n else None, [p["prompt_token_ids"]], 12)[0]
+                for p, n in zip(prompts, names, strict=True)]
+    requests = {n: LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(adapters.items())}
+    llm = LLM(str(base), tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_lora=True,
+              max_loras=2, max_lora_rank=16, **COMMON)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False,
+                            lora_request=[requests[n] if n else None for n in names])
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    finally:
+        llm.shutdown()
 
 
 def test_pipelined_steps_overlap_and_give_the_same_tokens(cluster, models, unconstrained):

@@ -23,6 +23,7 @@ from kvray.engine.llm_engine import LLMEngine, PromptType
 from kvray.engine.stream_fold import fold_queued
 from kvray.errors import (
     EngineUnavailableError,
+    InvalidRequestError,
     KVRayError,
     RequestTimeoutError,
     ServerBusyError,
@@ -43,8 +44,10 @@ class AsyncLLM:
     """Admission (``max_waiting`` sequences; none while draining or rebuilding), per-request
     deadlines and health on top of the engine thread."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, lora_source: Any = None) -> None:
+        """``lora_source``: see :class:`~kvray.engine.llm_engine.LLMEngine`."""
         self.config = config
+        self._lora_source = lora_source
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -72,7 +75,7 @@ class AsyncLLM:
     # ---- the engine thread --------------------------------------------------------------
     def _main(self, built: threading.Event, failure: list[BaseException]) -> None:
         try:
-            self.engine = LLMEngine(self.config)
+            self.engine = LLMEngine(self.config, self._lora_source)
             self.built_on = threading.get_ident()
         except BaseException as err:  # the constructor's caller raises it
             failure.append(err)
@@ -334,6 +337,26 @@ class AsyncLLM:
         """The engine counters as of its last update, copied by the engine thread (never
         read while that thread is changing them)."""
         return self.engine.published_stats
+
+    # ---- LoRA adapters (the registry is thread-safe; reading an adapter takes a while) ---
+    async def list_loras(self) -> list[str]:
+        loras = self.engine.loras
+        return [] if loras is None else loras.names()
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name`` (LoRAError, a 400, if it cannot
+        be served here)."""
+        loras = self._loras()
+        await asyncio.to_thread(loras.register, name, path)
+
+    async def unload_lora(self, name: str) -> bool:
+        return self._loras().unregister(name)
+
+    def _loras(self):
+        if self.engine.loras is None:
+            raise InvalidRequestError("this server runs no LoRA adapters (start it with "
+                                      "enable_lora)", "lora_name")
+        return self.engine.loras
 
     def engine_stats(self) -> list[tuple[str, dict]]:
         """(replica, stats) pairs, the shape the HTTP front end reads."""

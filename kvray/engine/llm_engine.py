@@ -81,8 +81,12 @@ class EngineDeadError(EngineUnavailableError, RuntimeError):
 class LLMEngine:
     """The engine core of one model replica: scheduler + executor (in-process or Ray)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig,
+                 lora_source: Callable[[str], Any] | None = None) -> None:
+        """``lora_source``: where adapters not registered here come from (a Serve
+        application's shared directory; then ``lora_modules`` are read there, not here)."""
         config = with_builtin_model(config)
+        self._lora_source = lora_source
         self.config = config
         self.model_path = str(resolve_model_path(config.model.model))
         self.tokenizer = load_tokenizer(self.model_path, config.model.tokenizer)
@@ -138,9 +142,10 @@ class LLMEngine:
         if type(self.executor).__name__ == "RayExecutor":
             import ray
             put = ray.put
-        registry = LoRARegistry(self.config.lora, self.spec, put)
-        for name, path in self.config.lora.lora_modules.items():
-            registry.register(name, path)
+        registry = LoRARegistry(self.config.lora, self.spec, put, self._lora_source)
+        if self._lora_source is None:
+            for name, path in self.config.lora.lora_modules.items():
+                registry.register(name, path)
         return registry
 
     def _measure_preemption_costs(self, kv: KVCacheSize, swap_blocks: int) -> PreemptionCosts:
@@ -212,6 +217,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.executor is None:
             self._build_executor()
+        if isinstance(prompt, dict) and prompt.get("lora_name") and lora_request is None:
+            lora_request = prompt["lora_name"]  # the HTTP front end names the adapter here
         text, ids = self._tokenize(prompt)
         self._check_token_ids(ids, "the prompt", "prompt")
         self._check_token_ids(list(params.logit_bias or {}), "logit_bias", "logit_bias")
@@ -453,6 +460,14 @@ class LLMEngine:
         s.num_swaps_in = sched.swap.num_swaps_in
         s.spec_decode_num_draft_tokens = sched.num_draft_tokens
         s.spec_decode_num_accepted_tokens = sched.num_accepted_tokens
+        if self.loras is not None:
+            lora = self.loras.stats
+            s.lora_requests = dict(lora.requests)
+            s.num_loras_resident = len(sched.lora_slots)
+            s.num_loras_registered = lora.num_registered
+            s.num_lora_loads = len(lora.load_seconds)
+            s.lora_load_seconds = sum(lora.load_seconds)
+            s.num_lora_fetches = lora.num_fetched
         self.published_stats = dataclasses.replace(s)  # one reference swap: atomic
 
     # ---- outputs ------------------------------------------------------------------------

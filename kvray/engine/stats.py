@@ -3,7 +3,7 @@ counters (kvray.serve.metrics) and benchmarks read directly."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -38,6 +38,14 @@ class EngineStats:
     # preemption_mode="auto": the per-unit costs measured at start-up (0.0 otherwise)
     prefill_s_per_token: float = 0.0
     swap_s_per_byte: float = 0.0
+    # LoRA: requests added per adapter name, adapters in worker slots / registered, and the
+    # adapter reads (from disk or the object store) with their total seconds
+    lora_requests: dict[str, int] = field(default_factory=dict)
+    num_loras_resident: int = 0
+    num_loras_registered: int = 0
+    num_lora_loads: int = 0
+    lora_load_seconds: float = 0.0
+    num_lora_fetches: int = 0  # adapters taken from a Serve app's directory (no disk read)
 
 
 def throughput_line(name: str, tokens_per_s: float, running: int, waiting: int) -> str:

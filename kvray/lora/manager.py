@@ -33,6 +33,8 @@ class LoRAStats:
 
     requests: Counter = field(default_factory=Counter)  # adapter name -> requests added
     load_seconds: list[float] = field(default_factory=list)  # reads from disk, not drained
+    num_fetched: int = 0  # adapters taken from the source (the object store), not read
+    fetch_seconds: float = 0.0
     num_resident: int = 0  # adapters in worker slots
     num_registered: int = 0
 
@@ -42,10 +44,18 @@ class LoRARegistry:
     lists adapters while the engine thread schedules."""
 
     def __init__(self, config: LoRAConfig, spec: ModelSpec,
-                 put: Callable[[Any], Any] | None = None) -> None:
+                 put: Callable[[Any], Any] | None = None,
+                 source: Callable[[str], tuple[LoRARequest, Any] | None] | None = None
+                 ) -> None:
+        """``put`` (e.g. ``ray.put``): ship each adapter's weights to the workers once, by
+        reference. ``source``: where adapters this registry does not know come from, by
+        name: (LoRARequest, object-store reference of its checked weights) or None (a
+        Serve application's shared directory, :mod:`kvray.serve.lora_directory`)."""
         self.config = config
         self.spec = spec
-        self.put = put  # e.g. ray.put: weights shipped to the workers once, by reference
+        self.put = put
+        self.source = source
+        self._fetched: dict[int, Any] = {}  # lora id -> weights reference from the source
         self._lock = threading.RLock()
         self._by_name: dict[str, LoRARequest] = {}
         self._by_id: dict[int, LoRARequest] = {}  # also unregistered ones still in use
@@ -117,6 +127,8 @@ class LoRARegistry:
         :class:`LoRARequest` (offline use) is registered on first sight."""
         if isinstance(lora, str):
             known = self.lookup(lora)
+            if known is None and self.source is not None:
+                known = self._adopt(lora)
             if known is None:
                 raise NotFoundError(f"the model `{lora}` does not exist", "model")
             return known
@@ -125,6 +137,29 @@ class LoRARegistry:
             if known == lora:
                 return known
         return self.register(lora.lora_name, lora.lora_path, lora.lora_int_id)
+
+    def _adopt(self, name: str) -> LoRARequest | None:
+        """Serve ``name`` from the source (already checked there; its weights stay in the
+        object store, where the workers fetch them), or None if the source lacks it."""
+        start = time.perf_counter()
+        fetched = self.source(name)
+        if fetched is None:
+            return None
+        request, ref = fetched
+        with self._lock:
+            self._by_name[name] = request
+            self._by_id[request.lora_int_id] = request
+            self._fetched[request.lora_int_id] = ref
+            self.stats.num_registered = len(self._by_name)
+            self.stats.num_fetched += 1
+            self.stats.fetch_seconds += time.perf_counter() - start
+        return request
+
+    def sync(self, names: set[str]) -> None:
+        """Stop serving every adapter the source no longer lists (it was unloaded)."""
+        for name in self.names():
+            if name not in names:
+                self.unregister(name)
 
     # ---- live requests ------------------------------------------------------------------
     def retain(self, lora_id: int, name: str) -> None:
@@ -146,6 +181,8 @@ class LoRARegistry:
         """What a worker load command carries for adapter ``lora_id``: its weights (or
         their object-store reference), read again if they were dropped from host memory."""
         with self._lock:
+            if lora_id in self._fetched:
+                return self._fetched[lora_id]
             entry = self._weights.get(lora_id)
             if entry is not None:
                 self._weights.move_to_end(lora_id)
@@ -175,6 +212,7 @@ class LoRARegistry:
 
     def _forget(self, lora_id: int) -> None:
         self._weights.pop(lora_id, None)
+        self._fetched.pop(lora_id, None)
         self._by_id.pop(lora_id, None)
 
     def adapter(self, lora_id: int) -> LoRAAdapter | None:

@@ -80,8 +80,9 @@ class _Pending:
 class _Handler:
     id_prefix = object_name = chunk_name = ""
 
-    def __init__(self, server: ServerContext, req: Any) -> None:
+    def __init__(self, server: ServerContext, req: Any, lora: str | None = None) -> None:
         self.server, self.req = server, req
+        self.lora = lora  # the LoRA adapter the request names (None: the base model)
         self.id = new_id(self.id_prefix)
         self.created = now()
         self.start = time.monotonic()
@@ -119,7 +120,7 @@ class _Handler:
     def envelope(self, object_name: str, choices: list[dict], **extra: Any) -> dict:
         """The fields every response and chunk of this request shares."""
         return {"id": self.id, "object": object_name, "created": self.created,
-                "model": self.server.model_name, "choices": choices, **extra}
+                "model": self.lora or self.server.model_name, "choices": choices, **extra}
 
     def delta_chunks(self, i: int, out: RequestOutput) -> list[dict]:
         """One chunk per choice of prompt ``i`` with new text or a finish reason."""
@@ -156,6 +157,8 @@ class _Handler:
         for i, (text, ids) in enumerate(prompts):
             params = self._params(len(ids))
             engine_prompt = {"prompt_token_ids": ids, "prompt": text}
+            if self.lora is not None:  # the engine checks it exists (404 if not)
+                engine_prompt["lora_name"] = self.lora
             streams.append(self._track(i, self.server.stream(
                 f"{self.id}-{i}", engine_prompt, params, self.req.priority)))
         # All prompts enter the engine at once; a bad or refused one fails here (4xx/503).
@@ -288,8 +291,8 @@ class ChatHandler(_Handler):
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
 
-    def __init__(self, server: ServerContext, req: Any) -> None:
-        super().__init__(server, req)
+    def __init__(self, server: ServerContext, req: Any, lora: str | None = None) -> None:
+        super().__init__(server, req, lora)
         try:
             self.tool_mode, self.tool_name = req.tool_mode()
         except ProtocolError as err:

@@ -50,10 +50,15 @@ class OpenAIIngress(ReplicaLifecycle):
 
         api_key = resolve_api_key(options)
         tokenizer = load_tokenizer(config.model.model, config.model.tokenizer)
-        client = ServeClient(llm_handle, tokenizer, options.board_name, channels)
+        directory = None
+        if config.lora.enabled:
+            from kvray.serve.lora_directory import lora_directory
+
+            directory = lora_directory(options.board_name, config)
+        client = ServeClient(llm_handle, tokenizer, options.board_name, channels, directory)
         info = await llm_handle.model_info.remote()
         self.server = OpenAIServer(client, model_name, info["max_model_len"], api_key,
-                                   config.server)
+                                   config.server, lora=config.lora)
         self._refresher = asyncio.create_task(client.stats.run())
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -74,7 +79,7 @@ class LLMServerIngress(ReplicaLifecycle):
 
         self.engine = start_engine(config)
         self.server = OpenAIServer(self.engine, model_name, self.engine.engine.max_model_len,
-                                   resolve_api_key(options), config.server)
+                                   resolve_api_key(options), config.server, lora=config.lora)
         # `kvray serve`'s throughput line and any other reader of the board see it too.
         self._reporter = asyncio.create_task(
             report_stats(self.engine, replica_name(), options.board_name))

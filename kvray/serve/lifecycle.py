@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
@@ -17,9 +17,10 @@ if TYPE_CHECKING:
     from kvray.serve.openai_app import OpenAIServer
 
 
-def start_engine(config: EngineConfig) -> AsyncLLM:
+def start_engine(config: EngineConfig, lora_source: Any = None) -> AsyncLLM:
     """A replica's engine core (``AsyncLLM``), torch's threads set for an in-replica
-    engine (Ray starts actors with OMP_NUM_THREADS=1)."""
+    engine (Ray starts actors with OMP_NUM_THREADS=1); ``lora_source`` as
+    :class:`~kvray.engine.llm_engine.LLMEngine` takes it."""
     import torch
 
     from kvray.engine.async_engine import AsyncLLM
@@ -27,7 +28,7 @@ def start_engine(config: EngineConfig) -> AsyncLLM:
 
     if config.parallel.world_size == 1 and not torch.cuda.is_available():
         torch.set_num_threads(available_cores())
-    return AsyncLLM(config)
+    return AsyncLLM(config, lora_source)
 
 
 def replica_name() -> str:

@@ -53,6 +53,20 @@ class ServerMetrics:
         self.decode_tokens = Gauge("kvray:engine_decode_tokens_total",
                                    "Tokens generated in pure-decode steps (one per running "
                                    "request per step).", mr, registry=r)
+        self.lora_requests = Gauge("kvray:lora_requests_total",
+                                   "Requests added per LoRA adapter.",
+                                   [*mr, "lora_name"], registry=r)
+        self.loras_resident = Gauge("kvray:lora_adapters_resident",
+                                    "LoRA adapters in the workers' slots.", mr, registry=r)
+        self.loras_registered = Gauge("kvray:lora_adapters_registered",
+                                      "LoRA adapters served.", mr, registry=r)
+        self.lora_loads = Gauge("kvray:lora_loads_total",
+                                "LoRA adapter reads (disk or object store).", mr, registry=r)
+        self.lora_fetches = Gauge("kvray:lora_fetches_total",
+                                  "LoRA adapters taken from the application's shared copy "
+                                  "(object store) instead of read.", mr, registry=r)
+        self.lora_load_seconds = Gauge("kvray:lora_load_seconds_total",
+                                       "Seconds spent reading LoRA adapters.", mr, registry=r)
         self.prompt_tokens = Counter("kvray:prompt_tokens", "Prompt tokens processed.", m,
                                      registry=r)
         self.generation_tokens = Counter("kvray:generation_tokens", "Tokens generated.", m,
@@ -104,6 +118,13 @@ class ServerMetrics:
         self.decode_seconds.labels(*labels).set(stats.get("decode_time_s", 0.0))
         self.decode_steps.labels(*labels).set(stats.get("num_decode_steps", 0))
         self.decode_tokens.labels(*labels).set(stats.get("decode_tokens", 0))
+        for name, count in (stats.get("lora_requests") or {}).items():
+            self.lora_requests.labels(*labels, name).set(count)
+        self.loras_resident.labels(*labels).set(stats.get("num_loras_resident", 0))
+        self.loras_registered.labels(*labels).set(stats.get("num_loras_registered", 0))
+        self.lora_loads.labels(*labels).set(stats.get("num_lora_loads", 0))
+        self.lora_load_seconds.labels(*labels).set(stats.get("lora_load_seconds", 0.0))
+        self.lora_fetches.labels(*labels).set(stats.get("num_lora_fetches", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,7 +23,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvray
-from kvray.config import ServerConfig
+from kvray.config import LoRAConfig, ServerConfig
 from kvray.errors import InvalidRequestError, KVRayError
 from kvray.outputs import RequestOutput
 from kvray.serve.completions import ChatHandler, CompletionHandler
@@ -33,7 +33,9 @@ from kvray.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     check_messages,
     conversation_of,
     now,
@@ -122,8 +124,11 @@ class OpenAIServer:
 
     def __init__(self, client: Any, model_name: str, max_model_len: int,
                  api_key: str | None = None, limits: ServerConfig | None = None,
-                 app: FastAPI | None = None, enable_docs: bool | None = None) -> None:
+                 app: FastAPI | None = None, enable_docs: bool | None = None,
+                 lora: LoRAConfig | None = None) -> None:
         self.client, self.model_name = client, model_name
+        # LoRA on: ``model`` may name an adapter (the client lists, loads and unloads them)
+        self.lora = lora if lora is not None and lora.enabled else None
         self.max_model_len, self.api_key = max_model_len, api_key or None
         self.limits = limits if limits is not None else ServerConfig()
         if enable_docs is not None:
@@ -183,10 +188,16 @@ class OpenAIServer:
             kind = "NotFoundError" if err.status_code == 404 else "BadRequestError"
             return error_response(err.status_code, str(err.detail), kind)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def _check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model). Without LoRA anything
+        but the base model's name is a 404 here; with LoRA the engine checks that the
+        adapter exists when the request arrives (404 then)."""
+        if model is None or model == self.model_name:
+            return None
+        if self.lora is None:
             raise APIError(404, f"model '{model}' does not exist; this server serves "
                            f"'{self.model_name}'", "NotFoundError", "model")
+        return model
 
     def resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
         """``max_tokens`` for a prompt: as requested, or all the room left in the context;
@@ -211,6 +222,9 @@ class OpenAIServer:
         app.post("/detokenize")(self.detokenize)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        if self.lora is not None and self.lora.enable_runtime_lora_updating:
+            app.post("/v1/load_lora_adapter")(self.load_lora_adapter)
+            app.post("/v1/unload_lora_adapter")(self.unload_lora_adapter)
 
     async def health(self) -> Response:
         """200 while the engine loop is alive and stepping when it has work; 503 (with the
@@ -233,9 +247,34 @@ class OpenAIServer:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": now(), "owned_by": "kvray",
-            "root": self.model_name, "max_model_len": self.max_model_len}]}
+        created = now()
+        data = [{"id": self.model_name, "object": "model", "created": created,
+                 "owned_by": "kvray", "root": self.model_name, "parent": None,
+                 "max_model_len": self.max_model_len}]
+        if self.lora is not None:
+            for name in await self.client.list_loras():
+                data.append({"id": name, "object": "model", "created": created,
+                             "owned_by": "kvray", "root": name, "parent": self.model_name,
+                             "max_model_len": self.max_model_len})
+        return {"object": "list", "data": data}
+
+    async def load_lora_adapter(self, req: LoadLoRAAdapterRequest) -> Response:
+        """vLLM's route: read and check the adapter (400 naming why it cannot be served),
+        then serve it under ``lora_name``."""
+        if req.lora_name == self.model_name:
+            raise APIError(400, f"lora_name '{req.lora_name}' is the base model's name",
+                           "BadRequestError", "lora_name")
+        await self.client.load_lora(req.lora_name, req.lora_path)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.",
+                        media_type="text/plain")
+
+    async def unload_lora_adapter(self, req: UnloadLoRAAdapterRequest) -> Response:
+        """Stop serving an adapter (404 if unknown); its requests in flight finish."""
+        if not await self.client.unload_lora(req.lora_name):
+            raise APIError(404, f"LoRA adapter '{req.lora_name}' is not loaded",
+                           "NotFoundError", "lora_name")
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.",
+                        media_type="text/plain")
 
     async def tokenize(self, req: TokenizeRequest) -> dict:
         self._check_model(req.model)
@@ -286,12 +325,10 @@ class OpenAIServer:
                            "BadRequestError", "messages") from None
 
     async def completions(self, req: CompletionRequest):
-        self._check_model(req.model)
-        return await CompletionHandler(self, req).run()
+        return await CompletionHandler(self, req, self._check_model(req.model)).run()
 
     async def chat_completions(self, req: ChatCompletionRequest):
-        self._check_model(req.model)
-        return await ChatHandler(self, req).run()
+        return await ChatHandler(self, req, self._check_model(req.model)).run()
 
     # ---- shared by handlers -------------------------------------------------------------
     async def stream(self, request_id: str, prompt: Any, params, priority: int

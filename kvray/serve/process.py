@@ -117,7 +117,7 @@ def serve_in_process(config: EngineConfig, name: str, host: str, port: int,
     engine = AsyncLLM(config)
     try:
         server = OpenAIServer(engine, name, engine.engine.max_model_len, api_key,
-                              config.server)
+                              config.server, lora=config.lora)
         uv_config = uvicorn.Config(server.app, host=host, port=port, log_level="warning",
                                    access_log=False, lifespan="off",
                                    timeout_graceful_shutdown=5)

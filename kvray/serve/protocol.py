@@ -412,6 +412,20 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body (``lora_int_id`` accepted, unused)."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: int | None = None
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -9,6 +9,7 @@ request (:meth:`LLMServer.generate`). It publishes its engine's stats to the sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +19,8 @@ from kvray.config import EngineConfig
 from kvray.outputs import RequestOutput
 from kvray.sampling_params import SamplingParams
 from kvray.serve.lifecycle import ReplicaLifecycle, replica_name, start_engine
-from kvray.serve.stats_board import report_stats
+from kvray.serve.lora_directory import lora_directory
+from kvray.serve.stats_board import STATS_PERIOD_S, report_stats
 from kvray.serve.transport import ChannelEndpoint, OutputChannel
 
 
@@ -29,11 +31,50 @@ class LLMServer(ReplicaLifecycle, ChannelEndpoint):
     every few seconds and replaces a replica whose engine loop died or is wedged."""
 
     async def __init__(self, config: EngineConfig, board_name: str) -> None:
-        self.engine = start_engine(config)
+        self.directory = None  # the application's LoRA adapters (LoRA on)
+        source = None
+        if config.lora.enabled:
+            self.directory = lora_directory(board_name, config)
+            await self.directory.names.remote()  # a bad lora_modules entry fails the start
+            source = self._fetch_adapter
+        self.engine = start_engine(config, source)
         self.replica_id = replica_name()
         self._channels: dict[str, OutputChannel] = {}  # ingress channel -> its outputs
         self._reporter = asyncio.create_task(
             report_stats(self.engine, self.replica_id, board_name))
+        if self.directory is not None:
+            self._lora_sync = asyncio.create_task(self._sync_adapters())
+
+    # ---- LoRA adapters --------------------------------------------------------------------
+    def _fetch_adapter(self, name: str) -> Any:
+        """An adapter this replica does not hold, from the application's directory (on the
+        engine thread, when a request names it): (LoRARequest, weights reference) or None."""
+        import ray
+
+        fetched = ray.get(self.directory.fetch.remote(name))
+        return None if fetched is None else (fetched[0], fetched[1][0])
+
+    async def _sync_adapters(self) -> None:
+        """Drop adapters the directory no longer lists (unloaded), every stats period."""
+        while True:
+            with contextlib.suppress(Exception):  # the directory restarting: next time
+                names = await self.directory.names.remote()
+                if self.engine.engine.loras is not None:
+                    self.engine.engine.loras.sync(set(names))
+            await asyncio.sleep(STATS_PERIOD_S)
+
+    @serve.multiplexed(max_num_models_per_replica=-1)
+    async def _hold_adapter(self, name: str) -> str:
+        """Serve's multiplexing records which adapters each replica serves, and routes
+        requests for one to a replica that has it (:mod:`kvray.serve.routing`); the engine
+        itself takes the adapter from the directory on the request's admission, and its
+        registry (``max_cpu_loras``) and slots decide what stays."""
+        return name
+
+    async def before_admit(self) -> None:
+        name = serve.get_multiplexed_model_id()
+        if name:
+            await self._hold_adapter(name)
 
     async def health(self) -> None:
         """The ingress' /health probe (same test as check_health)."""
@@ -45,5 +86,6 @@ class LLMServer(ReplicaLifecycle, ChannelEndpoint):
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """One request's outputs on its own stream (one Ray item per output)."""
+        await self.before_admit()
         async for out in self.engine.generate(request_id, prompt, params, priority):
             yield out

@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from kvray.engine.stream_fold import fold_queued
-from kvray.errors import EngineUnavailableError
+from kvray.errors import EngineUnavailableError, InvalidRequestError, NotFoundError
 from kvray.outputs import RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
 from kvray.serve.stats_board import StatsReader
@@ -34,6 +35,7 @@ HEALTH_TIMEOUT_S = 5.0
 CARRIER_IDLE_S = 2.0  # a channel's carrier ends after this long with no request
 UNCARRIED_CHANNEL_S = 60.0  # a channel whose carrier never came is dropped after this long
 CARRIER_RETRIES = 3  # tries to open a carrier on the replica that admitted a request
+LORA_NAMES_TTL_S = 1.0  # an ingress' copy of the adapters served is read again after this
 
 
 class OutputChannel:
@@ -65,6 +67,10 @@ class ChannelEndpoint:
     replica_id: str
     _channels: dict[str, OutputChannel]
 
+    async def before_admit(self) -> None:
+        """Called in ``submit`` before the request is admitted (the replica notes the
+        request's LoRA adapter there)."""
+
     def _channel(self, channel: str) -> OutputChannel:
         ch = self._channels.get(channel)
         if ch is None:
@@ -77,6 +83,7 @@ class ChannelEndpoint:
         Raises what admission raises; once admitted, yields this replica's id and then
         nothing: the call stays open while the request runs, so that cancelling it (the
         client went away) aborts the request and a dead replica fails it at the caller."""
+        await self.before_admit()
         stream = await self.engine.open_stream(request_id, prompt, params, priority)
         ch = self._channel(channel)
         ch.requests.add(request_id)
@@ -154,8 +161,11 @@ class ServeClient:
     request streams its outputs on its own call (one Ray item per output)."""
 
     def __init__(self, handle: Any, tokenizer: Any, board_name: str,
-                 channels: bool = True) -> None:
+                 channels: bool = True, lora_directory: Any = None) -> None:
         self.handle, self.tokenizer = handle, tokenizer
+        self.lora_directory = lora_directory  # the application's adapters (LoRA on)
+        self._lora_names: set[str] = set()  # the directory's names, as of _lora_checked
+        self._lora_checked = 0.0
         self.stats = StatsReader(board_name)
         self.channels = channels
         self.channel = uuid.uuid4().hex  # this ingress' outputs on every model replica
@@ -166,6 +176,50 @@ class ServeClient:
     def engine_stats(self) -> list[tuple[str, dict]]:
         return self.stats.latest
 
+    def _options(self, prompt: Any) -> Any:
+        """The handle for a request: streaming, and for a LoRA adapter's request Serve's
+        multiplexed model id, so that a replica holding the adapter takes it."""
+        name = prompt.get("lora_name") if isinstance(prompt, dict) else None
+        if name:
+            return self.handle.options(stream=True, multiplexed_model_id=name)
+        return self.handle.options(stream=True)
+
+    # ---- LoRA adapters: the application's directory (kvray.serve.lora_directory) -----------
+    async def _check_adapter(self, prompt: Any) -> None:
+        """404 for a request naming an adapter the application does not serve: checked
+        against the directory's names, read again when older than LORA_NAMES_TTL_S or
+        missing the name (an adapter unloaded through another ingress replica may pass
+        for that long; the replicas drop it within a stats period too)."""
+        name = prompt.get("lora_name") if isinstance(prompt, dict) else None
+        if not name or self.lora_directory is None:
+            return
+        stale = time.monotonic() - self._lora_checked > LORA_NAMES_TTL_S
+        if name not in self._lora_names or stale:
+            await self.list_loras()
+        if name not in self._lora_names:
+            raise NotFoundError(f"the model `{name}` does not exist", "model")
+
+    async def list_loras(self) -> list[str]:
+        if self.lora_directory is None:
+            return []
+        names = await self.lora_directory.names.remote()
+        self._lora_names, self._lora_checked = set(names), time.monotonic()
+        return names
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._directory().load.remote(name, path)
+        self._lora_names.add(name)
+
+    async def unload_lora(self, name: str) -> bool:
+        self._lora_names.discard(name)
+        return await self._directory().unload.remote(name)
+
+    def _directory(self) -> Any:
+        if self.lora_directory is None:
+            raise InvalidRequestError("this server runs no LoRA adapters (start it with "
+                                      "enable_lora)", "lora_name")
+        return self.lora_directory
+
     async def check_health(self) -> None:
         """One engine replica's health, bounded: a replica that does not answer in
         HEALTH_TIMEOUT_S counts as unhealthy."""
@@ -175,9 +229,11 @@ class ServeClient:
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """The request's outputs, as the model replica's engine yields them."""
         if not self.channels:
+            await self._check_adapter(prompt)
             async for out in self._generate_streamed(request_id, prompt, params, priority):
                 yield out
             return
+        await self._check_adapter(prompt)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         # Made outside the HTTP request's Serve context, like the carrier: Serve would make
@@ -186,7 +242,7 @@ class ServeClient:
         # calls for one request's several prompts share. The client going away still
         # aborts it: ``finally`` below cancels it.
         call = contextvars.Context().run(
-            self.handle.options(stream=True).submit.remote,
+            self._options(prompt).submit.remote,
             self.channel, request_id, prompt, params, priority)
         replica = watcher = None
         finished = False
@@ -278,8 +334,7 @@ class ServeClient:
 
     async def _generate_streamed(self, request_id: str, prompt: Any, params: SamplingParams,
                                  priority: int = 0) -> AsyncIterator[RequestOutput]:
-        gen = self.handle.options(stream=True).generate.remote(request_id, prompt, params,
-                                                               priority)
+        gen = self._options(prompt).generate.remote(request_id, prompt, params, priority)
         finished = False
         try:
             async for out in gen:
