@@ -74,8 +74,8 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 shopt -s nullglob
 WHEELS=(.whl/*.whl)
 shopt -u nullglob
-if "$PY" -c "import pydantic" 2>/dev/null; then
-    echo "pydantic importable: no wheels to install"
+if "$PY" -c "import pydantic, peft" 2>/dev/null; then
+    echo "pydantic and peft importable: no wheels to install"
     step_done "wheels" 0
 elif [ ${#WHEELS[@]} -gt 0 ]; then
     echo "installing ${#WHEELS[@]} wheels from .whl/ into $SITE"
@@ -85,7 +85,7 @@ elif [ ${#WHEELS[@]} -gt 0 ]; then
     export PYTHONPATH="$SITE:$PYTHONPATH"
     step_done "wheels" $rc
 else
-    echo "pydantic is missing and there is no .whl/ (run benchmarks/gpu_wheels.sh first)"
+    echo "pydantic or peft is missing and there is no .whl/ (run benchmarks/gpu_wheels.sh first)"
     step_done "wheels" 1
 fi
 echo "python: $PY; PYTHONPATH=$PYTHONPATH"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fill .whl/ (at the repo root) with the wheels the GPU machine lacks for kvray's offline
-# path and benchmarks/gpu_bench.py: pydantic and what it depends on. Run it HERE (it needs
+# path and benchmarks/gpu_bench.py: pydantic and what it depends on, and peft (the LoRA
+# test's reference) with accelerate. Run it HERE (it needs
 # PyPI); the GPU machine has no network and installs them with benchmarks/gpu_check.sh.
 #
 # The GPU image (Python 3.12, x86-64) has torch, triton, transformers, tokenizers,
@@ -27,7 +28,8 @@ core = next(re.sub(r"\s+", "", r) for r in requires("pydantic")
             if re.match(r"pydantic[-_]core\s*==", r))
 print(f"pydantic=={pyd}")
 print(core.replace("_", "-"))
-for name in ("annotated-types", "typing-inspection", "typing-extensions"):
+for name in ("annotated-types", "typing-inspection", "typing-extensions",
+             "peft", "accelerate"):  # peft: the LoRA test's reference (accelerate: its dep)
     print(f"{name}=={version(name)}")
 PYEOF
 )

@@ -126,3 +126,29 @@ def test_shutdown_gives_the_gpu_memory_back(tiny_model_dir):
     assert torch.cuda.memory_allocated() - before > 1 << 30
     llm.shutdown()
     assert torch.cuda.memory_allocated() - before < 64 << 20
+
+
+def test_lora_adapters_on_gpu_give_peft_tokens(tiny_model_dir, tmp_path):
+    """A batch mixing two adapters and the base model on the GPU (the Triton LoRA kernels;
+    decode batches with adapter rows run eagerly, the others from CUDA graphs): PEFT's
+    greedy tokens (fp32)."""
+    pytest.importorskip("peft", reason="peft (the reference) is not installed here")
+    from kvray import LoRARequest
+    from tests.helpers.lora import make_lora_adapter, peft_greedy
+
+    base = tiny_model_dir("llama_gqa")
+    adapters = {"a": make_lora_adapter(base, tmp_path / "a", rank=8, seed=1),
+                "b": make_lora_adapter(base, tmp_path / "b", rank=32, seed=2,
+                                       targets=["q_proj", "v_proj", "down_proj"])}
+    prompts = _prompts(6, seed=4)
+    names = [None, "a", "b", "a", None, "b"]
+    want = [peft_greedy(base, adapters[n] if n else None, [p], MAX_TOKENS)[0]
+            for p, n in zip(prompts, names, strict=True)]
+    requests = {n: LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(adapters.items())}
+    llm = LLM(str(base), dtype="float32", gpu_memory_utilization=0.3, max_num_seqs=16,
+              enable_lora=True, max_loras=2, max_lora_rank=32)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                        lora_request=[requests[n] if n else None for n in names])
+    llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want

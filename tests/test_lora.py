@@ -221,6 +221,32 @@ def test_at_most_max_loras_adapters_run_at_once(lora_setup):
         llm.shutdown()
 
 
+@pytest.mark.engine
+def test_structured_outputs_hold_under_adapters(lora_setup):
+    """A JSON-schema constraint on requests of two adapters and the base model in one
+    batch: every output parses and validates."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 22, 333]},
+                                               "w": {"enum": ["ab", "cd"]}},
+              "required": ["n", "w"], "additionalProperties": False}
+    base, adapters, prompts, _, _ = lora_setup("llama_gqa")
+    llm = LLM(str(base), dtype="float32", block_size=4, enable_lora=True, max_loras=3,
+              max_lora_rank=64)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=100,
+                                structured_outputs={"json": schema})
+        requests = _requests(adapters)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], params,
+                            use_tqdm=False,
+                            lora_request=[None, requests["r8"], requests["attn"]])
+    finally:
+        llm.shutdown()
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
 # ---- adapter validation -------------------------------------------------------------------
 def read_spec(path) -> ModelSpec:
     return ModelSpec.from_hf_config(open_checkpoint(path).hf_config)

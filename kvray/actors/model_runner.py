@@ -106,7 +106,7 @@ class ModelRunner:
             dtype = resolve_lora_dtype(lora.lora_dtype, self.model, self.dtype,
                                        self.spec.torch_dtype)
             self.lora = LoRAModel(self.model, lora.max_loras, lora.max_lora_rank, dtype,
-                                  device, lora_kernel(device, not self.plan.cpu_kernels or
+                                  device, lora_kernel(device,
                                                       self.attention_backend == "torch"))
             if ctx.world_rank == 0:
                 logger.info("kvray: LoRA slots: %d adapters of rank <= %d in %s (%.0f MiB "

@@ -131,8 +131,15 @@ class LoRAModel:
 
 
 def lora_kernel(device: torch.device, reference: bool = False) -> LoRAKernel:
-    """The batched-LoRA kernel for ``device``: the C++ one on CPU where it builds (unless
-    ``reference``: the model runs PyTorch's reference kernels), else the PyTorch one."""
+    """The batched-LoRA kernel for ``device``: Triton's on CUDA, the C++ one on CPU where it
+    builds (unless ``reference``: the model runs PyTorch's reference kernels), else the
+    PyTorch one."""
+    if device.type == "cuda" and not reference:
+        try:
+            from kvray.kernels import triton_lora
+        except ImportError:  # a CUDA torch without Triton
+            return lora_add_reference
+        return triton_lora.lora_add
     if device.type == "cpu" and not reference:
         from kvray.kernels import cpu_ops
 

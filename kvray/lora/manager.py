@@ -67,8 +67,8 @@ class LoRARegistry:
     # ---- registration -------------------------------------------------------------------
     def register(self, name: str, path: str, lora_id: int | None = None) -> LoRARequest:
         """Add adapter ``name`` (validated now: :class:`LoRAError` if it cannot be served).
-        Registering the same name and path again is a no-op; another path for a known name
-        is an error."""
+        Registering the same name and path again is a no-op (the first id stays); another
+        path for a known name is an error."""
         try:
             check_adapter_name(name)
         except ValueError as err:
@@ -76,7 +76,7 @@ class LoRARegistry:
         with self._lock:
             known = self._by_name.get(name)
             if known is not None:
-                if known.lora_path == path and lora_id in (None, known.lora_int_id):
+                if known.lora_path == path:  # (under its registered id, whatever given)
                     return known
                 raise LoRAError(f"adapter {name!r} is already loaded (from "
                                 f"{known.lora_path}); unload it first")
@@ -134,7 +134,7 @@ class LoRARegistry:
             return known
         with self._lock:
             known = self._by_name.get(lora.lora_name)
-            if known == lora:
+            if known is not None and known.lora_path == lora.lora_path:
                 return known
         return self.register(lora.lora_name, lora.lora_path, lora.lora_int_id)
 
