@@ -39,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvray.ops import grafana
 from kvray.serve.metrics import ServerMetrics
+from tests.helpers.lora import make_lora_adapter
 from tests.helpers.prometheus_tools import (
     CI_FIX,
     ToolsMissing,
@@ -214,7 +215,7 @@ def exposed_names() -> set[str]:
     metrics.set_engine_stats("r0", {"num_running": 1, "num_waiting": 2, "num_swapped": 0,
                                     "kv_cache_usage": 0.5, "prefix_cache_queries": 10,
                                     "prefix_cache_hits": 4, "num_preemptions": 1,
-                                    "num_swap_objects": 0})
+                                    "num_swap_objects": 0, "lora_requests": {"a": 2}})
     return exposition_names(metrics.render().decode())
 
 
@@ -363,6 +364,8 @@ def _load(base: str, model: str, requests: int = 36, extras: bool = True) -> Non
 
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
         list(pool.map(one, range(requests)))
+    for _ in range(2):  # a LoRA adapter's requests for the LoRA panels
+        client.completions.create(model="adapter", prompt="tell me", max_tokens=6)
     if not extras:
         return
     repeats = " ".join(["one two three four"] * 6)  # n-gram drafts to verify
@@ -378,8 +381,11 @@ def live(tools, tmp_path_factory):
     """A real Prometheus scraping a real `kvray serve` (1 s) after a short load."""
     root = tmp_path_factory.mktemp("dash_live")
     model_dir = make_tiny_model("llama_gqa", root / "tiny-llama")
-    # n-gram speculation on, so the speculative-decoding panel has series too
-    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    adapter = make_lora_adapter(model_dir, root / "adapter", rank=8)
+    # n-gram speculation on, so the speculative-decoding panel has series too; a LoRA
+    # adapter for the LoRA panels
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+            "--lora-modules", f"adapter={adapter}"]
     with launch_server(model_dir, spec) as base:
         http_port = int(base.rsplit(":", 1)[1])
         config = {

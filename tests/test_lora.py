@@ -315,6 +315,35 @@ def test_bad_adapters_name_the_cause(lora_setup, tiny_model_dir, tmp_path):
         load_adapter(LoRARequest("x", 1, str(path)), moe, 64)
 
 
+@pytest.mark.parity
+def test_registry_keeps_max_cpu_loras_and_pins_live_adapters(lora_setup, tmp_path):
+    """Host copies beyond max_cpu_loras go, least recently used first, except an adapter a
+    live request runs with; a dropped one is read again when needed; an adapter unloaded
+    while in use stays until its last request ends."""
+    from kvray.config import LoRAConfig
+    from kvray.lora.manager import LoRARegistry
+
+    base, adapters, _, _, _ = lora_setup("llama_gqa")
+    registry = LoRARegistry(LoRAConfig(max_loras=1, max_cpu_loras=2, max_lora_rank=64),
+                            read_spec(base))
+    ids = {name: registry.register(name, str(path)).lora_int_id
+           for name, path in sorted(adapters.items())}  # attn, r64, r8: attn dropped
+    assert registry.adapter(ids["attn"]) is None and registry.adapter(ids["r8"]) is not None
+    reads = len(registry.stats.load_seconds)
+    assert registry.payload(ids["attn"])  # read again (r64, the coldest, goes)
+    assert len(registry.stats.load_seconds) == reads + 1
+    registry.retain(ids["attn"], "attn")  # a live request pins it
+    registry.payload(ids["r64"])
+    registry.payload(ids["r8"])
+    assert registry.adapter(ids["attn"]) is not None
+    assert registry.unregister("attn") and registry.names() == ["r64", "r8"]
+    assert registry.payload(ids["attn"])  # its running request still gets it
+    registry.release(ids["attn"])
+    assert registry.adapter(ids["attn"]) is None
+    with pytest.raises(NotFoundError):
+        registry.resolve("attn")
+
+
 @pytest.mark.unit
 def test_lora_config_forms_and_errors():
     config = load_config(None, lora_modules=["a=/p/a", '{"name": "b", "path": "/p/b"}'])
