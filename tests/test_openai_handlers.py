@@ -91,3 +91,17 @@ def test_streamed_chat_equals_the_whole_response(client):
         assert tokens[i] == [e["token"] for e in choice["logprobs"]["content"]]
         assert finish[i] == choice["finish_reason"]
     assert whole["usage"]["completion_tokens"] == sum(len(t) for t in tokens.values())
+
+
+def test_without_lora_other_models_and_the_adapter_routes_are_404(client):
+    """LoRA off: a request naming another model is a 404, and the adapter routes do not
+    exist (404), whatever the body."""
+    resp = client.post("/v1/completions", json={"model": "adapter", "prompt": "x",
+                                                "max_tokens": 2})
+    assert resp.status_code == 404 and resp.json()["error"]["type"] == "NotFoundError"
+    for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        resp = client.post(route, json={"lora_name": "a", "lora_path": "/x"})
+        assert resp.status_code == 404
+    models = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["m"]
+
