@@ -465,8 +465,8 @@ class LLMEngine:
             s.lora_requests = dict(lora.requests)
             s.num_loras_resident = len(sched.lora_slots)
             s.num_loras_registered = lora.num_registered
-            s.num_lora_loads = len(lora.load_seconds)
-            s.lora_load_seconds = sum(lora.load_seconds)
+            s.num_lora_loads = lora.num_reads
+            s.lora_load_seconds = lora.read_seconds
             s.num_lora_fetches = lora.num_fetched
         self.published_stats = dataclasses.replace(s)  # one reference swap: atomic
 

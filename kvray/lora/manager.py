@@ -32,10 +32,9 @@ class LoRAStats:
     """What the metrics report about adapters."""
 
     requests: Counter = field(default_factory=Counter)  # adapter name -> requests added
-    load_seconds: list[float] = field(default_factory=list)  # reads from disk, not drained
+    num_reads: int = 0  # adapters read from their files (first loads and re-reads)
+    read_seconds: float = 0.0
     num_fetched: int = 0  # adapters taken from the source (the object store), not read
-    fetch_seconds: float = 0.0
-    num_resident: int = 0  # adapters in worker slots
     num_registered: int = 0
 
 
@@ -140,19 +139,24 @@ class LoRARegistry:
 
     def _adopt(self, name: str) -> LoRARequest | None:
         """Serve ``name`` from the source (already checked there; its weights stay in the
-        object store, where the workers fetch them), or None if the source lacks it."""
-        start = time.perf_counter()
+        object store, where the workers fetch them), or None if the source lacks it. The
+        adapter gets an id of this registry's own: ids key the workers' slots and the
+        prefix cache, and a source that restarted may hand out its ids again."""
         fetched = self.source(name)
         if fetched is None:
             return None
-        request, ref = fetched
+        source_request, ref = fetched
         with self._lock:
+            known = self._by_name.get(name)
+            if known is not None:  # adopted meanwhile (another thread)
+                return known
+            request = LoRARequest(name, self._next_id, source_request.lora_path)
+            self._next_id += 1
             self._by_name[name] = request
             self._by_id[request.lora_int_id] = request
             self._fetched[request.lora_int_id] = ref
             self.stats.num_registered = len(self._by_name)
             self.stats.num_fetched += 1
-            self.stats.fetch_seconds += time.perf_counter() - start
         return request
 
     def sync(self, names: set[str]) -> None:
@@ -196,7 +200,8 @@ class LoRARegistry:
         start = time.perf_counter()
         adapter = load_adapter(request, self.spec, self.config.max_lora_rank)
         with self._lock:
-            self.stats.load_seconds.append(time.perf_counter() - start)
+            self.stats.num_reads += 1
+            self.stats.read_seconds += time.perf_counter() - start
         return adapter
 
     def _store(self, adapter: LoRAAdapter) -> Any:
