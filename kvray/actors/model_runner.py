@@ -292,7 +292,7 @@ class ModelRunner:
             if not isinstance(weights, dict):  # an object-store reference
                 import ray
                 weights = ray.get(weights)
-            self.lora.load(load.slot, load.lora_id, weights)
+            self.lora.load(load.slot, weights)
 
     def _to_device(self, data: list) -> torch.Tensor:
         """An int64 tensor of ``data`` on this worker's device; on CUDA built in pinned host

@@ -1,6 +1,6 @@
 """LoRA on a worker: adapter slots in every target linear of its shard of the model.
 
-:func:`install_lora` gives each decoder layer's ``qkv_proj``, ``o_proj``, ``gate_up_proj``
+:class:`LoRAModel` gives each decoder layer's ``qkv_proj``, ``o_proj``, ``gate_up_proj``
 and ``down_proj`` (dense MLPs; not MoE experts, embeddings or the LM head) a
 :class:`LoRAWeights`: ``max_loras`` slots of stacked A / B^T tensors
 (:mod:`kvray.kernels.lora`). The engine decides which adapter sits in which slot and sends
@@ -44,12 +44,10 @@ class LoRAWeights:
         self.slice_starts = [0]
         for size in slices:
             self.slice_starts.append(self.slice_starts[-1] + size)
-        out = self.slice_starts[-1]
         self.a = torch.zeros(max_loras, len(slices), max_rank, in_features, dtype=dtype,
                              device=device)
-        self.out_features = out
-        self.bt = torch.zeros(max_loras, *blocked_shape(out, max_rank), dtype=dtype,
-                              device=device)
+        self.bt = torch.zeros(max_loras, *blocked_shape(self.slice_starts[-1], max_rank),
+                              dtype=dtype, device=device)
         self.ranks = torch.zeros(max_loras, len(slices), dtype=torch.int64, device=device)
         self.kernel = kernel
 
@@ -99,17 +97,16 @@ class LoRAModel:
             module.lora = LoRAWeights(self.batch, module.lora_slices(), module.in_size,
                                       max_loras, max_rank, dtype, device, kernel)
             self.layers[(int(m.group(1)), m.group(2))] = module
-        self.slot_ids = [0] * max_loras  # adapter id in each slot (0: empty)
 
     @property
     def num_bytes(self) -> int:
         return sum(m.lora.num_bytes for m in self.layers.values())
 
-    def load(self, slot: int, lora_id: int,
+    def load(self, slot: int,
              weights: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]]
              ) -> None:
-        """Put adapter ``lora_id`` (:attr:`kvray.lora.adapter.LoRAAdapter.weights`) in
-        ``slot``: this rank's shard of each pair whose layer is on this stage."""
+        """Put an adapter (its :attr:`kvray.lora.adapter.LoRAAdapter.weights`) in ``slot``:
+        this rank's shard of each pair whose layer is on this stage."""
         for module in self.layers.values():
             module.lora.clear(slot)
         for key, slices in weights.items():
@@ -119,7 +116,6 @@ class LoRAModel:
             for index, (a, b) in slices.items():
                 a_local, b_local = module.lora_shard(index, a, b)
                 module.lora.set(slot, index, a_local, b_local)
-        self.slot_ids[slot] = lora_id
 
     def set_rows(self, row_slots: list[int] | None, to_device: Callable[[list], torch.Tensor]
                  ) -> None:
