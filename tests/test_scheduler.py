@@ -323,6 +323,54 @@ def test_swap_preemption_keeps_progress_and_swaps_back_before_admitting():
     assert not s.has_unfinished_requests() and s.swap.used_blocks == 0
 
 
+def _swap_back_with_a_sharer(lose_restore: bool) -> tuple[Scheduler, list]:
+    """``b`` is swapped out while ``a`` runs; when ``a`` ends, ``b`` comes back and ``c``
+    (``b``'s first 12 tokens + 3) arrives in that step. Every step is checked against a
+    shadow of the workers' cache; ``lose_restore``: ``b``'s copy never arrives."""
+    s = _sched(num_blocks=8, block_size=4, budget=64, max_len=64, mode="swap", swap_blocks=16)
+    shadow = ShadowKV(4)
+    s.add_request(_req("a", 8, max_tokens=16, t=0))
+    s.add_request(_req("b", 8, max_tokens=16, t=1))
+    outs = []
+    while s.has_unfinished_requests():
+        if s.swap and "c" not in s.requests and "a" not in s.requests:
+            shared = list(s.swap.peek().all_token_ids[:12])
+            s.add_request(_req("c", 0, max_tokens=2, t=2, tokens=shared + [1, 2, 3]))
+            if lose_restore:
+                shadow.lose.add("b")
+        out = s.schedule()
+        shadow.apply(s, out)
+        sampled = []
+        for rid, n in out.num_scheduled_tokens.items():
+            r = s.requests[rid]
+            sampled.append([7] if r.num_computed_tokens + n == r.num_tokens else [])
+        s.update_from_output(out, ModelRunnerOutput(
+            list(out.num_scheduled_tokens), sampled, [None] * len(sampled),
+            [[0.0] * len(x) for x in sampled], failed_swaps=set(shadow.failed)))
+        shadow.lose -= shadow.failed
+        outs.append(out)
+        assert len(outs) < 100
+    return s, outs
+
+
+def test_blocks_being_restored_are_not_hit_in_the_step_that_restores_them():
+    s, outs = _swap_back_with_a_sharer(lose_restore=False)
+    restore = next(i for i, o in enumerate(outs) if "b" in o.swap_in)
+    assert "c" not in outs[restore].num_scheduled_tokens  # too big without b's blocks
+    first_c = next(o for o in outs if "c" in o.num_scheduled_tokens)
+    assert first_c.new_requests[0].num_computed_tokens == 12  # hit once the copy arrived
+    assert s.kv.pool.num_free == s.kv.num_blocks
+
+
+def test_a_failed_restore_leaves_no_block_a_later_request_can_hit():
+    # The shadow fails the run if c (or b, recomputed) ever reads the junk b's lost copy
+    # left in its blocks.
+    s, outs = _swap_back_with_a_sharer(lose_restore=True)
+    assert s.num_swap_failures == 1
+    assert sum(1 for o in outs if "b" in o.swap_in) == 1
+    assert s.kv.pool.num_free == s.kv.num_blocks
+
+
 def test_full_swap_pool_falls_back_to_recompute():
     s = _sched(num_blocks=5, block_size=4, budget=64, max_len=64, mode="swap", swap_blocks=0)
     s.add_request(_req("old", 8, max_tokens=10, t=0))

@@ -10,6 +10,13 @@ each block records it): two adapters, or an adapter and the base model, never sh
 
 Freed blocks keep their key and sit in an LRU free queue: they are reused by a later
 request with the same prefix, or evicted (key dropped) when a fresh block is needed.
+
+A block enters the prefix index only when its contents are certain to be in place: blocks
+the step computes are keyed when scheduled (every layer writes the step's new K/V before any
+attention reads it), but a request whose leading blocks are *restored* from a copy (swap-in)
+keys none of its blocks until the step that restores them has returned without a failed
+restore (:meth:`KVCacheManager.confirm_restored`). So no request can hit a block whose copy
+never arrived.
 """
 
 from __future__ import annotations
@@ -123,6 +130,8 @@ class KVCacheManager:
     stats: PrefixCacheStats = field(init=False, default_factory=PrefixCacheStats)
     # req id -> how many leading blocks of its table were already offered to the cache
     _num_keyed: dict[str, int] = field(init=False, default_factory=dict)
+    # requests whose restored blocks are not confirmed yet: none of their blocks is keyed
+    _restoring: set[str] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks)
@@ -197,23 +206,39 @@ class KVCacheManager:
         return need + hits_in_free <= self.pool.num_free
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed: list[Block] = (), lookahead: int = 0) -> list[int] | None:
+                       new_computed: list[Block] = (), lookahead: int = 0,
+                       restoring: bool = False) -> list[int] | None:
         """Give ``request`` blocks for ``num_new_tokens`` more tokens (after adopting the
         cache hits ``new_computed``) and ``lookahead`` slots past them (a draft model
         writes ahead there; they are never keyed). Returns the ids of blocks newly added
-        to its table, or None (nothing changed) when there are not enough free blocks."""
+        to its table, or None (nothing changed) when there are not enough free blocks.
+
+        ``restoring``: the request's computed tokens are being copied into the new blocks
+        (swap-in); its blocks stay out of the prefix index until :meth:`confirm_restored`."""
         if not self.can_allocate(request, num_new_tokens, new_computed, lookahead):
             return None
+        if restoring:
+            self._restoring.add(request.request_id)
         need = self.num_blocks_needed(request, num_new_tokens, new_computed, lookahead)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         self.pool.touch(list(new_computed))
         blocks.extend(new_computed)
         fresh = self.pool.take(need)
         blocks.extend(fresh)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and request.request_id not in self._restoring:
             self._cache_full_blocks(request, blocks, request.num_computed_tokens
                                     + len(new_computed) * self.block_size + num_new_tokens)
         return [b.block_id for b in (*new_computed, *fresh)]
+
+    def confirm_restored(self, request: Request) -> None:
+        """The step that restored ``request``'s blocks returned and its copy arrived: key
+        its computed full blocks (later ones are keyed as they are scheduled)."""
+        if request.request_id not in self._restoring:
+            return
+        self._restoring.discard(request.request_id)
+        blocks = self.req_blocks.get(request.request_id)
+        if self.enable_prefix_caching and blocks:
+            self._cache_full_blocks(request, blocks, request.num_computed_tokens)
 
     def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
         # Blocks are keyed when scheduled, before the step computes them: a request
@@ -270,6 +295,7 @@ class KVCacheManager:
         """
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_keyed.pop(request.request_id, None)
+        self._restoring.discard(request.request_id)
         num_valid = request.num_computed_tokens // self.block_size
         for block in blocks[num_valid:]:
             if block.ref_cnt == 1:

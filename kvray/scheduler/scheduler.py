@@ -285,7 +285,8 @@ class Scheduler:
             if not self._lora_fits(req):
                 break
             num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
-            ids = self.kv.allocate_slots(req, num_new, lookahead=self.lookahead)
+            ids = self.kv.allocate_slots(req, num_new, lookahead=self.lookahead,
+                                         restoring=True)
             if ids is None:
                 break
             out.swap_in[req.request_id] = ids[: req.num_swapped_blocks]
@@ -470,6 +471,10 @@ class Scheduler:
             if not req.is_finished:
                 req.spec_token_ids = self.speculation.drafts_for(
                     req, result.draft_token_ids.get(req_id), self.max_model_len)
+        for req_id in out.swap_in:  # restored intact: their blocks may be hit from now on
+            req = self.requests.get(req_id)
+            if req is not None and req_id not in result.failed_swaps:
+                self.kv.confirm_restored(req)
         return updated
 
     def _recompute_lost(self, failed: set[str]) -> set[str]:

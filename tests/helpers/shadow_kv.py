@@ -17,6 +17,8 @@ class ShadowKV:
         self.bs = block_size
         self.slots: dict[int, int] = {}
         self.saved: dict[str, list[int | None]] = {}
+        self.lose: set[str] = set()  # requests whose next restore fails (garbage arrives)
+        self.failed: set[str] = set()  # restores that failed in the last step applied
 
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.bs] * self.bs + pos % self.bs
@@ -25,9 +27,12 @@ class ShadowKV:
         for rid, blocks in out.swap_out.items():
             self.saved[rid] = [self.slots.get(b * self.bs + i) for b in blocks
                                for i in range(self.bs)]
+        self.failed = set(out.swap_in) & self.lose
         for rid, blocks in out.swap_in.items():
             saved = self.saved.pop(rid)
             assert len(saved) == len(blocks) * self.bs
+            if rid in self.failed:
+                saved = [None] * len(saved)  # the copy never arrived: the blocks hold junk
             for k, value in enumerate(saved):
                 self.slots[blocks[k // self.bs] * self.bs + k % self.bs] = value
         for rid in out.swap_drop:
@@ -39,6 +44,8 @@ class ShadowKV:
             for pos in range(r.num_computed_tokens, r.num_computed_tokens + n):
                 self.slots[self._slot(table, pos)] = prefixes[rid][pos]
         for rid, n in out.num_scheduled_tokens.items():
+            if rid in self.failed:
+                continue  # reads junk, and the scheduler drops what it computed
             r, table = s.requests[rid], s.kv.block_ids(rid)
             for pos in range(r.num_computed_tokens + n):
                 assert self.slots.get(self._slot(table, pos)) == prefixes[rid][pos], \
