@@ -319,6 +319,13 @@ class ServerConfig(_Section):
         20, ge=0, le=20,
         description="Largest top_logprobs (chat); completions' logprobs stay within "
         "min(5, this), OpenAI's cap.")
+    routing: Literal["prefix", "load"] = Field(
+        "prefix",
+        description="How the Serve ingress picks a model replica for a request (num_replicas "
+        "> 1). prefix: the replica likely to hold the longest cached prefix of the prompt "
+        "(chat sessions stay on theirs), unless it runs more than max(2, 25 % of the mean) "
+        "ongoing requests above the least loaded; then, or with no prefix cached anywhere, "
+        "the least loaded. load: the less loaded of two random replicas.")
     enable_docs: bool = Field(
         False, description="Serve /docs, /redoc and /openapi.json (behind the API key if set).")
     metrics_require_key: bool = Field(

@@ -43,7 +43,8 @@ LAYERS: Mapping[str, float] = {
     "kvray.errors": 0, "kvray.hardware": 0, "kvray.parallel": 0,
 }
 PURE = ("kvray.scheduler", "kvray.config", "kvray.sampling_params", "kvray.serve.protocol",
-        "kvray.outputs", "kvray.tokenizer", "kvray.actors.executor", "kvray.lora.request")
+        "kvray.outputs", "kvray.tokenizer", "kvray.actors.executor", "kvray.lora.request",
+        "kvray.serve.prefix_index")
 FORBIDDEN_EXTERNAL = ("torch", "ray")
 FORBIDDEN_INTERNAL = "kvray.engine"
 

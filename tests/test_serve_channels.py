@@ -1,7 +1,8 @@
 """Two model replicas behind Ray Serve's OpenAI ingress. Each request's outputs come back
 on its replica's carrier for the ingress (one Ray item per engine step for all of them),
 a call Serve routes to that replica by name: concurrent streams spread over both replicas
-each get exactly their own tokens, and both replicas served some."""
+each get exactly their own tokens, and both replicas served some. Requests go by their
+prompt's prefix: follow-ups of a prompt land where its prefix is cached."""
 
 from __future__ import annotations
 
@@ -26,11 +27,15 @@ def two_replicas(tmp_path_factory):
         yield base, model.name
 
 
-def _decode_tokens_by_replica(base: str) -> dict[str, float]:
+def _by_replica(base: str, series: str = "kvray:engine_decode_tokens_total"
+                ) -> dict[str, float]:
     text = httpx.get(f"{base}/metrics", timeout=10).text
-    found = re.findall(r'^kvray:engine_decode_tokens_total\{[^}]*replica="([^"]+)"[^}]*\} (\S+)',
-                       text, re.M)
+    found = re.findall(rf'^{series}\{{[^}}]*replica="([^"]+)"[^}}]*\}} (\S+)', text, re.M)
     return {replica: float(value) for replica, value in found}
+
+
+def _decode_tokens_by_replica(base: str) -> dict[str, float]:
+    return _by_replica(base)
 
 
 def test_streams_on_two_replicas_each_get_their_own_tokens(two_replicas):
@@ -179,3 +184,38 @@ def test_a_channel_whose_carrier_never_comes_is_dropped_and_one_that_comes_late_
     assert [rid for rid, _ in batch] == ["req-late"] * len(batch)
     assert sum(len(out.outputs[0].token_ids) for _, out in batch) == 3
     assert batch[-1][1].finished
+
+
+def _settled(base: str, series: str) -> dict[str, float]:
+    """``series`` by replica once two reads 0.6 s apart agree (stats reach the ingress every
+    0.5 s)."""
+    last = None
+    for _ in range(60):
+        now = _by_replica(base, series)
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.6)
+    return last
+
+
+def test_follow_ups_go_to_the_replica_that_cached_their_prefix(two_replicas):
+    """A long prompt, then follow-ups that extend it (a growing chat), one at a time: each
+    lands on the replica holding the prefix, so every follow-up's prefix is a cache hit.
+    (Picking the less loaded of two at random would split them over both replicas.)"""
+    base, name = two_replicas
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
+    before = _settled(base, "kvray:prefix_cache_hits_total")
+    queries_before = _settled(base, "kvray:prefix_cache_queries_total")
+    prompt = "You are a terse assistant for a shipping company. " * 12
+    for turn in range(6):
+        prompt += f" Question {turn}: where is parcel {turn * 7}? Answer:"
+        out = client.completions.create(model=name, prompt=prompt, max_tokens=4,
+                                        temperature=0)
+        prompt += out.choices[0].text
+    hits = _settled(base, "kvray:prefix_cache_hits_total")
+    queries = _settled(base, "kvray:prefix_cache_queries_total")
+    gained = {r: hits.get(r, 0) - before.get(r, 0) for r in hits}
+    asked = {r: queries.get(r, 0) - queries_before.get(r, 0) for r in queries}
+    assert [r for r, n in asked.items() if n > 0] == [max(asked, key=asked.get)], asked
+    assert sum(gained.values()) >= 0.8 * sum(asked.values()) * 5 / 6, (gained, asked)

@@ -39,7 +39,7 @@ def build_serve_app(config: EngineConfig, options: ServeOptions) -> Application:
     if options.ingress == "replica":  # HTTP to this replica: the ingress' bounds apply
         return LLMServerIngress.options(name="LLMServer", **{**replica, **front}).bind(
             config, model_name, options)
-    router = _replica_router()
+    router = _replica_router(config)
     if router is not None:
         replica["request_router_config"] = router
     llm = LLMServer.options(**replica).bind(config, options.board_name)
@@ -78,14 +78,18 @@ def _backpressure() -> dict[str, Any]:
     return {"backpressure_config": BackpressureConfig(status_code=503, retry_after_s=1)}
 
 
-def _replica_router() -> Any:
+def _replica_router(config: EngineConfig) -> Any:
     """The router that sends a carrier call to the replica it names (outputs on one
-    carrier per model replica: see :mod:`kvray.serve.transport`), or None on a Ray without
-    custom routers, where each request streams its outputs on its own call."""
+    carrier per model replica: see :mod:`kvray.serve.transport`) and each request by its
+    prompt's prefix (``server.routing``), or None on a Ray without custom routers, where
+    each request streams its outputs on its own call and Serve's default router picks."""
     try:
         from ray.serve.config import RequestRouterConfig
 
         from kvray.serve.routing import ReplicaTargetRouter
     except ImportError:
         return None
-    return RequestRouterConfig(request_router_class=ReplicaTargetRouter)
+    kwargs = {"routing": config.server.routing, "block_size": config.cache.block_size,
+              "capacity_blocks": config.cache.num_gpu_blocks_override or 1 << 16}
+    return RequestRouterConfig(request_router_class=ReplicaTargetRouter,
+                               request_router_kwargs=kwargs)
