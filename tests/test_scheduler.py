@@ -377,3 +377,17 @@ def test_full_swap_pool_falls_back_to_recompute():
     s.add_request(_req("new", 7, max_tokens=10, t=1))
     outs = [_run_step(s) for _ in range(6)]
     assert s.num_preemptions >= 1 and not any(o.swap_out for o in outs)
+
+
+def test_prefix_cache_stats_count_each_admission_once():
+    """A request that waits several steps for blocks is looked up every step, but its
+    prompt counts once in the hit-rate stats."""
+    s = _sched(num_blocks=6, block_size=4, budget=64, max_seqs=4)
+    s.add_request(_req("a", 16, max_tokens=6, t=0))  # 5 of the 6 blocks by its end
+    s.add_request(_req("b", 12, max_tokens=2, t=1))  # waits until a ends
+    waited = 0
+    while s.has_unfinished_requests():
+        out = _run_step(s)
+        waited += "b" in s.requests and "b" not in out.num_scheduled_tokens
+    assert waited >= 2
+    assert (s.kv.stats.requests, s.kv.stats.queries) == (2, 16 + 12)

@@ -169,10 +169,16 @@ class KVCacheManager:
         if not self._uses_cache(request):
             return [], 0
         hits, num_hit = self.find_cached_prefix(request)
-        self.stats.requests += 1
-        self.stats.queries += request.num_tokens
-        self.stats.hits += num_hit
+        self.count_lookup(request, num_hit)
         return hits, num_hit
+
+    def count_lookup(self, request: Request, num_hit: int) -> None:
+        """Count a lookup that found ``num_hit`` tokens in the prefix-cache stats (once per
+        admission: a request that waits for blocks is looked up again every step)."""
+        if self._uses_cache(request):
+            self.stats.requests += 1
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_hit
 
     def find_cached_prefix(self, request: Request) -> tuple[list[Block], int]:
         """What :meth:`get_computed_blocks` finds, without counting it in the stats."""

@@ -314,7 +314,7 @@ class Scheduler:
         step's tokens (after its prefix-cache hits); False, changing nothing, if not."""
         if len(self.running) >= self.config.max_num_seqs:
             return False
-        hits, num_hit = self.kv.get_computed_blocks(req)
+        hits, num_hit = self.kv.find_cached_prefix(req)
         num_new = req.num_tokens - num_hit
         if not self.config.enable_chunked_prefill and num_new > plan.budget:
             return False
@@ -324,6 +324,7 @@ class Scheduler:
             return False
         popped = self.waiting.pop()
         assert popped is req, "admitting a request that is not the queue's head"
+        self.kv.count_lookup(req, num_hit)
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit
         req.num_computed_tokens = num_hit
