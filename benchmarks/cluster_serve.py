@@ -1,0 +1,250 @@
+"""Multi-turn chat through several model replicas: how much of the prompts the replicas'
+prefix caches serve, against what one unbounded cache would, per routing policy.
+
+Workload: ``--sessions`` chat sessions arrive at random over ``--arrival-s`` seconds, in
+groups of ``--group`` sharing a system prompt (lengths drawn from ``--system-len``); each
+session runs ``--turns`` turns, every turn sending the whole conversation so far (its
+history grows by the answer and a new question). For each ``--routing`` policy the script
+starts ``kvray serve --num-replicas N --routing P`` on the built-in model, runs the same
+workload (same seed: the same prompts), and reads each replica's prefix-cache counters from
+``/metrics``.
+
+The ideal hit rate is computed from the run itself: the prompts as the server tokenized
+them (``/tokenize``), looked up in order of arrival in one unbounded cache of full blocks
+that holds every earlier prompt and, once a request finished, its answer, leaving one token
+to compute as the engine does.
+
+Reported per policy: hit rate over all replicas and its ratio to the ideal, the busiest
+replica's prompt tokens over the mean, mean TTFT of first and follow-up turns, and wall
+time.
+
+    python benchmarks/cluster_serve.py [--replicas 3] [--routing prefix,load]
+        [--sessions 24] [--group 4] [--turns 3] [--system-len 300,900] [--extra "..."]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import re
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.serve import launch_server, stop_server  # noqa: E402
+
+WORDS = ("order parcel shipping address customer refund policy warehouse invoice delivery "
+         "tracking weight carrier label return damaged express standard region tax price "
+         "discount support ticket account password schedule route driver depot pallet "
+         "container customs declaration insurance claim priority weekend holiday").split()
+BLOCK_SIZE = 16  # the engine's default; the ideal is computed in the same blocks
+
+
+@dataclass
+class Turn:
+    session: int
+    turn: int
+    messages: list[dict]
+    sent: float = 0.0
+    done: float = 0.0
+    ttft: float = 0.0
+    answer: str = ""
+    completion_tokens: int = 0
+
+
+@dataclass
+class Session:
+    index: int
+    system: str
+    start: float
+    questions: list[str]
+    turns: list[Turn] = field(default_factory=list)
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def make_sessions(args: argparse.Namespace) -> list[Session]:
+    rng = random.Random(args.seed)
+    lo, hi = args.system_len
+    groups = -(-args.sessions // args.group)
+    # ~1.3 tokens per word of this vocabulary: a system prompt of lo..hi tokens
+    systems = [f"You are support agent #{g}. Rules: " + _text(rng, int(rng.randint(lo, hi) / 1.3))
+               for g in range(groups)]
+    sessions = []
+    for i in range(args.sessions):
+        questions = [f"Question {t} from customer {i}: " + _text(rng, rng.randint(12, 30))
+                     for t in range(args.turns)]
+        sessions.append(Session(i, systems[i // args.group],
+                                rng.uniform(0, args.arrival_s), questions))
+    return sessions
+
+
+async def run_session(client: httpx.AsyncClient, model: str, s: Session, t0: float,
+                      max_tokens: int) -> None:
+    await asyncio.sleep(max(0.0, s.start - (time.perf_counter() - t0)))
+    messages = [{"role": "system", "content": s.system}]
+    for k, question in enumerate(s.questions):
+        messages = [*messages, {"role": "user", "content": question}]
+        turn = Turn(s.index, k, messages, sent=time.perf_counter() - t0)
+        body = {"model": model, "messages": messages, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = httpx.Response(200, content=line[6:]).json()
+                if chunk.get("usage"):
+                    turn.completion_tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices", ()):
+                    text = choice.get("delta", {}).get("content") or ""
+                    if text and not turn.answer:
+                        turn.ttft = time.perf_counter() - t0 - turn.sent
+                    turn.answer += text
+        turn.done = time.perf_counter() - t0
+        s.turns.append(turn)
+        messages = [*messages, {"role": "assistant", "content": turn.answer}]
+
+
+def by_replica(base: str, series: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    found = re.findall(rf'^{series}\{{[^}}]*replica="([^"]+)"[^}}]*\}} (\S+)', text, re.M)
+    return {replica: float(value) for replica, value in found}
+
+
+def settled(base: str, series: str) -> dict[str, float]:
+    """``series`` once two reads 0.7 s apart agree (replica stats arrive every 0.5 s)."""
+    last: dict[str, float] | None = None
+    for _ in range(60):
+        now = by_replica(base, series)
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.7)
+    return last or {}
+
+
+def ideal_hit_rate(client: httpx.Client, model: str, turns: list[Turn]) -> tuple[int, int]:
+    """(hit tokens, prompt tokens) of one unbounded cache on this run's requests."""
+    events = []
+    for t in turns:
+        prompt = client.post("/tokenize", json={"model": model, "messages": t.messages}
+                             ).json()["tokens"]
+        full = client.post("/tokenize", json={
+            "model": model, "add_generation_prompt": False,
+            "messages": [*t.messages, {"role": "assistant", "content": t.answer}]}
+        ).json()["tokens"]
+        computed = full[:len(prompt) + max(0, t.completion_tokens - 1)]
+        events += [(t.sent, 0, prompt), (t.done, 1, computed)]
+    cache: set[int] = set()
+    hits = queries = 0
+    for _, kind, tokens in sorted(events, key=lambda e: (e[0], e[1])):
+        hashes, parent = [], None
+        for end in range(BLOCK_SIZE, len(tokens) + 1, BLOCK_SIZE):
+            parent = hash((parent, tuple(tokens[end - BLOCK_SIZE:end])))
+            hashes.append(parent)
+        if kind == 0:
+            usable = (len(tokens) - 1) // BLOCK_SIZE
+            matched = 0
+            while matched < min(usable, len(hashes)) and hashes[matched] in cache:
+                matched += 1
+            hits += matched * BLOCK_SIZE
+            queries += len(tokens)
+        cache.update(hashes)
+    return hits, queries
+
+
+def run_policy(policy: str, args: argparse.Namespace) -> dict:
+    extra = ["--num-replicas", str(args.replicas), "--routing", policy,
+             *shlex.split(args.extra)]
+    proc, base = launch_server(extra)
+    try:
+        model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+        with httpx.Client(base_url=base, timeout=600) as client:
+            for i in range(args.replicas * 2):  # warm every replica (kernels, first steps)
+                client.post("/v1/completions", json={"model": model, "prompt": f"warm {i}",
+                                                     "max_tokens": 2})
+            hits0 = settled(base, "kvray:prefix_cache_hits_total")
+            queries0 = settled(base, "kvray:prefix_cache_queries_total")
+            sessions = make_sessions(args)
+
+            async def all_sessions() -> float:
+                limits = httpx.Limits(max_connections=args.sessions + 4)
+                async with httpx.AsyncClient(base_url=base, timeout=600,
+                                             limits=limits) as aclient:
+                    t0 = time.perf_counter()
+                    await asyncio.gather(*(run_session(aclient, model, s, t0, args.max_tokens)
+                                           for s in sessions))
+                    return time.perf_counter() - t0
+
+            wall = asyncio.run(all_sessions())
+            hits = settled(base, "kvray:prefix_cache_hits_total")
+            queries = settled(base, "kvray:prefix_cache_queries_total")
+            turns = [t for s in sessions for t in s.turns]
+            ideal_hits, ideal_queries = ideal_hit_rate(client, model, turns)
+    finally:
+        stop_server(proc)
+    gained = {r: hits[r] - hits0.get(r, 0) for r in hits}
+    asked = {r: queries[r] - queries0.get(r, 0) for r in queries}
+    hit_rate = sum(gained.values()) / max(1, sum(asked.values()))
+    ideal = ideal_hits / max(1, ideal_queries)
+    mean_load = sum(asked.values()) / args.replicas
+    return {"policy": policy, "hit_rate": hit_rate, "ideal": ideal,
+            "vs_ideal": hit_rate / ideal if ideal else 0.0,
+            "max_over_mean": max(asked.values()) / mean_load if mean_load else 0.0,
+            "ttft_first": statistics.mean(t.ttft for t in turns if t.turn == 0),
+            "ttft_follow": statistics.mean(t.ttft for t in turns if t.turn > 0),
+            "computed": sum(asked.values()) - sum(gained.values()), "wall": wall,
+            "per_replica": sorted(int(v) for v in asked.values())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--routing", default="prefix,load")
+    parser.add_argument("--sessions", type=int, default=24)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--system-len", default="300,900",
+                        type=lambda v: tuple(int(x) for x in v.split(",")))
+    parser.add_argument("--arrival-s", type=float, default=6.0)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--extra", default="", help="more `kvray serve` flags, quoted")
+    args = parser.parse_args()
+
+    from benchmarks.common import benchmark_dtype
+
+    benchmark_dtype("auto")
+    print(f"{args.replicas} replicas, {args.sessions} sessions in groups of {args.group}, "
+          f"{args.turns} turns, system prompts {args.system_len} tokens, arrivals over "
+          f"{args.arrival_s:.0f} s, {args.max_tokens} tokens per answer; serve flags: "
+          f"{args.extra or '(none)'}", flush=True)
+    rows = []
+    for policy in args.routing.split(","):
+        rows.append(run_policy(policy, args))
+        print(f"  {policy}: done in {rows[-1]['wall']:.1f} s", flush=True)
+    print("\n| routing | prefix hit rate | ideal | vs ideal | busiest / mean prompt tokens "
+          "| prompt tokens computed | mean TTFT turn 1 (s) | mean TTFT later turns (s) "
+          "| wall (s) | prompt tokens per replica |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['ideal']:.1%} | "
+              f"{r['vs_ideal']:.2f} | {r['max_over_mean']:.2f} | {r['computed']:.0f} | "
+              f"{r['ttft_first']:.2f} | {r['ttft_follow']:.2f} | {r['wall']:.1f} | "
+              f"{r['per_replica']} |")
+
+
+if __name__ == "__main__":
+    main()
