@@ -319,3 +319,52 @@ def test_cli_wait_gpus_times_out_with_exit_2(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", fake)
     assert _cli(["cluster", "wait-gpus", "4", "--timeout", "0"]) == 2
     assert "fewer than 4 GPUs after 0 s" in capsys.readouterr().err
+
+
+def _local_serving(tmp_path: Path, *flags: str) -> list[str]:
+    """The on-prem config (2 worker hosts of 4 GPUs, TP=4 x PP=2) with ``flags`` added to
+    its kvray serve command."""
+    config = yaml.safe_load((CLUSTER / "local.yaml").read_text())
+    serve = next(i for i, c in enumerate(config["head_start_ray_commands"]) if "kvray serve" in c)
+    config["head_start_ray_commands"][serve] = config["head_start_ray_commands"][serve].replace(
+        "--address auto", "--address auto " + " ".join(flags))
+    return check_cluster_config(_write(tmp_path, config))
+
+
+def test_the_check_places_a_replica_as_its_placement_strategy_says(tmp_path):
+    assert _local_serving(tmp_path) == []
+    assert _local_serving(tmp_path, "--placement-strategy SPREAD") == []
+    # STRICT_PACK: all 8 workers on one host of 4 GPUs
+    [problem] = _local_serving(tmp_path, "--placement-strategy STRICT_PACK")
+    assert "placement_strategy=STRICT_PACK puts each replica's workers on one node" in problem
+    assert "needs 8 GPUs and 9 CPUs on one node per replica" in problem
+    # STRICT_SPREAD: 8 workers on 8 GPU hosts (there are two); TP=1 x PP=2 fits
+    [problem] = _local_serving(tmp_path, "--placement-strategy STRICT_SPREAD")
+    assert "needs 8 GPU nodes for the workers plus one more node for the replica" in problem
+    assert "the node types give at most 2 GPU nodes and 3 nodes" in problem
+    assert _local_serving(tmp_path, "--placement-strategy STRICT_SPREAD",
+                          "--tensor-parallel-size 1") == []
+
+
+def test_the_check_holds_pinned_stages_to_the_hosts_they_name(tmp_path):
+    assert _local_serving(tmp_path, "--pipeline-stage-nodes 192.0.2.11,192.0.2.12") == []
+    [problem] = _local_serving(tmp_path, "--pipeline-stage-nodes 192.0.2.11,192.0.2.99")
+    assert "pipeline_stage_nodes names 192.0.2.99, which is not a host of this cluster" \
+        in problem
+    [problem] = _local_serving(tmp_path, "--pipeline-stage-nodes 192.0.2.11,192.0.2.11")
+    assert "puts 2 stage(s) of 4 workers per replica on 192.0.2.11 (8 GPUs); it has 4" \
+        in problem
+
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED
+                                  if yaml.safe_load(p.read_text())["provider"]["type"] == "local"],
+                         ids=lambda p: p.name)
+def test_on_prem_worker_hosts_stop_their_ray_once_the_head_is_gone(path):
+    """`ray down` stops Ray on the head only: every on-prem config's worker hosts run the
+    watchdog tests/test_ray_up.py proves on the namespace cluster (ray down leaves nothing)."""
+    def watchdog(config_path: Path) -> str:
+        commands = yaml.safe_load(config_path.read_text())["worker_start_ray_commands"]
+        [command] = [c for c in commands if "ray stop --force" in c]
+        return command
+
+    assert watchdog(path) == watchdog(CLUSTER / "netns.yaml")

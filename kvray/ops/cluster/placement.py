@@ -3,8 +3,12 @@
 ``kvray serve`` started from the head commands needs GPUs up when it starts (it picks GPU or
 CPU workers from the cluster's GPUs at start-up), and ``wait-gpus N`` there must not wait
 for more GPUs than start with the cluster. The model's tensor_parallel_size x
-pipeline_parallel_size x replicas must fit: each replica needs TP x PP ``{CPU: 1, GPU: 1}``
-bundles (PACK) plus ``{CPU: 1}``, one TP group of TP GPUs on one node, PP stages on any nodes.
+pipeline_parallel_size x replicas must fit as ``placement_strategy`` places them: each replica
+needs TP x PP ``{CPU: 1, GPU: 1}`` bundles plus ``{CPU: 1}``; under PACK (the default) one TP
+group of TP GPUs on one node, PP stages on any nodes; under SPREAD any GPUs; under
+STRICT_PACK the whole replica on one node; under STRICT_SPREAD every bundle on a node of its
+own. Stages pinned by ``pipeline_stage_nodes`` must name hosts of the cluster (on-prem) with
+the GPUs for every replica's stage there.
 
 The kvray model config is ``--model-config FILE``, else the ``--config`` of the
 ``kvray serve`` command in the head commands (its remote path mapped back through
@@ -22,10 +26,13 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvray.ops.cluster.nodes import Node, cluster_nodes
 from kvray.ops.cluster.report import ClusterReport
+
+if TYPE_CHECKING:
+    from kvray.config import ParallelConfig
 
 
 @dataclass
@@ -62,8 +69,7 @@ def check_kvray(config: dict, model_config: str | Path | None,
         report.problems.append(f"kvray model config {label}: {err}")
         return
     replicas = num_replicas or (serve.num_replicas if serve else 1)
-    _check_fit(config, nodes, engine.parallel.tensor_parallel_size,
-               engine.parallel.pipeline_parallel_size, replicas, label, report)
+    _check_fit(config, nodes, engine.parallel, replicas, label, report)
 
 
 def _serve_command(config: dict, report: ClusterReport) -> ServeCommand | None:
@@ -156,18 +162,117 @@ def _local_mount(config: dict, remote: str) -> str | None:
     return None
 
 
-def _check_fit(config: dict, nodes: list[Node], tp: int, pp: int, replicas: int,
+def _check_fit(config: dict, nodes: list[Node], par: ParallelConfig, replicas: int,
                model_config: str | Path, report: ClusterReport) -> None:
+    tp, pp, strategy = (par.tensor_parallel_size, par.pipeline_parallel_size,
+                        par.placement_strategy)
     what = (f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} x {replicas} "
             f"replica(s) ({model_config})")
+    if strategy != "PACK":
+        what += f" with placement_strategy={strategy}"
     if any(n.gpus is None for n in nodes):
         report.notes.append(f"{what}: GPUs per host unknown, placement not checked")
         return
     global_max = config.get("max_workers", 0)
-    if not any(n.gpus for n in nodes):
+    gpu = any(n.gpus for n in nodes)
+    if par.pipeline_stage_nodes is not None:
+        _check_stage_nodes(config, nodes, par, replicas, what, report)
+    elif strategy == "STRICT_PACK":
+        _check_one_node_per_replica(nodes, global_max, tp * pp, replicas, gpu, what, report)
+        return
+    elif strategy == "STRICT_SPREAD":
+        _check_node_per_bundle(nodes, global_max, tp * pp, replicas, gpu, what, report)
+        return
+    if not gpu:
         _check_cpu_fit(nodes, global_max, replicas * (tp * pp + 1), what, report)
+    elif strategy == "SPREAD" and par.pipeline_stage_nodes is None:  # TP groups may span nodes
+        _check_gpu_fit(nodes, global_max, 1, tp * pp * replicas, what, model_config, report)
     else:
         _check_gpu_fit(nodes, global_max, tp, pp * replicas, what, model_config, report)
+
+
+def _check_one_node_per_replica(nodes: list[Node], global_max: int, workers: int,
+                                replicas: int, gpu: bool, what: str,
+                                report: ClusterReport) -> None:
+    """STRICT_PACK: a replica's workers and its own bundle all on one node."""
+
+    def fits(n: Node) -> int:  # replicas one node hosts whole
+        cpus = n.cpus if n.cpus is not None else 1 << 30
+        by_cpu = cpus // (workers + 1)
+        return min(by_cpu, (n.gpus or 0) // workers) if gpu else by_cpu
+
+    have = _capacity(nodes, global_max, fits)
+    need = f"{workers} GPUs and {workers + 1} CPUs" if gpu else f"{workers + 1} CPUs"
+    if have < replicas:
+        report.problems.append(f"{what} puts each replica's workers on one node, which "
+                               f"needs {need} on one node per replica; the node types host "
+                               f"{have} such replica(s)")
+    else:
+        report.notes.append(f"{what}: fits ({have} replica(s) of {need} on one node)")
+
+
+def _check_node_per_bundle(nodes: list[Node], global_max: int, workers: int, replicas: int,
+                           gpu: bool, what: str, report: ClusterReport) -> None:
+    """STRICT_SPREAD: each of a replica's bundles (its workers and its own) on a node of
+    its own: workers + 1 distinct nodes, ``workers`` of them with a GPU."""
+    worker_nodes = _capacity(nodes, global_max, lambda n: 1 if (n.gpus or not gpu) else 0)
+    all_nodes = _capacity(nodes, global_max, lambda n: 1)
+    slots = _capacity(nodes, global_max, lambda n: min(
+        n.gpus or 0, n.cpus if n.cpus is not None else n.gpus or 0) if gpu else (n.cpus or 1))
+    if worker_nodes < workers or all_nodes < workers + 1:
+        kind = "GPU nodes" if gpu else "nodes"
+        report.problems.append(
+            f"{what} needs {workers} {kind} for the workers plus one more node for the "
+            f"replica itself, each bundle on a node of its own; the node types give at most "
+            f"{worker_nodes} {kind} and {all_nodes} nodes")
+    elif slots < workers * replicas:
+        report.problems.append(f"{what} needs {workers * replicas} worker slots; the node "
+                               f"types give at most {slots}")
+    else:
+        report.notes.append(f"{what}: fits ({all_nodes} nodes for {workers + 1} bundles "
+                            f"per replica)")
+
+
+def _check_stage_nodes(config: dict, nodes: list[Node], par: ParallelConfig, replicas: int,
+                       what: str, report: ClusterReport) -> None:
+    """``pipeline_stage_nodes``: on-prem, each pinned IP must be a host of the cluster with
+    the GPUs (or CPUs) of every replica's stages there; elsewhere node IPs are known only
+    once the nodes run."""
+    pins = par.pipeline_stage_nodes or []
+    provider = config.get("provider") or {}
+    if provider.get("type") != "local" or not all(_is_ip(p) for p in pins):
+        report.notes.append(f"{what}: pipeline_stage_nodes {pins} not checked (node IPs and "
+                            f"custom resources are known once the nodes run)")
+        return
+    head, workers = nodes[0], nodes[1]
+    hosts = {str(provider.get("head_ip")): head,
+             **{str(ip): workers for ip in provider.get("worker_ips") or []}}
+    gpu = any(n.gpus for n in nodes)
+    for pin in dict.fromkeys(pins):
+        node = hosts.get(pin)
+        if node is None:
+            report.problems.append(
+                f"{what}: pipeline_stage_nodes names {pin}, which is not a host of this "
+                f"cluster (provider.head_ip, provider.worker_ips: {', '.join(hosts)})")
+            continue
+        need = pins.count(pin) * par.tensor_parallel_size * replicas
+        have = node.gpus if gpu else node.cpus
+        if have is not None and have < need:
+            unit = "GPUs" if gpu else "CPUs"
+            report.problems.append(
+                f"{what}: pipeline_stage_nodes puts {pins.count(pin)} stage(s) of "
+                f"{par.tensor_parallel_size} workers per replica on {pin} ({need} {unit}); "
+                f"it has {have}")
+
+
+def _is_ip(text: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_cpu_fit(nodes: list[Node], global_max: int, need: int, what: str,
