@@ -323,7 +323,7 @@ class ServerConfig(_Section):
         "prefix",
         description="How the Serve ingress picks a model replica for a request (num_replicas "
         "> 1). prefix: the replica likely to hold the longest cached prefix of the prompt "
-        "(chat sessions stay on theirs), unless it runs more than max(2, 25 % of the mean) "
+        "(chat sessions stay on theirs), unless it runs more than max(2, a quarter of the mean) "
         "ongoing requests above the least loaded; then, or with no prefix cached anywhere, "
         "the least loaded. load: the less loaded of two random replicas.")
     enable_docs: bool = Field(
@@ -435,6 +435,54 @@ class LoRAConfig(_Section):
         return self.max_cpu_loras or 4 * self.max_loras
 
 
+class AutoscalingConfig(_Section):
+    """Engine replicas added and removed by Ray Serve's autoscaler on kvray's own signals:
+    sequences running and waiting per replica, requests queued for a replica, KV cache usage
+    (``kvray serve --ingress serve`` and the Serve builder; off unless max_replicas is set)."""
+
+    min_replicas: int = Field(
+        1, ge=0, le=4096, description="Fewest engine replicas; 0 lets the application scale "
+        "to zero when idle (the first request then waits for a replica to start).")
+    max_replicas: int | None = Field(
+        None, ge=1, le=4096, description="Most engine replicas; setting it turns autoscaling "
+        "on (instead of a fixed num_replicas).")
+    initial_replicas: int | None = Field(
+        None, ge=0, le=4096, description="Replicas at deploy time (default min_replicas).")
+    target_ongoing_requests: float = Field(
+        8.0, gt=0.0, le=65536.0, description="Sequences (running + waiting, and requests "
+        "queued for a replica) per replica the autoscaler aims for: above it, replicas are "
+        "added.")
+    target_kv_usage: float = Field(
+        0.9, gt=0.0, le=1.0, description="KV cache usage above which a replica with waiting "
+        "sequences counts as full: one more replica is asked for.")
+    upscale_delay_s: float = Field(
+        10.0, ge=0.0, le=86400.0, description="How long the load must stay above target "
+        "before replicas are added.")
+    downscale_delay_s: float = Field(
+        60.0, ge=0.0, le=86400.0, description="How long the load must stay below target "
+        "before a replica is removed (it drains: its requests run to the end first).")
+    autoscaling_interval_s: float = Field(
+        2.0, gt=0.0, le=3600.0, description="How often replicas report their load; the "
+        "autoscaler averages the last 3 reports.")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalingConfig:
+        if self.max_replicas is None:
+            return self
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas "
+                             f"({self.max_replicas})")
+        initial = self.initial_replicas
+        if initial is not None and not self.min_replicas <= initial <= self.max_replicas:
+            raise ValueError(f"initial_replicas ({initial}) must lie in [min_replicas, "
+                             f"max_replicas] = [{self.min_replicas}, {self.max_replicas}]")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_replicas is not None
+
+
 SECTIONS: Mapping[str, type[_Section]] = MappingProxyType({
     "model": ModelConfig,
     "cache": CacheConfig,
@@ -442,6 +490,7 @@ SECTIONS: Mapping[str, type[_Section]] = MappingProxyType({
     "parallel": ParallelConfig,
     "server": ServerConfig,
     "lora": LoRAConfig,
+    "autoscaling": AutoscalingConfig,
 })
 # Flat key -> section name; ModelConfig's "model" field shares its name with the section.
 FIELD_SECTION: Mapping[str, str] = MappingProxyType({
@@ -460,6 +509,7 @@ class EngineConfig(BaseModel):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> EngineConfig:

@@ -368,3 +368,9 @@ def test_on_prem_worker_hosts_stop_their_ray_once_the_head_is_gone(path):
         return command
 
     assert watchdog(path) == watchdog(CLUSTER / "netns.yaml")
+
+
+def test_an_autoscaled_model_must_fit_at_its_max_replicas(tmp_path):
+    assert _local_serving(tmp_path, "--min-replicas 1 --max-replicas 1") == []
+    [problem] = _local_serving(tmp_path, "--min-replicas 1 --max-replicas 2")
+    assert "x 2 replica(s)" in problem and "max_replicas" in problem

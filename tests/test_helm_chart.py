@@ -188,16 +188,18 @@ def serve_errors(config: dict) -> list[str]:
 
 def expected_layout(values: dict) -> dict:
     """Worker groups and per-pod resources the chart should render for ``values``."""
-    model = values["model"]
+    model, scaling = values["model"], values["autoscaling"]
     world = model["tensorParallelSize"] * model["pipelineParallelSize"]
-    replicas = model["numReplicas"]
+    replicas = scaling["maxReplicas"] if scaling["enabled"] else model["numReplicas"]
+    least = scaling["minReplicas"] if scaling["enabled"] else model["numReplicas"]
     layout: dict[str, dict] = {}
     gw, cw = values["gpuWorkers"], values["cpuWorkers"]
     if gw["enabled"]:
         per = gw["gpusPerWorker"]
         workers = -(-world * replicas // per)
         cpus = gw["numCpus"] or per + -(-replicas // workers) + 1
-        layout[gw["groupName"]] = {"workers": workers, "gpus": per, "cpus": cpus}
+        layout[gw["groupName"]] = {"workers": workers, "gpus": per, "cpus": cpus,
+                                   "least": -(-world * least // per)}
     if cw["enabled"]:
         layout[cw["groupName"]] = {"workers": cw["replicas"], "gpus": 0, "cpus": cw["numCpus"]}
     head_cpus = values["head"]["numCpus"] or (2 if layout else 2 + replicas * (1 + world))
@@ -224,9 +226,11 @@ def layout_errors(svc: dict, values: dict) -> list[str]:
         if params.get("metrics-export-port") != str(METRICS_PORT):
             errors.append(f"{name}: metrics-export-port is not {METRICS_PORT}")
         if name != "head":
-            counts = {k: group.get(k) for k in ("replicas", "minReplicas", "maxReplicas")}
-            if set(counts.values()) != {exp["workers"]}:
-                errors.append(f"{name}: {counts}, expected {exp['workers']} workers")
+            counts = tuple(group.get(k) for k in ("replicas", "minReplicas", "maxReplicas"))
+            least = exp.get("least", exp["workers"])
+            if counts != (least, least, exp["workers"]):
+                errors.append(f"{name}: (replicas, min, max) {counts}, expected "
+                              f"({least}, {least}, {exp['workers']})")
         (container,) = group["template"]["spec"]["containers"]
         res = container["resources"]
         for part in ("limits", "requests"):
@@ -306,6 +310,9 @@ def test_layout_examples(rendered):
     gpu1 = dict(groups(rayservice(rendered["gpu-1-values.yaml"])))
     assert gpu1["gpu-workers"]["replicas"] == 2 and gpu1["gpu-workers"]["rayStartParams"][
         "num-gpus"] == "1"
+    scaled = dict(groups(rayservice(rendered["autoscaling-values.yaml"])))["gpu-workers"]
+    # TP=2 replicas, 1 to 3 of them: 2 single-GPU pods at start, up to 6
+    assert (scaled["replicas"], scaled["minReplicas"], scaled["maxReplicas"]) == (2, 2, 6)
     cpu = dict(groups(rayservice(rendered["cpu-small-values.yaml"])))
     assert list(cpu) == ["head"], "CPU-only mode renders no worker group"
     for _, group in groups(rayservice(rendered["cpu-small-values.yaml"])):
@@ -443,7 +450,16 @@ def test_serve_config(rendered, tmp_path):
         assert app["import_path"] == "kvray.serve:build_app"
         assert app["route_prefix"] == "/" and app["name"] == values["appName"]
         args = dict(app["args"])
-        assert args.pop("num_replicas") == values["numReplicas"]
+        scaling = values_of(name)["autoscaling"]
+        if scaling["enabled"]:
+            assert "num_replicas" not in args
+            assert (args["min_replicas"], args["max_replicas"]) == (
+                scaling["minReplicas"], scaling["maxReplicas"])
+            assert svc["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+        else:
+            assert args.pop("num_replicas") == values["numReplicas"]
+            assert svc["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is False
+        assert svc["spec"]["upgradeStrategy"] == values_of(name)["upgradeStrategy"]
         assert args.pop("name") == values["appName"]
         # GPU workers said explicitly: the app may be built before they join.
         gpu = values_of(name).get("gpuWorkers", {}).get("enabled", False)
@@ -510,6 +526,8 @@ def test_values_schema_rejects_string_tp(helm, tmp_path):
     (["--set", "image.tag=latest"], 'image.tag "latest" does not name rayVersion 2.60.0'),
     (["--set", "apiKey.existingSecret="], "apiKey: set existingSecret or value"),
     (["--set", "apiKey.value=x"], "apiKey: set either existingSecret or value, not both"),
+    (["--set", "autoscaling.enabled=true", "--set", "autoscaling.minReplicas=5"],
+     "autoscaling: minReplicas (5) must be <= maxReplicas (4)"),
 ])
 def test_chart_refuses(helm, flags, message):
     out = template(helm, *flags)
@@ -596,7 +614,7 @@ def test_layout_check_bites(rendered):
     group["template"]["spec"]["containers"][0]["resources"]["limits"][GPU] = "4"
     group["rayStartParams"]["num-cpus"] = 10
     errors = layout_errors(svc, values)
-    assert any("expected 2 workers" in e for e in errors), errors
+    assert any("(replicas, min, max) (2, 2, 3), expected (2, 2, 2)" in e for e in errors), errors
     assert any(f"{GPU} limits '4' != num-gpus 8" in e for e in errors), errors
     assert any("rayStartParams values must all be strings" in e for e in errors), errors
 

@@ -90,6 +90,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ingress in ("process", "replica") and args.num_replicas != 1:
         raise ConfigError(f"--num-replicas {args.num_replicas}: --ingress {args.ingress} "
                           "serves one replica; use --ingress serve for data parallelism")
+    if args.ingress == "process" and config.autoscaling.enabled:
+        raise ConfigError(f"--max-replicas {config.autoscaling.max_replicas}: --ingress "
+                          "process serves one replica; use --ingress serve to autoscale")
     if args.ingress == "process":
         return _serve_in_process(args, config, model_path, name, api_key)
     return _serve_on_ray_serve(args, config, model_path, name, api_key)
@@ -102,19 +105,23 @@ def _serve_on_ray_serve(args: argparse.Namespace, config: EngineConfig, model_pa
     from kvray.actors.ray_executor import ensure_ray, stop_ray
     from kvray.cli.serve_lifecycle import ServeLifecycle
     from kvray.serve.app import build_serve_app
-    from kvray.serve.options import ServeOptions
+    from kvray.serve.options import ServeOptions, check_replicas
 
+    options = ServeOptions(num_replicas=args.num_replicas, api_key=api_key,
+                           ingress="replica" if args.ingress == "replica" else "separate")
+    check_replicas(config, options)  # before a cluster starts
+    scaling = config.autoscaling
+    most = scaling.max_replicas if scaling.enabled else args.num_replicas
+    replicas = (f"{scaling.min_replicas}-{scaling.max_replicas} replicas, autoscaled"
+                if scaling.enabled else f"{args.num_replicas} replica(s)")
     world = config.parallel.world_size
-    started = ensure_ray(args.address, num_cpus=max(8, args.num_replicas * (world + 1) + 2),
+    started = ensure_ray(args.address, num_cpus=max(8, most * (world + 1) + 2),
                          log_to_driver=True)
     config = config.model_copy(update={"model": config.model.model_copy(
         update={"model": str(model_path)})})
-    options = ServeOptions(num_replicas=args.num_replicas, api_key=api_key,
-                           ingress="replica" if args.ingress == "replica" else "separate")
     lifecycle = ServeLifecycle(name, config.server.drain_timeout_s,
                                on_shutdown=stop_ray if started else None)
-    lifecycle.run(lambda: build_serve_app(config, options), args.host, args.port,
-                  args.num_replicas)
+    lifecycle.run(lambda: build_serve_app(config, options), args.host, args.port, replicas)
     return 0
 
 

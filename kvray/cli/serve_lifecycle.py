@@ -91,11 +91,11 @@ class ServeLifecycle:
             raise ServeStop
 
     def run(self, build_app: Callable[[], Any], host: str, port: int,
-            num_replicas: int) -> None:
+            replicas: str) -> None:
         """Serve ``build_app()`` on ``host:port`` until stopped, then drain and shut down."""
         previous = signal.signal(signal.SIGTERM, self.on_sigterm)
         try:
-            self._start(build_app, host, port, num_replicas)
+            self._start(build_app, host, port, replicas)
             self._serve_until_stopped()
         except (KeyboardInterrupt, ServeStop):
             print("kvray: stopped during start-up", flush=True)
@@ -103,14 +103,14 @@ class ServeLifecycle:
             self._shut_down(previous)
 
     def _start(self, build_app: Callable[[], Any], host: str, port: int,
-               num_replicas: int) -> None:
+               replicas: str) -> None:
         from ray import serve
 
         serve.start(http_options={"host": host, "port": port},
                     proxy_location=proxy_location(host))
         serve.run(build_app(), name=APP_NAME, route_prefix="/")
         print(f"kvray: serving {self.model_name} on http://{host}:{port}/v1 "
-              f"({num_replicas} replica(s)); Ctrl-C or SIGTERM drains and stops", flush=True)
+              f"({replicas}); Ctrl-C or SIGTERM drains and stops", flush=True)
 
     def _serve_until_stopped(self) -> None:
         try:

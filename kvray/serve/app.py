@@ -16,8 +16,9 @@ from ray.serve import Application
 from kvray.actors.executor import executor_backend
 from kvray.actors.placement import worker_bundles
 from kvray.config import EngineConfig
+from kvray.serve.autoscaling import serve_autoscaling_config
 from kvray.serve.ingress import LLMServerIngress, OpenAIIngress
-from kvray.serve.options import ServeOptions, served_model_name
+from kvray.serve.options import ServeOptions, check_replicas, served_model_name
 from kvray.serve.replica import LLMServer
 
 # Requests Serve's proxy may queue for the ingress. The ingress answers every request at
@@ -31,6 +32,7 @@ def build_serve_app(config: EngineConfig, options: ServeOptions) -> Application:
     """The Serve application for one model. ``config.model.model`` is the model's resolved
     path (see :func:`kvray.serve.builder.with_resolved_model`); ``config`` travels to the
     replicas as it is."""
+    check_replicas(config, options)
     model_name = served_model_name(config, config.model.model)
     replica = _replica_options(config, options)
     drain = config.server.drain_timeout_s
@@ -51,9 +53,12 @@ def _replica_options(config: EngineConfig, options: ServeOptions) -> dict[str, A
     """The model replica deployment's options: replicas, queue bound, drain time, and
     what each replica reserves (its workers' bundles, or a GPU for an in-replica engine)."""
     queue = config.server.max_waiting + config.scheduler.max_num_seqs
-    replica: dict[str, Any] = {"num_replicas": options.num_replicas,
-                               "max_queued_requests": queue,
+    replica: dict[str, Any] = {"max_queued_requests": queue,
                                "graceful_shutdown_timeout_s": config.server.drain_timeout_s + 5}
+    if config.autoscaling.enabled:
+        replica["autoscaling_config"] = serve_autoscaling_config(config.autoscaling)
+    else:
+        replica["num_replicas"] = options.num_replicas
     use_gpu = options.use_gpu
     if use_gpu is None:  # decided now: say it explicitly when GPU nodes join later
         import ray

@@ -67,6 +67,14 @@ class ServerMetrics:
                                   "(object store) instead of read.", mr, registry=r)
         self.lora_load_seconds = Gauge("kvray:lora_load_seconds_total",
                                        "Seconds spent reading LoRA adapters.", mr, registry=r)
+        self._per_replica = [self.running, self.waiting, self.swapped, self.kv_usage,
+                             self.prefix_queries, self.prefix_hits, self.swap_objects,
+                             self.preemptions, self.spec_drafts, self.spec_accepted,
+                             self.step_seconds, self.decode_seconds, self.decode_steps,
+                             self.decode_tokens, self.loras_resident, self.loras_registered,
+                             self.lora_loads, self.lora_fetches, self.lora_load_seconds]
+        # replica -> its series (gauge, label values), to remove when it leaves
+        self._series: dict[str, list[tuple[Gauge, tuple[str, ...]]]] = {}
         self.prompt_tokens = Counter("kvray:prompt_tokens", "Prompt tokens processed.", m,
                                      registry=r)
         self.generation_tokens = Counter("kvray:generation_tokens", "Tokens generated.", m,
@@ -102,8 +110,24 @@ class ServerMetrics:
         for gap in itl:
             self.itl.labels(m).observe(gap)
 
+    def set_replica_stats(self, snapshot: list[tuple[str, dict]]) -> None:
+        """Every replica's engine series from the stats board's ``snapshot``; a replica no
+        longer in it (removed by the autoscaler, or dead) drops out of the scrape instead
+        of showing its last values for good."""
+        for replica, stats in snapshot:
+            self.set_engine_stats(replica, stats)
+        live = {replica for replica, _ in snapshot}
+        for replica in set(self._series) - live:
+            for gauge, labels in self._series.pop(replica):
+                gauge.remove(*labels)
+
     def set_engine_stats(self, replica: str, stats: dict) -> None:
         labels = (self.model_name, replica)
+        if replica not in self._series:
+            self._series[replica] = [(g, labels) for g in self._per_replica]
+        for name in stats.get("lora_requests") or {}:
+            if (self.lora_requests, (*labels, name)) not in self._series[replica]:
+                self._series[replica].append((self.lora_requests, (*labels, name)))
         self.running.labels(*labels).set(stats.get("num_running", 0))
         self.waiting.labels(*labels).set(stats.get("num_waiting", 0))
         self.swapped.labels(*labels).set(stats.get("num_swapped", 0))

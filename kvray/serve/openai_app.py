@@ -242,8 +242,7 @@ class OpenAIServer:
         return {"version": kvray.__version__}
 
     async def metrics_endpoint(self) -> Response:
-        for replica, stats in self.client.engine_stats():
-            self.metrics.set_engine_stats(replica, stats)
+        self.metrics.set_replica_stats(self.client.engine_stats())
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def models(self) -> dict:

@@ -21,6 +21,21 @@ def check_ingress(ingress: str, num_replicas: int) -> None:
                           f"{num_replicas}); use ingress = 'separate' for data parallelism")
 
 
+def check_replicas(config: EngineConfig, options: ServeOptions) -> None:
+    """Raise ConfigError when autoscaling (``max_replicas``) meets a fixed replica count
+    or a front end that serves one replica."""
+    if not config.autoscaling.enabled:
+        return
+    if options.num_replicas != 1:
+        raise ConfigError(f"num_replicas = {options.num_replicas} and max_replicas = "
+                          f"{config.autoscaling.max_replicas}: give a fixed num_replicas or "
+                          "min_replicas/max_replicas (autoscaling), not both")
+    if options.ingress == "replica" and config.autoscaling.max_replicas != 1:
+        raise ConfigError("ingress = 'replica' serves one model replica: autoscaling "
+                          f"(max_replicas = {config.autoscaling.max_replicas}) needs "
+                          "ingress = 'separate'")
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """The Serve application's settings that are not the engine's (validated when built).

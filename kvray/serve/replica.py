@@ -76,6 +76,15 @@ class LLMServer(ReplicaLifecycle, ChannelEndpoint):
         if name:
             await self._hold_adapter(name)
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The engine's load, for the autoscaler (:mod:`kvray.serve.autoscaling`)."""
+        from kvray.serve.autoscaling import KV_USAGE, SEQUENCES, WAITING
+
+        stats = self.engine.stats()
+        waiting = stats.num_waiting + stats.num_swapped
+        return {SEQUENCES: float(stats.num_running + waiting), WAITING: float(waiting),
+                KV_USAGE: float(stats.kv_cache_usage)}
+
     async def health(self) -> None:
         """The ingress' /health probe (same test as check_health)."""
         await self.check_health()

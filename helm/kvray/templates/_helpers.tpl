@@ -48,11 +48,24 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- mul (int .Values.model.tensorParallelSize) (int .Values.model.pipelineParallelSize) }}
 {{- end }}
 
-{{/* GPU worker pods: ceil(TP x PP x numReplicas / gpusPerWorker). */}}
-{{- define "kvray.gpuWorkerCount" -}}
-{{- $gpus := mul (int (include "kvray.worldSize" .)) (int .Values.model.numReplicas) }}
-{{- $per := int .Values.gpuWorkers.gpusPerWorker }}
+{{/* Engine replicas at most / at start: autoscaling's bounds, else numReplicas. */}}
+{{- define "kvray.maxReplicas" -}}
+{{- if .Values.autoscaling.enabled }}{{ int .Values.autoscaling.maxReplicas }}{{ else }}{{ int .Values.model.numReplicas }}{{ end }}
+{{- end }}
+{{- define "kvray.minReplicas" -}}
+{{- if .Values.autoscaling.enabled }}{{ int .Values.autoscaling.minReplicas }}{{ else }}{{ int .Values.model.numReplicas }}{{ end }}
+{{- end }}
+
+{{/* GPU worker pods for `replicas` engine replicas: ceil(TP x PP x replicas / gpusPerWorker). */}}
+{{- define "kvray.gpuWorkersFor" -}}
+{{- $gpus := mul (int (include "kvray.worldSize" .root)) (int .replicas) }}
+{{- $per := int .root.Values.gpuWorkers.gpusPerWorker }}
 {{- div (add $gpus (sub $per 1)) $per }}
+{{- end }}
+
+{{/* GPU worker pods at most (the group's maxReplicas; without autoscaling, its size). */}}
+{{- define "kvray.gpuWorkerCount" -}}
+{{- include "kvray.gpuWorkersFor" (dict "root" . "replicas" (include "kvray.maxReplicas" .)) }}
 {{- end }}
 
 {{/* Logical CPUs of a GPU worker: one per GPU bundle, one per engine replica it may host, +1. */}}
@@ -61,7 +74,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- int .Values.gpuWorkers.numCpus }}
 {{- else }}
 {{- $workers := int (include "kvray.gpuWorkerCount" .) }}
-{{- $replicas := int .Values.model.numReplicas }}
+{{- $replicas := int (include "kvray.maxReplicas" .) }}
 {{- add (int .Values.gpuWorkers.gpusPerWorker) (div (add $replicas (sub $workers 1)) $workers) 1 }}
 {{- end }}
 {{- end }}
@@ -74,7 +87,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- 2 }}
 {{- else }}
 {{- $perReplica := add 1 (int (include "kvray.worldSize" .)) }}
-{{- add 2 (mul (int .Values.model.numReplicas) $perReplica) }}
+{{- add 2 (mul (int (include "kvray.maxReplicas" .)) $perReplica) }}
 {{- end }}
 {{- end }}
 
@@ -90,7 +103,22 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "kvray.serveConfig" -}}
 {{- $args := deepCopy .Values.model.args }}
 {{- $_ := set $args "config" (printf "%s/model.yaml" (trimSuffix "/" .Values.model.configMountPath)) }}
+{{- with .Values.autoscaling }}
+{{- if .enabled }}
+{{- if gt (int .minReplicas) (int .maxReplicas) }}
+{{- fail (printf "autoscaling: minReplicas (%d) must be <= maxReplicas (%d)" (int .minReplicas) (int .maxReplicas)) }}
+{{- end }}
+{{- $_ := set $args "min_replicas" (int .minReplicas) }}
+{{- $_ := set $args "max_replicas" (int .maxReplicas) }}
+{{- $_ := set $args "target_ongoing_requests" .targetOngoingRequests }}
+{{- $_ := set $args "target_kv_usage" .targetKvUsage }}
+{{- $_ := set $args "upscale_delay_s" .upscaleDelaySeconds }}
+{{- $_ := set $args "downscale_delay_s" .downscaleDelaySeconds }}
+{{- end }}
+{{- end }}
+{{- if not .Values.autoscaling.enabled }}
 {{- $_ := set $args "num_replicas" (int .Values.model.numReplicas) }}
+{{- end }}
 {{- $_ := set $args "name" .Values.model.appName }}
 {{- $_ := set $args "tensor_parallel_size" (int .Values.model.tensorParallelSize) }}
 {{- $_ := set $args "pipeline_parallel_size" (int .Values.model.pipelineParallelSize) }}

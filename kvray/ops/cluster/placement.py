@@ -69,6 +69,9 @@ def check_kvray(config: dict, model_config: str | Path | None,
         report.problems.append(f"kvray model config {label}: {err}")
         return
     replicas = num_replicas or (serve.num_replicas if serve else 1)
+    if engine.autoscaling.enabled and not num_replicas:  # the most the autoscaler may ask for
+        replicas = engine.autoscaling.max_replicas
+        label = f"{label}, max_replicas"
     _check_fit(config, nodes, engine.parallel, replicas, label, report)
 
 
