@@ -176,6 +176,12 @@ class CacheConfig(_Section):
     enable_prefix_caching: bool = Field(
         True, description="Reuse KV blocks of identical prompt prefixes across requests."
     )
+    kv_offload_bytes: int = Field(
+        0, ge=0, le=1 << 44,
+        description="Bytes of evicted prefix-cache blocks this replica keeps as host copies "
+        "(the Ray object store under Serve, shared by every replica of the application; "
+        "process memory otherwise), LRU: a later prompt with that prefix fetches them "
+        "instead of recomputing. 0 = off.")
     kv_cache_dtype: Literal["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto",
         description="What the KV cache stores. auto: K/V in the model's dtype "

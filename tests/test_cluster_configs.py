@@ -252,8 +252,9 @@ def test_local_without_num_gpus_skips_placement_with_a_note(tmp_path):
 
 def test_local_with_too_few_gpus_per_host(tmp_path):
     config = yaml.safe_load((CLUSTER / "local.yaml").read_text())
-    config["worker_start_ray_commands"][-1] = config["worker_start_ray_commands"][-1].replace(
-        "--num-gpus=4", "--num-gpus=2")
+    commands = config["worker_start_ray_commands"]
+    start = next(i for i, c in enumerate(commands) if "ray start" in c)
+    commands[start] = commands[start].replace("--num-gpus=4", "--num-gpus=2")
     problems = check_cluster_config(_write(tmp_path, config))
     assert any("tensor_parallel_size=4 needs 4 GPUs on one node; the largest GPU node type "
                "'worker hosts (provider.worker_ips)' has 2" in p for p in problems), problems

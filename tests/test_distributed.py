@@ -211,6 +211,55 @@ def test_full_swap_pool_falls_back_to_recompute(cluster, models, unconstrained):
         llm.shutdown()
 
 
+def test_a_second_engine_fetches_the_blocks_the_first_one_evicted(cluster, models,
+                                                                   monkeypatch):
+    """Two TP=2 engines (two replicas, on Ray workers that own the copies) share one KV
+    tier index: blocks engine a computed and evicted are fetched by engine b (remote
+    hits), with greedy tokens equal to a roomy engine's; once engine a is gone (its workers
+    owned the copies) b recomputes those blocks, with the same tokens."""
+    from kvray.engine import llm_engine
+    from kvray.serve.kv_tier import RemoteKVTier
+
+    systems = [[3 + (7 * g + 11 * j) % (VOCAB_SIZE - 3) for j in range(29)] for g in range(4)]
+    prompts = [{"prompt_token_ids": systems[i % 4] + [5 + i]} for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    small = dict(COMMON, tensor_parallel_size=2, num_gpu_blocks_override=24,
+                 kv_offload_bytes=1 << 26)
+    roomy = LLM(str(models["gqa4"]), **COMMON)
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    roomy.shutdown()
+
+    def engine(owner: str) -> LLM:
+        monkeypatch.setattr(llm_engine, "LocalKVTier", lambda capacity: RemoteKVTier(
+            "test-kv-tier", capacity, owner))
+        return LLM(str(models["gqa4"]), **small)
+
+    a = engine("a")
+    try:
+        for _ in range(2):  # the second pass evicts what the first computed, and so on
+            assert [o.outputs[0].token_ids
+                    for o in a.generate(prompts, params, use_tqdm=False)] == want
+        assert a.llm_engine.scheduler.tier_stats.offloaded_blocks >= 7 * 4
+        b = engine("b")
+        try:
+            got = [o.outputs[0].token_ids for o in b.generate(prompts[:4], params,
+                                                              use_tqdm=False)]
+            assert got == want[:4]
+            tier = b.llm_engine.scheduler.tier_stats
+            assert tier.hit_tokens - tier.local_hit_tokens >= 4 * 28  # a's blocks
+            # replica a goes, and its workers' copies with them: b recomputes those blocks
+            a.shutdown()
+            got = [o.outputs[0].token_ids for o in b.generate(prompts[4:], params,
+                                                              use_tqdm=False)]
+            assert got == want[4:]
+            assert b.llm_engine.scheduler.tier_stats.fetch_failures > 0
+        finally:
+            b.shutdown()
+    finally:
+        a.shutdown()
+        ray.kill(ray.get_actor("test-kv-tier", namespace="kvray"))
+
+
 def test_dead_worker_fails_requests_fast_and_engine_recovers(cluster, models):
     llm = LLM(str(models["gqa4"]), tensor_parallel_size=2, **COMMON)
     engine = llm.llm_engine

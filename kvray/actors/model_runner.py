@@ -307,15 +307,21 @@ class ModelRunner:
         """Run one step. Returns the sampled tokens on the last pipeline stage's TP rank 0
         (None elsewhere, unless a swap failed here: then an empty output that names the
         requests, for the executor to merge)."""
+        caches = self.cache.kv_caches
+        # evicted blocks first: this step may write fetched or new K/V into them
+        offloaded = self.swap_pool.copy_out(caches, out.kv_offload)
         self._swap(out)
+        for req_id, blocks in out.kv_fetch.items():
+            self.swap_pool.copy_in(req_id, caches, blocks, self.ctx.world_rank)
         if out.lora_loads:
             self._load_loras(out)
         result = self._execute(out)
         failed = self.swap_pool.take_failed()
-        if failed:
+        if failed or offloaded:
             if result is None:
                 result = ModelRunnerOutput([], [], [], [])
             result.failed_swaps = failed
+            result.kv_offloaded = offloaded
         return result
 
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:

@@ -140,6 +140,16 @@ class _RankedWorker:
         return self.worker.execute_model(out)  # the hot path keeps a typed method
 
 
+def merge_offloaded(per_rank: list[dict[int, list]]) -> dict[int, list]:
+    """Blocks copied out by every worker (rank order): key -> [(handle, nbytes)] per rank;
+    a block some worker could not store is left out (its other shards are useless)."""
+    merged: dict[int, list] = {}
+    for key in per_rank[0]:
+        if all(key in shard for shard in per_rank):
+            merged[key] = [part for shard in per_rank for part in shard[key]]
+    return merged
+
+
 class RayExecutor:
     """The :class:`~kvray.actors.executor.Executor` over TP x PP Ray worker actors."""
 
@@ -287,6 +297,9 @@ class RayExecutor:
         for rank, result in enumerate(results):  # swaps that failed on other ranks
             if rank != self.output_rank and result is not None and result.failed_swaps:
                 out.failed_swaps |= result.failed_swaps
+        if any(r is not None and r.kv_offloaded for r in results):
+            out.kv_offloaded = merge_offloaded([r.kv_offloaded if r is not None else {}
+                                                for r in results])
         return out
 
     def shutdown(self) -> None:

@@ -85,6 +85,49 @@ class SwapPool:
     def drop(self, req_id: str) -> None:
         self._objects.pop(req_id, None)
 
+    # ---- the KV tier (kvray.scheduler.kv_tier): one object per block, kept by the tier ----
+    def copy_out(self, kv_caches: list[torch.Tensor | None],
+                 blocks: list[tuple[int, int]]) -> dict[int, list[tuple[object, int]]]:
+        """Each evicted block (id, key) of every local layer as one object: key ->
+        [(handle, nbytes)] (this worker's share). A block that cannot be stored is left
+        out (it is simply not in the tier)."""
+        if not blocks:
+            return {}
+        local = [c.view(_AS_INT[c.dtype]) for c in kv_caches if c is not None]
+        idx = torch.tensor([b for b, _ in blocks], dtype=torch.int64, device=local[0].device)
+        data = torch.stack([c.index_select(2, idx) for c in local]).cpu().numpy()
+        ray = self._ray()
+        out = {}
+        for i, (_, key) in enumerate(blocks):
+            arr = np.ascontiguousarray(data[:, :, :, i])
+            try:
+                out[key] = [(ray.put(arr) if ray is not None else arr, arr.nbytes)]
+            except Exception as err:  # the object store is full: that block is not kept
+                logger.warning("KV tier: could not store a block (%s)", err.__class__.__name__)
+        return out
+
+    def copy_in(self, req_id: str, kv_caches: list[torch.Tensor | None],
+                blocks: list[tuple[int, list]], rank: int) -> None:
+        """Fill each block id from its tier copy (this worker's, ``handles[rank]``); a copy
+        that cannot be read (its owner is gone, the object lost) fails the request's fetch:
+        it is reported in :meth:`take_failed` and the scheduler has it recompute."""
+        ray = self._ray()
+        try:
+            handles = [handles[rank] for _, handles in blocks]
+            arrays = ray.get(handles) if ray is not None and handles and \
+                not isinstance(handles[0], np.ndarray) else handles
+        except Exception as err:
+            logger.warning("KV tier: fetch for %s failed (%s); it will recompute", req_id,
+                           err.__class__.__name__)
+            self._failed.add(req_id)
+            return
+        local = [c.view(_AS_INT[c.dtype]) for c in kv_caches if c is not None]
+        data = torch.from_numpy(np.stack([np.asarray(a) for a in arrays], axis=3)).to(
+            local[0].device)
+        idx = torch.tensor([b for b, _ in blocks], dtype=torch.int64, device=local[0].device)
+        for layer, cache in enumerate(local):
+            cache.index_copy_(2, idx, data[layer])
+
 
 def _device(kv_caches: list[torch.Tensor | None]) -> torch.device:
     return next(c for c in kv_caches if c is not None).device

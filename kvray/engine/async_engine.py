@@ -44,10 +44,12 @@ class AsyncLLM:
     """Admission (``max_waiting`` sequences; none while draining or rebuilding), per-request
     deadlines and health on top of the engine thread."""
 
-    def __init__(self, config: EngineConfig, lora_source: Any = None) -> None:
-        """``lora_source``: see :class:`~kvray.engine.llm_engine.LLMEngine`."""
+    def __init__(self, config: EngineConfig, lora_source: Any = None,
+                 kv_tier: Any = None) -> None:
+        """``lora_source``, ``kv_tier``: see :class:`~kvray.engine.llm_engine.LLMEngine`."""
         self.config = config
         self._lora_source = lora_source
+        self._kv_tier = kv_tier
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -75,7 +77,7 @@ class AsyncLLM:
     # ---- the engine thread --------------------------------------------------------------
     def _main(self, built: threading.Event, failure: list[BaseException]) -> None:
         try:
-            self.engine = LLMEngine(self.config, self._lora_source)
+            self.engine = LLMEngine(self.config, self._lora_source, self._kv_tier)
             self.built_on = threading.get_ident()
         except BaseException as err:  # the constructor's caller raises it
             failure.append(err)

@@ -25,6 +25,7 @@ from kvray.lora.request import LoRARequest
 from kvray.models.default_model import resolve_model_path, with_builtin_model
 from kvray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
+from kvray.scheduler.kv_tier import KVTier, LocalKVTier
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvray.scheduler.preemption import PreemptionCosts, probe_steps
 from kvray.scheduler.request import Request, RequestStatus
@@ -82,11 +83,17 @@ class LLMEngine:
     """The engine core of one model replica: scheduler + executor (in-process or Ray)."""
 
     def __init__(self, config: EngineConfig,
-                 lora_source: Callable[[str], Any] | None = None) -> None:
+                 lora_source: Callable[[str], Any] | None = None,
+                 kv_tier: KVTier | None = None) -> None:
         """``lora_source``: where adapters not registered here come from (a Serve
-        application's shared directory; then ``lora_modules`` are read there, not here)."""
+        application's shared directory; then ``lora_modules`` are read there, not here).
+        ``kv_tier``: where evicted prefix blocks go (a Serve application's shared tier);
+        by default, with ``kv_offload_bytes``, this engine's own in its process."""
         config = with_builtin_model(config)
         self._lora_source = lora_source
+        if kv_tier is None and config.cache.kv_offload_bytes:
+            kv_tier = LocalKVTier(config.cache.kv_offload_bytes)
+        self.kv_tier = kv_tier
         self.config = config
         self.model_path = str(resolve_model_path(config.model.model))
         self.tokenizer = load_tokenizer(self.model_path, config.model.tokenizer)
@@ -126,7 +133,7 @@ class LLMEngine:
         costs = self._measure_preemption_costs(kv, swap_blocks) \
             if config.scheduler.preemption_mode == "auto" else None
         self.scheduler = Scheduler(config, kv.num_blocks, self.max_model_len, swap_blocks,
-                                   costs, self.loras)
+                                   costs, self.loras, self.kv_tier)
         self._in_flight.clear()
         self.stats.num_blocks = kv.num_blocks
         if costs is not None:
@@ -460,6 +467,8 @@ class LLMEngine:
         s.num_swaps_in = sched.swap.num_swaps_in
         s.spec_decode_num_draft_tokens = sched.num_draft_tokens
         s.spec_decode_num_accepted_tokens = sched.num_accepted_tokens
+        if self.kv_tier is not None:
+            s.kv_tier = dataclasses.asdict(sched.tier_stats)
         if self.loras is not None:
             lora = self.loras.stats
             s.lora_requests = dict(lora.requests)

@@ -46,6 +46,8 @@ class EngineStats:
     num_lora_loads: int = 0
     lora_load_seconds: float = 0.0
     num_lora_fetches: int = 0  # adapters taken from a Serve app's directory (no disk read)
+    # KV tier below the device cache (kv_offload_bytes): TierStats as a dict (empty: off)
+    kv_tier: dict[str, int] = field(default_factory=dict)
 
 
 def throughput_line(name: str, tokens_per_s: float, running: int, waiting: int) -> str:

@@ -37,6 +37,7 @@ class Block:
     token_ids: tuple[int, ...] = ()
     parent_id: int | None = None  # block holding the previous tokens when this was cached
     namespace: int = 0  # the LoRA adapter whose K/V it holds (0: the base model)
+    parent_key: int | None = None  # the previous block's key when this was cached
 
 
 @dataclass
@@ -54,6 +55,10 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, Block] = {}
+        # With a KV tier: base-model blocks evicted with their contents (id, key, tokens,
+        # parent key), for the workers to copy out before anything overwrites them.
+        self.record_evictions = False
+        self.evicted: list[tuple[int, int, tuple[int, ...], int | None]] = []
 
     @property
     def num_free(self) -> int:
@@ -65,6 +70,9 @@ class BlockPool:
         out = []
         for _ in range(count):
             _, block = self.free_queue.popitem(last=False)
+            if self.record_evictions and block.block_hash is not None and not block.namespace:
+                self.evicted.append((block.block_id, block.block_hash, block.token_ids,
+                                     block.parent_key))
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -87,12 +95,13 @@ class BlockPool:
                 self.free_queue[block.block_id] = block
 
     def cache(self, block: Block, block_hash: int, token_ids: tuple[int, ...],
-              parent: Block | None, namespace: int = 0) -> None:
+              parent: Block | None, namespace: int = 0, parent_key: int | None = None) -> None:
         if block.block_hash is not None or block_hash in self.cached:
             return  # already cached, or another block holds this key: keep the first
         block.block_hash, block.token_ids = block_hash, token_ids
         block.namespace = namespace
         block.parent_id = None if parent is None else parent.block_id
+        block.parent_key = parent_key
         self.cached[block_hash] = block
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: Block | None,
@@ -112,6 +121,7 @@ class BlockPool:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
             block.block_hash, block.token_ids, block.parent_id = None, (), None
+            block.parent_key = None
 
 
 @dataclass
@@ -150,7 +160,7 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
-    def _update_hashes(self, request: Request) -> None:
+    def update_hashes(self, request: Request) -> None:
         bs = self.block_size
         if (len(request.block_hashes) + 1) * bs > request.num_tokens:
             return  # no new full block: skip building the token list (hot path)
@@ -166,7 +176,7 @@ class KVCacheManager:
         """The longest chain of cached full blocks that prefixes the request's tokens, and
         how many tokens they cover, counted in the prefix-cache stats. At least one token is
         always left to compute, so the step still produces logits."""
-        if not self._uses_cache(request):
+        if not self.uses_cache(request):
             return [], 0
         hits, num_hit = self.find_cached_prefix(request)
         self.count_lookup(request, num_hit)
@@ -175,16 +185,16 @@ class KVCacheManager:
     def count_lookup(self, request: Request, num_hit: int) -> None:
         """Count a lookup that found ``num_hit`` tokens in the prefix-cache stats (once per
         admission: a request that waits for blocks is looked up again every step)."""
-        if self._uses_cache(request):
+        if self.uses_cache(request):
             self.stats.requests += 1
             self.stats.queries += request.num_tokens
             self.stats.hits += num_hit
 
     def find_cached_prefix(self, request: Request) -> tuple[list[Block], int]:
         """What :meth:`get_computed_blocks` finds, without counting it in the stats."""
-        if not self._uses_cache(request):
+        if not self.uses_cache(request):
             return [], 0
-        self._update_hashes(request)
+        self.update_hashes(request)
         tokens, bs = request.all_token_ids, self.block_size
         max_blocks = (request.num_tokens - 1) // bs
         hits: list[Block] = []
@@ -254,13 +264,14 @@ class KVCacheManager:
         start = self._num_keyed.get(request.request_id, 0)
         if num_tokens // bs <= start:
             return  # every full block of this table was offered to the cache already
-        self._update_hashes(request)
+        self.update_hashes(request)
         tokens = request.all_token_ids
         end = min(num_tokens // bs, len(request.block_hashes))
         for i in range(start, end):
             parent = blocks[i - 1] if i else None
             self.pool.cache(blocks[i], request.block_hashes[i],
-                            tuple(tokens[i * bs:(i + 1) * bs]), parent, request.lora_id)
+                            tuple(tokens[i * bs:(i + 1) * bs]), parent, request.lora_id,
+                            request.block_hashes[i - 1] if i else None)
         self._num_keyed[request.request_id] = end
 
     def num_freed_by_prefixes(self, requests: Iterable[Request]) -> Iterator[int]:
@@ -274,7 +285,7 @@ class KVCacheManager:
                 num_freed += refs[block.block_id] == block.ref_cnt
             yield num_freed
 
-    def _uses_cache(self, request: Request) -> bool:
+    def uses_cache(self, request: Request) -> bool:
         # Prompt logprobs need every prompt position computed, so such a request never hits.
         return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
 
@@ -282,7 +293,7 @@ class KVCacheManager:
         """Computed tokens at the start of ``request`` in cached blocks that another request
         also holds: freed now, ``request`` will find them cached when it comes back, while a
         swap would restore private copies of them."""
-        if not self._uses_cache(request):
+        if not self.uses_cache(request):
             return 0
         blocks = self.req_blocks.get(request.request_id, [])
         num_shared = 0

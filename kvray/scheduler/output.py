@@ -48,6 +48,11 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # LoRA adapters to put in worker slots before this step's forward (LoRALoad each)
     lora_loads: list = field(default_factory=list)
+    # KV tier (kvray.scheduler.kv_tier), before the forward and before any swap: copy these
+    # evicted blocks out (block id, key), then fill fetched blocks from the tier's copies
+    # (req -> [(block id, handles per worker)]).
+    kv_offload: list[tuple[int, int]] = field(default_factory=list)
+    kv_fetch: dict[str, list[tuple[int, list]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -58,7 +63,7 @@ class SchedulerOutput:
         """Nothing to run and nothing for the workers to update: may be skipped."""
         return not (self.num_scheduled_tokens or self.finished_req_ids or
                     self.preempted_req_ids or self.swap_out or self.swap_in or self.swap_drop
-                    or self.lora_loads)
+                    or self.lora_loads or self.kv_offload)
 
 
 @dataclass
@@ -75,5 +80,8 @@ class ModelRunnerOutput:
     # Requests whose KV a worker could not save to (or restore from) the swap pool this
     # step; the scheduler makes them recompute. Merged over all workers by the executor.
     failed_swaps: set[str] = field(default_factory=set)
+    # KV tier: evicted blocks copied out this step, key -> [(handle, nbytes) per worker];
+    # merged over the workers by the executor (a key a worker could not store is left out).
+    kv_offloaded: dict[int, list[tuple[object, int]]] = field(default_factory=dict)
     # Speculative decoding with a draft model: req -> draft tokens for its next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

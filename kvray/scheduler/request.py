@@ -55,6 +55,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
+        # KV tier entries found for its blocks (None: not looked up; cleared when a fetch
+        # failed, so it recomputes instead of trying again)
+        self.tier_found: dict | None = None
         self.spec_token_ids: list[int] = []  # draft tokens proposed for its next step
         self.spec_len = 1 << 30  # most drafts to propose next (adapted to acceptance)
         # timing (monotonic seconds)

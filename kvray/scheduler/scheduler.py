@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 from kvray.config import EngineConfig
 from kvray.errors import InvalidRequestError
 from kvray.scheduler.kv_cache_manager import KVCacheManager
+from kvray.scheduler.kv_tier import KVTier, TierBlock, TierStats, adoptable_run
 from kvray.scheduler.lora_slots import LoRALoad, LoRASlots
 from kvray.scheduler.output import (
     CachedRequestData,
@@ -73,13 +74,14 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
                  swap_capacity_blocks: int = 0, costs: PreemptionCosts | None = None,
-                 loras: LoRARegistry | None = None) -> None:
+                 loras: LoRARegistry | None = None, kv_tier: KVTier | None = None) -> None:
         """Limits and policies come from ``config``'s scheduler section, the block layout
         from its cache section, the steps in flight from its parallel section and drafts
         from its ``speculative_config``. The rest is what the engine learned at start-up:
         ``num_blocks`` and ``max_model_len`` from the workers, ``swap_capacity_blocks``
         from :func:`~kvray.scheduler.swap.swap_pool_blocks`, and ``costs`` (required by
-        ``preemption_mode="auto"``) from timing the workers."""
+        ``preemption_mode="auto"``) from timing the workers. ``kv_tier``: where evicted
+        prefix blocks go and admissions fetch them from (:mod:`kvray.scheduler.kv_tier`)."""
         sched = config.scheduler
         if sched.preemption_mode == "auto" and costs is None:
             raise ValueError("preemption_mode='auto' needs the measured PreemptionCosts")
@@ -110,6 +112,14 @@ class Scheduler:
         self.lora_slots = LoRASlots(config.lora.max_loras) if loras is not None else None
         self._running_loras: Counter = Counter()  # lora id -> running requests
         self._lora_loads: list[LoRALoad] = []  # for the next SchedulerOutput
+        # KV tier: evicted blocks' keys -> (tokens, parent key) until their copies are back;
+        # fetches for the next SchedulerOutput; counters (tokens, bytes, blocks)
+        self.kv_tier = kv_tier
+        self.kv.pool.record_evictions = kv_tier is not None
+        self._offloading: dict[int, tuple[tuple[int, ...], int | None]] = {}
+        self._kv_fetch: dict[str, list[tuple[int, list]]] = {}
+        self._fetching: dict[str, list[int]] = {}  # req -> keys fetched in the step in flight
+        self.tier_stats = TierStats()
 
     # ---- admission -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -164,6 +174,8 @@ class Scheduler:
                               preempted_req_ids=self._lost_since_last_step)
         self._finished_since_last_step = set()
         self._lost_since_last_step = set()
+        if self.kv_tier is not None:
+            self._look_up_tier()
         plan = StepPlan(self.config.max_num_batched_tokens, self._micro_batch_size())
         self._schedule_running(plan, out)
         if not plan.preempted:
@@ -315,16 +327,22 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs:
             return False
         hits, num_hit = self.kv.find_cached_prefix(req)
-        num_new = req.num_tokens - num_hit
+        fetched = self._tier_run(req, len(hits))
+        num_fetched = len(fetched) * self.block_size
+        num_new = req.num_tokens - num_hit - num_fetched
         if not self.config.enable_chunked_prefill and num_new > plan.budget:
             return False
         num_new = min(num_new, plan.budget)
-        ids = self.kv.allocate_slots(req, num_new, hits, lookahead=self.lookahead)
+        ids = self.kv.allocate_slots(req, num_fetched + num_new, hits, lookahead=self.lookahead,
+                                     restoring=bool(fetched))
         if ids is None:
             return False
         popped = self.waiting.pop()
         assert popped is req, "admitting a request that is not the queue's head"
         self.kv.count_lookup(req, num_hit)
+        if fetched:
+            self._fetch(req, fetched, ids[len(hits):len(hits) + len(fetched)])
+            num_hit += num_fetched
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit
         req.num_computed_tokens = num_hit
@@ -410,9 +428,88 @@ class Scheduler:
         return not req.lora_id or req.lora_id in self._running_loras \
             or len(self._running_loras) < self.lora_slots.max_loras
 
+    # ---- KV tier ----------------------------------------------------------------------------
+    def _look_up_tier(self) -> None:
+        """One lookup for every waiting request not looked up yet: the tier's entries among
+        its full blocks' keys."""
+        new = [r for r in self.waiting if r.tier_found is None]
+        if not new:
+            return
+        keys: list[int] = []
+        for req in new:
+            req.tier_found = {}
+            if self.kv.uses_cache(req) and not req.lora_id:
+                self.kv.update_hashes(req)
+                keys += req.block_hashes[:(req.num_tokens - 1) // self.block_size]
+        if not keys:
+            return
+        found = self.kv_tier.lookup(keys)
+        for req in new:
+            req.tier_found = {k: found[k] for k in req.block_hashes if k in found}
+
+    def _tier_run(self, req: Request, start: int) -> list[TierBlock]:
+        """The tier's blocks that continue ``req``'s cached prefix from block ``start``,
+        when fetching them is cheaper than recomputing (the measured costs of
+        ``preemption_mode: auto``; without them, always)."""
+        if not req.tier_found:
+            return []
+        stop = (req.num_tokens - 1) // self.block_size  # one token is always computed
+        run = adoptable_run(req.block_hashes, req.all_token_ids, self.block_size, start,
+                            stop, req.tier_found)
+        if run and self.costs is not None and \
+                not self.costs.prefers_swap(len(run), len(run) * self.block_size):
+            return []
+        return run
+
+    def _fetch(self, req: Request, run: list[TierBlock], block_ids: list[int]) -> None:
+        """The workers fill ``block_ids`` from ``run``'s copies in this step, before the
+        forward; the blocks are keyed once the step returns without a failed fetch."""
+        self._kv_fetch[req.request_id] = [
+            (block_id, entry.handles) for block_id, entry in zip(block_ids, run, strict=True)]
+        self._fetching[req.request_id] = [entry.key for entry in run]
+        stats = self.tier_stats
+        stats.hit_tokens += len(run) * self.block_size
+        stats.local_hit_tokens += self.block_size * sum(
+            entry.owner == self.kv_tier.owner for entry in run)
+        stats.fetched_bytes += sum(entry.nbytes for entry in run)
+
+    def _tier_results(self, out: SchedulerOutput, result: ModelRunnerOutput,
+                      lost: set[str]) -> None:
+        """Publish this step's copied-out blocks; confirm fetches (their blocks may be hit
+        from now on) or, for one that failed, forget the entries and recompute."""
+        blocks = []
+        for key, parts in result.kv_offloaded.items():
+            meta = self._offloading.pop(key, None)
+            if meta is not None:
+                blocks.append(TierBlock(key, meta[0], meta[1], [h for h, _ in parts],
+                                        sum(n for _, n in parts), self.kv_tier.owner))
+        for _, key in out.kv_offload:  # copies no worker could store: gone
+            self._offloading.pop(key, None)
+        if blocks:
+            self.kv_tier.publish(blocks)
+            self.tier_stats.offloaded_blocks += len(blocks)
+            self.tier_stats.offloaded_bytes += sum(b.nbytes for b in blocks)
+        for req_id in out.kv_fetch:
+            keys = self._fetching.pop(req_id, [])
+            req = self.requests.get(req_id)
+            if req_id in result.failed_swaps or req_id in lost:
+                self.kv_tier.forget(keys)
+                self.tier_stats.fetch_failures += 1
+                if req is not None:
+                    req.tier_found = {}  # recompute; do not try those copies again
+            elif req is not None:
+                self.kv.confirm_restored(req)
+
     def _fill_output(self, out: SchedulerOutput, plan: StepPlan) -> None:
         out.spec_token_ids = plan.spec
         out.lora_loads, self._lora_loads = self._lora_loads, []
+        if self.kv_tier is not None:
+            for block_id, key, tokens, parent in self.kv.pool.evicted:
+                if key not in self._offloading:
+                    out.kv_offload.append((block_id, key))
+                    self._offloading[key] = (tokens, parent)
+            self.kv.pool.evicted.clear()
+            out.kv_fetch, self._kv_fetch = self._kv_fetch, {}
         for req_id, num in plan.num_scheduled.items():
             req = self.requests[req_id]
             out.num_scheduled_tokens[req_id] = num
@@ -476,6 +573,8 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None and req_id not in result.failed_swaps:
                 self.kv.confirm_restored(req)
+        if self.kv_tier is not None:
+            self._tier_results(out, result, lost)
         return updated
 
     def _recompute_lost(self, failed: set[str]) -> set[str]:

@@ -17,10 +17,11 @@ if TYPE_CHECKING:
     from kvray.serve.openai_app import OpenAIServer
 
 
-def start_engine(config: EngineConfig, lora_source: Any = None) -> AsyncLLM:
+def start_engine(config: EngineConfig, lora_source: Any = None,
+                 kv_tier: Any = None) -> AsyncLLM:
     """A replica's engine core (``AsyncLLM``), torch's threads set for an in-replica
-    engine (Ray starts actors with OMP_NUM_THREADS=1); ``lora_source`` as
-    :class:`~kvray.engine.llm_engine.LLMEngine` takes it."""
+    engine (Ray starts actors with OMP_NUM_THREADS=1); ``lora_source`` and ``kv_tier`` as
+    :class:`~kvray.engine.llm_engine.LLMEngine` takes them."""
     import torch
 
     from kvray.engine.async_engine import AsyncLLM
@@ -28,7 +29,7 @@ def start_engine(config: EngineConfig, lora_source: Any = None) -> AsyncLLM:
 
     if config.parallel.world_size == 1 and not torch.cuda.is_available():
         torch.set_num_threads(available_cores())
-    return AsyncLLM(config, lora_source)
+    return AsyncLLM(config, lora_source, kv_tier)
 
 
 def replica_name() -> str:

@@ -67,6 +67,21 @@ class ServerMetrics:
                                   "(object store) instead of read.", mr, registry=r)
         self.lora_load_seconds = Gauge("kvray:lora_load_seconds_total",
                                        "Seconds spent reading LoRA adapters.", mr, registry=r)
+        self.tier_hits = Gauge("kvray:prefix_cache_hits_by_tier_total",
+                               "Prompt tokens not computed, by where their K/V came from: "
+                               "device (the replica's cache), local (the KV tier, copies this "
+                               "replica made), remote (the KV tier, another replica's).",
+                               [*mr, "tier"], registry=r)
+        self.tier_bytes = Gauge("kvray:kv_tier_bytes_total",
+                                "Bytes of KV blocks copied to (offloaded) and from (fetched) "
+                                "the KV tier.", [*mr, "direction"], registry=r)
+        self.tier_failures = Gauge("kvray:kv_tier_fetch_failures_total",
+                                   "KV tier fetches that failed (copy lost): recomputed.", mr,
+                                   registry=r)
+        self.tier_saved = Gauge("kvray:kv_tier_saved_seconds_total",
+                                "Prefill seconds the KV tier's hits saved (at the measured "
+                                "prefill cost per token; 0 unless preemption_mode is auto).",
+                                mr, registry=r)
         self._per_replica = [self.running, self.waiting, self.swapped, self.kv_usage,
                              self.prefix_queries, self.prefix_hits, self.swap_objects,
                              self.preemptions, self.spec_drafts, self.spec_accepted,
@@ -125,9 +140,27 @@ class ServerMetrics:
         labels = (self.model_name, replica)
         if replica not in self._series:
             self._series[replica] = [(g, labels) for g in self._per_replica]
+        series = self._series[replica]
         for name in stats.get("lora_requests") or {}:
-            if (self.lora_requests, (*labels, name)) not in self._series[replica]:
-                self._series[replica].append((self.lora_requests, (*labels, name)))
+            if (self.lora_requests, (*labels, name)) not in series:
+                series.append((self.lora_requests, (*labels, name)))
+        tier = stats.get("kv_tier") or {}
+        if tier:
+            hits = {"device": stats.get("prefix_cache_hits", 0),
+                    "local": tier["local_hit_tokens"],
+                    "remote": tier["hit_tokens"] - tier["local_hit_tokens"]}
+            moved = {"offloaded": tier["offloaded_bytes"], "fetched": tier["fetched_bytes"]}
+            for gauge, values in ((self.tier_hits, hits), (self.tier_bytes, moved)):
+                for label, value in values.items():
+                    gauge.labels(*labels, label).set(value)
+                    if (gauge, (*labels, label)) not in series:
+                        series.append((gauge, (*labels, label)))
+            self.tier_failures.labels(*labels).set(tier["fetch_failures"])
+            self.tier_saved.labels(*labels).set(
+                tier["hit_tokens"] * stats.get("prefill_s_per_token", 0.0))
+            for gauge in (self.tier_failures, self.tier_saved):
+                if (gauge, labels) not in series:
+                    series.append((gauge, labels))
         self.running.labels(*labels).set(stats.get("num_running", 0))
         self.waiting.labels(*labels).set(stats.get("num_waiting", 0))
         self.swapped.labels(*labels).set(stats.get("num_swapped", 0))

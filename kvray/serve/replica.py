@@ -18,6 +18,7 @@ from ray import serve
 from kvray.config import EngineConfig
 from kvray.outputs import RequestOutput
 from kvray.sampling_params import SamplingParams
+from kvray.serve.kv_tier import RemoteKVTier
 from kvray.serve.lifecycle import ReplicaLifecycle, replica_name, start_engine
 from kvray.serve.lora_directory import lora_directory
 from kvray.serve.stats_board import STATS_PERIOD_S, report_stats
@@ -37,8 +38,12 @@ class LLMServer(ReplicaLifecycle, ChannelEndpoint):
             self.directory = lora_directory(board_name, config)
             await self.directory.names.remote()  # a bad lora_modules entry fails the start
             source = self._fetch_adapter
-        self.engine = start_engine(config, source)
         self.replica_id = replica_name()
+        tier = None
+        if config.cache.kv_offload_bytes:  # the application's tier, shared by its replicas
+            tier = RemoteKVTier(f"{board_name}-kv-tier", config.cache.kv_offload_bytes,
+                                self.replica_id)
+        self.engine = start_engine(config, source, tier)
         self._channels: dict[str, OutputChannel] = {}  # ingress channel -> its outputs
         self._reporter = asyncio.create_task(
             report_stats(self.engine, self.replica_id, board_name))

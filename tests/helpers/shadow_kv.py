@@ -23,7 +23,12 @@ class ShadowKV:
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.bs] * self.bs + pos % self.bs
 
-    def apply(self, s: Scheduler, out) -> None:
+    def apply(self, s: Scheduler, out) -> dict:
+        """Replay ``out``; returns the blocks it copied out for the KV tier, as a worker
+        reports them (key -> [(handle, nbytes)])."""
+        offloaded = {key: [(tuple(self.slots.get(block * self.bs + i)
+                                  for i in range(self.bs)), 64)]
+                     for block, key in out.kv_offload}
         for rid, blocks in out.swap_out.items():
             self.saved[rid] = [self.slots.get(b * self.bs + i) for b in blocks
                                for i in range(self.bs)]
@@ -37,6 +42,11 @@ class ShadowKV:
                 self.slots[blocks[k // self.bs] * self.bs + k % self.bs] = value
         for rid in out.swap_drop:
             self.saved.pop(rid)
+        self.failed |= set(out.kv_fetch) & self.lose
+        for rid, fetched in out.kv_fetch.items():
+            for block, (handle,) in fetched:
+                for i, value in enumerate(handle):
+                    self.slots[block * self.bs + i] = None if rid in self.failed else value
         prefixes = {rid: _prefix_hashes(s.requests[rid].all_token_ids)
                     for rid in out.num_scheduled_tokens}
         for rid, n in out.num_scheduled_tokens.items():
@@ -50,6 +60,7 @@ class ShadowKV:
             for pos in range(r.num_computed_tokens + n):
                 assert self.slots.get(self._slot(table, pos)) == prefixes[rid][pos], \
                     f"{rid} reads wrong K/V at position {pos}"
+        return offloaded
 
 
 def _prefix_hashes(tokens: list[int]) -> list[int]:
