@@ -8,31 +8,15 @@ from __future__ import annotations
 import pytest
 
 from kvray.scheduler.kv_tier import KVTierIndex, LocalKVTier, TierBlock, adoptable_run
-from kvray.scheduler.output import ModelRunnerOutput
 from kvray.scheduler.scheduler import Scheduler
 from tests.helpers.shadow_kv import ShadowKV
 from tests.test_scheduler import _req, _sched
 
 
-def _step(s: Scheduler, shadow: ShadowKV):
-    out = s.schedule()
-    offloaded = shadow.apply(s, out)
-    sampled = []
-    for rid, n in out.num_scheduled_tokens.items():
-        r = s.requests[rid]
-        sampled.append([7] if r.num_computed_tokens + n == r.num_tokens else [])
-    s.update_from_output(out, ModelRunnerOutput(
-        list(out.num_scheduled_tokens), sampled, [None] * len(sampled),
-        [[0.0] * len(x) for x in sampled], failed_swaps=set(shadow.failed),
-        kv_offloaded=offloaded))
-    shadow.lose -= shadow.failed
-    return out
-
-
 def _run(s: Scheduler, shadow: ShadowKV) -> list:
     outs = []
     while s.has_unfinished_requests():
-        outs.append(_step(s, shadow))
+        outs.append(shadow.step(s))
         assert len(outs) < 200
     return outs
 

@@ -338,17 +338,7 @@ def _swap_back_with_a_sharer(lose_restore: bool) -> tuple[Scheduler, list]:
             s.add_request(_req("c", 0, max_tokens=2, t=2, tokens=shared + [1, 2, 3]))
             if lose_restore:
                 shadow.lose.add("b")
-        out = s.schedule()
-        shadow.apply(s, out)
-        sampled = []
-        for rid, n in out.num_scheduled_tokens.items():
-            r = s.requests[rid]
-            sampled.append([7] if r.num_computed_tokens + n == r.num_tokens else [])
-        s.update_from_output(out, ModelRunnerOutput(
-            list(out.num_scheduled_tokens), sampled, [None] * len(sampled),
-            [[0.0] * len(x) for x in sampled], failed_swaps=set(shadow.failed)))
-        shadow.lose -= shadow.failed
-        outs.append(out)
+        outs.append(shadow.step(s))
         assert len(outs) < 100
     return s, outs
 

@@ -3,6 +3,7 @@ tables and fails on a request reading K/V that is not its own."""
 
 from __future__ import annotations
 
+from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvray.scheduler.scheduler import Scheduler
 
 
@@ -61,6 +62,24 @@ class ShadowKV:
                 assert self.slots.get(self._slot(table, pos)) == prefixes[rid][pos], \
                     f"{rid} reads wrong K/V at position {pos}"
         return offloaded
+
+
+    def step(self, s: Scheduler) -> SchedulerOutput:
+        """One step of ``s`` replayed here, fed back as the workers would: a token for
+        each request whose scheduled tokens reach its end, the restores and fetches that
+        failed, the blocks copied out for the KV tier."""
+        out = s.schedule()
+        offloaded = self.apply(s, out)
+        sampled = []
+        for rid, n in out.num_scheduled_tokens.items():
+            r = s.requests[rid]
+            sampled.append([7] if r.num_computed_tokens + n == r.num_tokens else [])
+        s.update_from_output(out, ModelRunnerOutput(
+            list(out.num_scheduled_tokens), sampled, [None] * len(sampled),
+            [[0.0] * len(x) for x in sampled], failed_swaps=set(self.failed),
+            kv_offloaded=offloaded))
+        self.lose -= self.failed
+        return out
 
 
 def _prefix_hashes(tokens: list[int]) -> list[int]:
