@@ -14,12 +14,20 @@ them (``/tokenize``), looked up in order of arrival in one unbounded cache of fu
 that holds every earlier prompt and, once a request finished, its answer, leaving one token
 to compute as the engine does.
 
-Reported per policy: hit rate over all replicas and its ratio to the ideal, the busiest
-replica's prompt tokens over the mean, mean TTFT of first and follow-up turns, and wall
-time.
+Reported per run: hit rate over all replicas (device caches and KV tier) and its ratio to
+the ideal, the busiest replica's prompt tokens over the mean, prompt tokens computed, hits
+by tier (device / this replica's tier copies / another replica's), mean TTFT of first and
+follow-up turns, and wall time.
+
+``--tier BYTES`` adds two runs with prefix routing and a device cache of ``--small-cache``
+bytes per replica, small enough to evict: without and with the KV tier
+(``kv_offload_bytes`` = BYTES), and ``--autoscale`` a third: the tier on, replicas
+autoscaled from 1 up to ``--replicas`` mid-run, whose new replicas fetch what the first one
+computed.
 
     python benchmarks/cluster_serve.py [--replicas 3] [--routing prefix,load]
         [--sessions 24] [--group 4] [--turns 3] [--system-len 300,900] [--extra "..."]
+        [--tier 536870912 --small-cache 67108864 --autoscale]
 """
 
 from __future__ import annotations
@@ -167,10 +175,8 @@ def ideal_hit_rate(client: httpx.Client, model: str, turns: list[Turn]) -> tuple
     return hits, queries
 
 
-def run_policy(policy: str, args: argparse.Namespace) -> dict:
-    extra = ["--num-replicas", str(args.replicas), "--routing", policy,
-             *shlex.split(args.extra)]
-    proc, base = launch_server(extra)
+def run_policy(label: str, flags: list[str], args: argparse.Namespace) -> dict:
+    proc, base = launch_server([*flags, *shlex.split(args.extra)])
     try:
         model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
         with httpx.Client(base_url=base, timeout=600) as client:
@@ -179,6 +185,7 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict:
                                                      "max_tokens": 2})
             hits0 = settled(base, "kvray:prefix_cache_hits_total")
             queries0 = settled(base, "kvray:prefix_cache_queries_total")
+            tiers0 = tier_hits(base)
             sessions = make_sessions(args)
 
             async def all_sessions() -> float:
@@ -193,22 +200,34 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict:
             wall = asyncio.run(all_sessions())
             hits = settled(base, "kvray:prefix_cache_hits_total")
             queries = settled(base, "kvray:prefix_cache_queries_total")
+            tiers = tier_hits(base)
             turns = [t for s in sessions for t in s.turns]
             ideal_hits, ideal_queries = ideal_hit_rate(client, model, turns)
     finally:
         stop_server(proc)
-    gained = {r: hits[r] - hits0.get(r, 0) for r in hits}
     asked = {r: queries[r] - queries0.get(r, 0) for r in queries}
-    hit_rate = sum(gained.values()) / max(1, sum(asked.values()))
+    by_tier = {t: tiers.get(t, 0) - tiers0.get(t, 0) for t in ("local", "remote")}
+    by_tier["device"] = sum(hits[r] - hits0.get(r, 0) for r in hits)
+    hit_rate = sum(by_tier.values()) / max(1, sum(asked.values()))
     ideal = ideal_hits / max(1, ideal_queries)
-    mean_load = sum(asked.values()) / args.replicas
-    return {"policy": policy, "hit_rate": hit_rate, "ideal": ideal,
+    mean_load = sum(asked.values()) / len(asked)
+    return {"label": label, "hit_rate": hit_rate, "ideal": ideal,
             "vs_ideal": hit_rate / ideal if ideal else 0.0,
             "max_over_mean": max(asked.values()) / mean_load if mean_load else 0.0,
             "ttft_first": statistics.mean(t.ttft for t in turns if t.turn == 0),
             "ttft_follow": statistics.mean(t.ttft for t in turns if t.turn > 0),
-            "computed": sum(asked.values()) - sum(gained.values()), "wall": wall,
-            "per_replica": sorted(int(v) for v in asked.values())}
+            "computed": sum(asked.values()) - sum(by_tier.values()), "wall": wall,
+            "tiers": by_tier, "per_replica": sorted(int(v) for v in asked.values())}
+
+
+def tier_hits(base: str) -> dict[str, float]:
+    """Hit tokens from the KV tier over all replicas, by tier (local / remote)."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for tier, value in re.findall(r'^kvray:prefix_cache_hits_by_tier_total\{[^}]*tier="'
+                                  r'([a-z]+)"[^}]*\} (\S+)', text, re.M):
+        out[tier] = out.get(tier, 0.0) + float(value)
+    return out
 
 
 def main() -> None:
@@ -224,6 +243,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--extra", default="", help="more `kvray serve` flags, quoted")
+    parser.add_argument("--tier", type=int, default=0, metavar="BYTES",
+                        help="also run a small device cache without and with a KV tier of "
+                             "BYTES per replica")
+    parser.add_argument("--small-cache", type=int, default=64 << 20, metavar="BYTES",
+                        help="the device cache per replica of the --tier runs")
+    parser.add_argument("--autoscale", action="store_true",
+                        help="with --tier: a run autoscaled from 1 replica, tier on")
     args = parser.parse_args()
 
     from benchmarks.common import benchmark_dtype
@@ -233,17 +259,32 @@ def main() -> None:
           f"{args.turns} turns, system prompts {args.system_len} tokens, arrivals over "
           f"{args.arrival_s:.0f} s, {args.max_tokens} tokens per answer; serve flags: "
           f"{args.extra or '(none)'}", flush=True)
+    fixed = ["--num-replicas", str(args.replicas)]
+    runs = [(f"routing {p}", [*fixed, "--routing", p]) for p in args.routing.split(",")]
+    if args.tier:
+        small = [*fixed, "--kv-cache-memory", str(args.small_cache)]
+        runs += [("prefix, small cache", small),
+                 ("prefix, small cache + tier", [*small, "--kv-offload-bytes", str(args.tier)])]
+        if args.autoscale:
+            runs.append(("autoscaled 1->N, small cache + tier",
+                         ["--kv-cache-memory", str(args.small_cache), "--kv-offload-bytes",
+                          str(args.tier), "--min-replicas", "1", "--max-replicas",
+                          str(args.replicas), "--target-ongoing-requests", "4",
+                          "--upscale-delay-s", "2", "--autoscaling-interval-s", "1"]))
     rows = []
-    for policy in args.routing.split(","):
-        rows.append(run_policy(policy, args))
-        print(f"  {policy}: done in {rows[-1]['wall']:.1f} s", flush=True)
-    print("\n| routing | prefix hit rate | ideal | vs ideal | busiest / mean prompt tokens "
-          "| prompt tokens computed | mean TTFT turn 1 (s) | mean TTFT later turns (s) "
-          "| wall (s) | prompt tokens per replica |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    for label, flags in runs:
+        rows.append(run_policy(label, flags, args))
+        print(f"  {label}: done in {rows[-1]['wall']:.1f} s", flush=True)
+    print("\n| run | prefix hit rate | ideal | vs ideal | busiest / mean prompt tokens "
+          "| prompt tokens computed | hits device / tier local / tier remote "
+          "| mean TTFT turn 1 (s) | mean TTFT later turns (s) | wall (s) "
+          "| prompt tokens per replica |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['ideal']:.1%} | "
+        t = r["tiers"]
+        print(f"| {r['label']} | {r['hit_rate']:.1%} | {r['ideal']:.1%} | "
               f"{r['vs_ideal']:.2f} | {r['max_over_mean']:.2f} | {r['computed']:.0f} | "
+              f"{t['device']:.0f} / {t['local']:.0f} / {t['remote']:.0f} | "
               f"{r['ttft_first']:.2f} | {r['ttft_follow']:.2f} | {r['wall']:.1f} | "
               f"{r['per_replica']} |")
 

@@ -215,7 +215,10 @@ def exposed_names() -> set[str]:
     metrics.set_engine_stats("r0", {"num_running": 1, "num_waiting": 2, "num_swapped": 0,
                                     "kv_cache_usage": 0.5, "prefix_cache_queries": 10,
                                     "prefix_cache_hits": 4, "num_preemptions": 1,
-                                    "num_swap_objects": 0, "lora_requests": {"a": 2}})
+                                    "num_swap_objects": 0, "lora_requests": {"a": 2},
+                                    "kv_tier": {"hit_tokens": 8, "local_hit_tokens": 4,
+                                                "fetched_bytes": 64, "offloaded_blocks": 2,
+                                                "offloaded_bytes": 64, "fetch_failures": 0}})
     return exposition_names(metrics.render().decode())
 
 
@@ -383,9 +386,9 @@ def live(tools, tmp_path_factory):
     model_dir = make_tiny_model("llama_gqa", root / "tiny-llama")
     adapter = make_lora_adapter(model_dir, root / "adapter", rank=8)
     # n-gram speculation on, so the speculative-decoding panel has series too; a LoRA
-    # adapter for the LoRA panels
+    # adapter for the LoRA panels; the KV tier for its panels
     spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
-            "--lora-modules", f"adapter={adapter}"]
+            "--lora-modules", f"adapter={adapter}", "--kv-offload-bytes", "67108864"]
     with launch_server(model_dir, spec) as base:
         http_port = int(base.rsplit(":", 1)[1])
         config = {
