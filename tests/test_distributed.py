@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
+from typing import Any
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read at import: loopback listeners
 
@@ -258,6 +260,36 @@ def test_a_second_engine_fetches_the_blocks_the_first_one_evicted(cluster, model
     finally:
         a.shutdown()
         ray.kill(ray.get_actor("test-kv-tier", namespace="kvray"))
+
+
+@ray.remote(num_cpus=0)
+def _load_cpu_kernels() -> tuple[bool, list[str]]:
+    """In a fresh worker process: load kvray's CPU kernels, run one, list the build folder."""
+    import torch
+
+    from kvray.kernels import cpu_ops
+
+    x = torch.randn(4, 300)
+    ok = cpu_ops.load_ops() is not None and \
+        torch.equal(cpu_ops.argmax_rows(x), x.argmax(-1))
+    return ok, sorted(p.name for p in cpu_ops.build_directory().iterdir())
+
+
+def test_a_node_without_the_kernel_build_takes_the_clusters_binary(cluster, tmp_path):
+    """A process with this machine's build shares it; a "node" whose extension cache is
+    empty (its own TORCH_EXTENSIONS_DIR) then takes that binary instead of compiling."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    def on(root: Path) -> Any:
+        return _load_cpu_kernels.options(
+            runtime_env={"env_vars": {"TORCH_EXTENSIONS_DIR": str(root)}}).remote()
+
+    ok, files = ray.get(on(Path(get_default_build_root())), timeout=900)
+    assert ok and any(f.endswith(".o") for f in files)  # built here (now or before)
+    ok, files = ray.get(on(tmp_path / "empty-node"), timeout=300)
+    assert ok, files
+    assert not any(f.endswith(".o") or f == "build.ninja" for f in files), files  # no compile
+    assert any(f.endswith(".so") for f in files)
 
 
 def test_dead_worker_fails_requests_fast_and_engine_recovers(cluster, models):

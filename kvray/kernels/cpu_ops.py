@@ -25,7 +25,8 @@
 The sources under ``csrc/`` are compiled with the system C++ compiler through
 ``torch.utils.cpp_extension`` the first time they are needed (cached under
 ``~/.cache/torch_extensions``); if that fails, kvray falls back to the PyTorch reference
-paths and says so once. Tests check every op against its reference.
+paths and says so once. On a Ray cluster one node compiles each build and the others take
+its binary (:mod:`kvray.kernels.build_cache`). Tests check every op against its reference.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,20 +75,46 @@ def load_ops():
 
 
 def _build():
+    from kvray.kernels import build_cache
+
     try:
         from torch.utils.cpp_extension import load
 
         build_dir = build_directory()
         build_dir.mkdir(parents=True, exist_ok=True)
+        binary = build_dir / f"{build_dir.name}.so"
         with _build_dir_lock(build_dir):
-            return load(name=build_dir.name, sources=[str(_CSRC / s) for s in _SOURCES],
-                        extra_cflags=[*_CFLAGS, f"-march={_march()}"],
-                        extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"],
-                        build_directory=str(build_dir), verbose=False)
+            if not binary.exists() and (shared := build_cache.fetch_build(build_dir.name)):
+                tmp = binary.with_suffix(".so.part")
+                tmp.write_bytes(shared)
+                tmp.rename(binary)
+                logger.info("kvray: CPU kernels taken from the cluster's build (%s)",
+                            build_dir.name)
+                return _import_binary(build_dir.name, binary)
+            try:
+                ext = load(name=build_dir.name, sources=[str(_CSRC / s) for s in _SOURCES],
+                           extra_cflags=[*_CFLAGS, f"-march={_march()}"],
+                           extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"],
+                           build_directory=str(build_dir), verbose=False)
+            except Exception:
+                build_cache.release_build(build_dir.name)
+                raise
+            build_cache.publish_build(build_dir.name, binary.read_bytes)
+            return ext
     except Exception as err:  # a missing compiler must not stop the engine
         logger.warning("kvray: CPU kernels unavailable (%s); using the PyTorch reference "
                        "paths", err)
         return None
+
+
+def _import_binary(name: str, path: Path):
+    """The extension module in ``path`` (a binary built by another node of the cluster)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_directory() -> Path:
@@ -94,7 +122,9 @@ def build_directory() -> Path:
     or ``~/.cache/torch_extensions/py*_cpu``), one folder per build tag."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    return Path(get_default_build_root()) / f"kvray_cpu_ops_{_build_tag()}"
+    # torch reads TORCH_EXTENSIONS_DIR in its own build-directory helper, not here
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / f"kvray_cpu_ops_{_build_tag()}"
 
 
 @contextlib.contextmanager
@@ -124,8 +154,9 @@ def _march() -> str:
 
 def _build_tag() -> str:
     """Part of the build name: built with -march=native, a binary must not be reused on a CPU
-    with other instruction sets, nor after a source changed (the extension cache under
-    ~/.cache/torch_extensions is keyed by name)."""
+    with other instruction sets, nor after a source changed, nor under another torch or
+    Python (the extension cache under ~/.cache/torch_extensions, and the cluster's, are
+    keyed by name)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
@@ -133,6 +164,8 @@ def _build_tag() -> str:
         flags = ""
     digest = hashlib.sha1(flags.encode())
     digest.update(_march().encode())
+    # a binary is only good for the torch and Python it was built against
+    digest.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
     for name in (*_SOURCES, *_HEADERS):
         digest.update((_CSRC / name).read_bytes())
     return digest.hexdigest()[:12]
