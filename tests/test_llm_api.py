@@ -345,3 +345,14 @@ def test_shutdown_leaves_the_callers_process_group_alone(model_dir, tmp_path):
         assert dist.is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+def test_start_up_is_broken_down_by_part(llm):
+    """Workers and weights, KV cache, the rest; per rank how the CPU kernels came (this
+    machine's build cache, compiled, the cluster's, or not used)."""
+    report = llm.llm_engine.startup
+    assert report["total_s"] >= report["workers_s"] + report["kv_cache_s"] - 1e-3
+    [rank] = report["ranks"]
+    assert 0 < rank["load_s"] <= report["workers_s"]
+    assert rank["kernels"]["source"] in ("cache", "compiled", "cluster", "unused",
+                                         "unavailable")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -93,7 +94,16 @@ class Worker:
                 expert_parallel=par.enable_expert_parallel)
         else:
             self.ctx = ParallelContext()
+        start = time.perf_counter()
         self.runner = ModelRunner(config, model_path, self.ctx, self.device)
+        self.load_s = time.perf_counter() - start
+
+    def startup_report(self) -> dict[str, object]:
+        """Seconds this rank spent loading its shard (the kernels' build or fetch
+        included), and how it got the CPU kernels."""
+        from kvray.kernels import cpu_ops
+
+        return {"load_s": round(self.load_s, 3), "kernels": cpu_ops.build_report()}
 
     def model_info(self) -> tuple[ModelSpec, int]:
         """(spec, max_model_len) for the engine, which holds no model itself."""

@@ -115,6 +115,20 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
 
+    def _startup_report(self, workers_s: float, kv_s: float, total_s: float) -> dict:
+        """Where the engine's start-up went, logged once: workers (their processes, the
+        weights and the kernels), the KV cache, the rest (cost probes); per rank the load
+        and how it got its CPU kernels (compiled, this machine's cache, the cluster's)."""
+        ranks = self.executor.collective_rpc("startup_report")
+        report = {"total_s": round(total_s, 3), "workers_s": round(workers_s, 3),
+                  "kv_cache_s": round(kv_s, 3), "ranks": ranks}
+        slowest = max(ranks, key=lambda r: r["load_s"])
+        logger.info("kvray: start-up %.1f s: workers and weights %.1f s (slowest rank's "
+                    "load %.1f s, CPU kernels %s in %.1f s), KV cache %.1f s, other %.1f s",
+                    total_s, workers_s, slowest["load_s"], slowest["kernels"]["source"],
+                    slowest["kernels"]["seconds"], kv_s, total_s - workers_s - kv_s)
+        return report
+
     def rebuild_executor(self) -> None:
         """Build the executor again after a failure (no-op if it is up)."""
         if self.executor is None:
@@ -123,15 +137,19 @@ class LLMEngine:
     def _build_executor(self) -> None:
         """(Re)build the executor, the KV cache and an empty scheduler."""
         config = self.config
+        start = time.perf_counter()
         self.executor = make_executor(config, self.model_path)
+        workers_s = time.perf_counter() - start
         self.spec = self.executor.spec
         self.max_model_len = self.executor.max_model_len
         if config.lora.enabled and self.loras is None:  # kept across executor rebuilds
             self.loras = self._lora_registry()
         kv = initialize_kv_cache(self.executor)
+        kv_s = time.perf_counter() - start - workers_s
         swap_blocks = swap_pool_blocks(config, kv.bytes_per_block)
         costs = self._measure_preemption_costs(kv, swap_blocks) \
             if config.scheduler.preemption_mode == "auto" else None
+        self.startup = self._startup_report(workers_s, kv_s, time.perf_counter() - start)
         self.scheduler = Scheduler(config, kv.num_blocks, self.max_model_len, swap_blocks,
                                    costs, self.loras, self.kv_tier)
         self._in_flight.clear()

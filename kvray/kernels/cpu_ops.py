@@ -39,6 +39,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,8 +71,21 @@ def load_ops():
         return _state["ext"]
     with _lock:
         if "ext" not in _state:
+            start = time.perf_counter()
             _state["ext"] = _build()
+            _state["seconds"] = time.perf_counter() - start
         return _state["ext"]
+
+
+def build_report() -> dict[str, object]:
+    """How this process got the extension: ``source`` (``compiled`` here, ``cluster``: another
+    node's binary, ``cache``: this machine's earlier build, ``unavailable``, or ``unused``)
+    and the seconds it took."""
+    if "ext" not in _state:
+        return {"source": "unused", "seconds": 0.0}
+    source = _state.get("source", "unavailable") if _state["ext"] is not None \
+        else "unavailable"
+    return {"source": source, "seconds": round(float(_state.get("seconds", 0.0)), 3)}
 
 
 def _build():
@@ -90,7 +104,9 @@ def _build():
                 tmp.rename(binary)
                 logger.info("kvray: CPU kernels taken from the cluster's build (%s)",
                             build_dir.name)
+                _state["source"] = "cluster"
                 return _import_binary(build_dir.name, binary)
+            _state["source"] = "cache" if binary.exists() else "compiled"
             try:
                 ext = load(name=build_dir.name, sources=[str(_CSRC / s) for s in _SOURCES],
                            extra_cflags=[*_CFLAGS, f"-march={_march()}"],

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,6 +26,8 @@ from kvray.serve.lora_directory import lora_directory
 from kvray.serve.stats_board import STATS_PERIOD_S, report_stats
 from kvray.serve.transport import ChannelEndpoint, OutputChannel
 
+logger = logging.getLogger("kvray")
+
 
 @serve.deployment(max_ongoing_requests=1024, health_check_period_s=5,
                   health_check_timeout_s=30)
@@ -32,6 +36,7 @@ class LLMServer(ReplicaLifecycle, ChannelEndpoint):
     every few seconds and replaces a replica whose engine loop died or is wedged."""
 
     async def __init__(self, config: EngineConfig, board_name: str) -> None:
+        start = time.perf_counter()
         self.directory = None  # the application's LoRA adapters (LoRA on)
         source = None
         if config.lora.enabled:
@@ -49,6 +54,9 @@ class LLMServer(ReplicaLifecycle, ChannelEndpoint):
             report_stats(self.engine, self.replica_id, board_name))
         if self.directory is not None:
             self._lora_sync = asyncio.create_task(self._sync_adapters())
+        engine_s = self.engine.engine.startup["total_s"]
+        logger.info("kvray: replica %s ready in %.1f s (engine %.1f s, the rest Serve's and "
+                    "the replica's own)", self.replica_id, time.perf_counter() - start, engine_s)
 
     # ---- LoRA adapters --------------------------------------------------------------------
     def _fetch_adapter(self, name: str) -> Any:
