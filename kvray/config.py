@@ -129,6 +129,11 @@ class ModelConfig(_Section):
 
     _split_graph_sizes = field_validator("cuda_graph_sizes", mode="before")(_comma_list)
 
+    share_weights: bool = Field(
+        False, description="Under Ray: the first process that has the model's files puts them "
+        "in the object store once; a process on a node without them (a new replica, an "
+        "autoscaled node, a pod without the model's volume) takes them from there into its "
+        "local cache instead of reading or downloading its own copy.")
     speculative_config: SpeculativeConfig | None = Field(
         None, description="Speculative decoding, as vLLM spells it, e.g. "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "

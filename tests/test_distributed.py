@@ -262,6 +262,35 @@ def test_a_second_engine_fetches_the_blocks_the_first_one_evicted(cluster, model
         ray.kill(ray.get_actor("test-kv-tier", namespace="kvray"))
 
 
+def test_a_node_without_the_model_files_takes_them_from_the_object_store(cluster, tmp_path):
+    """share_weights: an engine that has the files puts them in the object store; once
+    they are gone from this "node", a TP=2 engine's workers (and its tokenizer) take them
+    from there into the local cache, with the same greedy tokens."""
+    import shutil
+
+    from kvray.actors import weights_store
+
+    model = make_tiny_model("llama_gqa", tmp_path / "shared-model")
+    prompts = [{"prompt_token_ids": [5 + i, 9, 13, 21]} for i in range(3)]
+    llm = LLM(str(model), share_weights=True, **COMMON)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    llm.shutdown()
+    copy = Path.home() / ".cache" / "kvray" / "object-store-weights" / \
+        weights_store._key(str(model))
+    hidden = model.rename(tmp_path / "elsewhere")  # this node no longer has the files
+    try:
+        llm = LLM(str(model), share_weights=True, tensor_parallel_size=2, **COMMON)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+        llm.shutdown()
+        assert got == want
+        assert (copy / ".complete").exists() and (copy / model.name / "config.json").exists()
+    finally:
+        hidden.rename(model)
+        shutil.rmtree(copy, ignore_errors=True)
+        ray.kill(ray.get_actor(f"kvray-weights-{weights_store._key(str(model))}",
+                               namespace="kvray"))
+
+
 @ray.remote(num_cpus=0)
 def _load_cpu_kernels() -> tuple[bool, list[str]]:
     """In a fresh worker process: load kvray's CPU kernels, run one, list the build folder."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from kvray.actors import kv_sizing
 from kvray.actors.model_runner import ModelRunner
+from kvray.actors.weights_store import local_model_path
 from kvray.config import EngineConfig
 from kvray.hardware import available_cores
 from kvray.models.spec import ModelSpec
@@ -95,6 +96,7 @@ class Worker:
         else:
             self.ctx = ParallelContext()
         start = time.perf_counter()
+        model_path = local_model_path(model_path, config.model.share_weights)
         self.runner = ModelRunner(config, model_path, self.ctx, self.device)
         self.load_s = time.perf_counter() - start
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvray.actors.executor import Executor, KVCacheSize, initialize_kv_cache, make_executor
+from kvray.actors.weights_store import local_model_path
 from kvray.config import EngineConfig
 from kvray.engine.detokenizer import IncrementalDetokenizer
 from kvray.engine.stats import EngineStats
@@ -96,7 +97,10 @@ class LLMEngine:
         self.kv_tier = kv_tier
         self.config = config
         self.model_path = str(resolve_model_path(config.model.model))
-        self.tokenizer = load_tokenizer(self.model_path, config.model.tokenizer)
+        # the workers take the model's files from the object store themselves if need be
+        self.tokenizer = load_tokenizer(
+            local_model_path(self.model_path, config.model.share_weights),
+            config.model.tokenizer)
         self.stats = EngineStats()
         # A copy taken by the engine's own thread after each update, for readers on other
         # threads: they never see a half-updated set of gauges (running but no blocks).
