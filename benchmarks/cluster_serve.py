@@ -19,11 +19,11 @@ the ideal, the busiest replica's prompt tokens over the mean, prompt tokens comp
 by tier (device / this replica's tier copies / another replica's), mean TTFT of first and
 follow-up turns, and wall time.
 
-``--tier BYTES`` adds two runs with prefix routing and a device cache of ``--small-cache``
-bytes per replica, small enough to evict: without and with the KV tier
-(``kv_offload_bytes`` = BYTES), and ``--autoscale`` a third: the tier on, replicas
-autoscaled from 1 up to ``--replicas`` mid-run, whose new replicas fetch what the first one
-computed.
+``--tier BYTES`` adds runs with prefix routing and a device cache of ``--small-cache``
+bytes per replica, small enough to evict: without the KV tier, and with it
+(``kv_offload_bytes`` = BYTES) in each ``kv_offload_mode``; ``--autoscale`` one more: the
+tier on (computed), replicas autoscaled from 1 up to ``--replicas`` mid-run, whose new
+replicas fetch what the first one computed. ``--routing none`` skips the routing runs.
 
     python benchmarks/cluster_serve.py [--replicas 3] [--routing prefix,load]
         [--sessions 24] [--group 4] [--turns 3] [--system-len 300,900] [--extra "..."]
@@ -260,17 +260,21 @@ def main() -> None:
           f"{args.arrival_s:.0f} s, {args.max_tokens} tokens per answer; serve flags: "
           f"{args.extra or '(none)'}", flush=True)
     fixed = ["--num-replicas", str(args.replicas)]
-    runs = [(f"routing {p}", [*fixed, "--routing", p]) for p in args.routing.split(",")]
+    runs = [(f"routing {p}", [*fixed, "--routing", p])
+            for p in args.routing.split(",") if p != "none"]
     if args.tier:
         small = [*fixed, "--kv-cache-memory", str(args.small_cache)]
+        tier = ["--kv-offload-bytes", str(args.tier)]
         runs += [("prefix, small cache", small),
-                 ("prefix, small cache + tier", [*small, "--kv-offload-bytes", str(args.tier)])]
+                 ("prefix, small cache + tier (evicted)", [*small, *tier]),
+                 ("prefix, small cache + tier (computed)",
+                  [*small, *tier, "--kv-offload-mode", "computed"])]
         if args.autoscale:
-            runs.append(("autoscaled 1->N, small cache + tier",
-                         ["--kv-cache-memory", str(args.small_cache), "--kv-offload-bytes",
-                          str(args.tier), "--min-replicas", "1", "--max-replicas",
-                          str(args.replicas), "--target-ongoing-requests", "4",
-                          "--upscale-delay-s", "2", "--autoscaling-interval-s", "1"]))
+            runs.append(("autoscaled 1->N, small cache + tier (computed)",
+                         ["--kv-cache-memory", str(args.small_cache), *tier,
+                          "--kv-offload-mode", "computed", "--min-replicas", "1",
+                          "--max-replicas", str(args.replicas), "--target-ongoing-requests",
+                          "4", "--upscale-delay-s", "2", "--autoscaling-interval-s", "1"]))
     rows = []
     for label, flags in runs:
         rows.append(run_policy(label, flags, args))

@@ -75,6 +75,34 @@ def test_a_fetch_that_fails_recomputes_and_drops_the_lost_copies():
 
 
 @pytest.mark.unit
+def test_in_computed_mode_a_second_engine_fetches_a_prefix_the_first_still_holds():
+    """kv_offload_mode "computed": full blocks go to the tier once computed (copied in the
+    next step, so never before their K/V exists), so another engine fetches them while the
+    first still holds them; each block is copied once."""
+    from kvray.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    tier = LocalKVTier(capacity_bytes=1 << 20, owner="a")
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=64),
+                          cache=CacheConfig(block_size=4, kv_offload_bytes=1 << 20,
+                                            kv_offload_mode="computed"))
+    a = Scheduler(config, 64, 64, kv_tier=tier)
+    shadow_a = ShadowKV(4)
+    a.add_request(_req("x", 0, max_tokens=6, tokens=PROMPT))
+    outs = _run(a, shadow_a)
+    copied = [key for o in outs for _, key in o.kv_offload]
+    assert len(copied) == len(set(copied)) == (21 + 5) // 4  # every full block, once
+    assert a.kv.find_cached_prefix(_req("probe", 0, tokens=PROMPT + [1]))[1] == 20  # still
+    tier_b = LocalKVTier(1 << 20, owner="b")
+    tier_b.index = tier.index  # one index, two engines
+    b = Scheduler(config, 64, 64, kv_tier=tier_b)
+    shadow_b = ShadowKV(4)
+    b.add_request(_req("y", 0, max_tokens=2, tokens=PROMPT + [9]))
+    first = _run(b, shadow_b)[0]
+    assert [r.num_computed_tokens for r in first.new_requests] == [20]
+    assert b.tier_stats.hit_tokens == 20 and b.tier_stats.local_hit_tokens == 0
+
+
+@pytest.mark.unit
 def test_only_a_verified_chain_is_adopted():
     def block(key, tokens, parent):
         return TierBlock(key, tuple(tokens), parent, ["h"], 8)

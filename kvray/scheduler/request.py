@@ -58,6 +58,7 @@ class Request:
         # KV tier entries found for its blocks (None: not looked up; cleared when a fetch
         # failed, so it recomputes instead of trying again)
         self.tier_found: dict | None = None
+        self.tier_noted = 0  # leading blocks offered to the tier (kv_offload_mode: computed)
         self.spec_token_ids: list[int] = []  # draft tokens proposed for its next step
         self.spec_len = 1 << 30  # most drafts to propose next (adapted to acceptance)
         # timing (monotonic seconds)

@@ -56,10 +56,12 @@ from kvray.scheduler.queues import make_waiting_queue
 from kvray.scheduler.request import Request, RequestStatus, next_draft_length
 from kvray.scheduler.speculation import Speculation
 from kvray.scheduler.step_plan import StepPlan
+from kvray.scheduler.swap import SwapSpace
 
 if TYPE_CHECKING:
     from kvray.lora.manager import LoRARegistry
-from kvray.scheduler.swap import SwapSpace
+
+MAX_TIERED_KEYS = 1 << 18  # kv_offload_mode "computed": keys remembered as put in the tier
 
 
 class RequestTooLongError(InvalidRequestError):
@@ -119,6 +121,12 @@ class Scheduler:
         self._offloading: dict[int, tuple[tuple[int, ...], int | None]] = {}
         self._kv_fetch: dict[str, list[tuple[int, list]]] = {}
         self._fetching: dict[str, list[int]] = {}  # req -> keys fetched in the step in flight
+        # kv_offload_mode "computed": blocks keyed by a step that has returned, copied out in
+        # the next step (block id, key); keys this engine already put in the tier
+        self._write_through = kv_tier is not None and \
+            config.cache.kv_offload_mode == "computed"
+        self._computed_blocks: list[tuple[int, int]] = []
+        self._tiered: set[int] = set()
         self.tier_stats = TierStats()
 
     # ---- admission -------------------------------------------------------------------
@@ -264,6 +272,9 @@ class Scheduler:
         else:
             req.status = RequestStatus.PREEMPTED
             req.num_computed_tokens = 0
+            if req.tier_found is not None and self.kv_tier is not None:
+                req.tier_found = None  # its blocks may be in the tier now: look again
+            req.tier_noted = 0
             self.waiting.add_front(req)
 
     def _should_swap(self, req: Request, num_saved: int) -> bool:
@@ -494,6 +505,7 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req_id in result.failed_swaps or req_id in lost:
                 self.kv_tier.forget(keys)
+                self._tiered.difference_update(keys)
                 self.tier_stats.fetch_failures += 1
                 if req is not None:
                     req.tier_found = {}  # recompute; do not try those copies again
@@ -505,10 +517,16 @@ class Scheduler:
         out.lora_loads, self._lora_loads = self._lora_loads, []
         if self.kv_tier is not None:
             for block_id, key, tokens, parent in self.kv.pool.evicted:
-                if key not in self._offloading:
+                if key not in self._offloading and key not in self._tiered:
                     out.kv_offload.append((block_id, key))
                     self._offloading[key] = (tokens, parent)
             self.kv.pool.evicted.clear()
+            for block_id, key in self._computed_blocks:
+                block = self.kv.pool.blocks[block_id]
+                if block.block_hash == key and key not in self._offloading:  # still holds it
+                    out.kv_offload.append((block_id, key))
+                    self._offloading[key] = (block.token_ids, block.parent_key)
+            self._computed_blocks.clear()
             out.kv_fetch, self._kv_fetch = self._kv_fetch, {}
         for req_id, num in plan.num_scheduled.items():
             req = self.requests[req_id]
@@ -575,7 +593,28 @@ class Scheduler:
                 self.kv.confirm_restored(req)
         if self.kv_tier is not None:
             self._tier_results(out, result, lost)
+            if self._write_through:
+                self._note_computed(out)
         return updated
+
+    def _note_computed(self, out: SchedulerOutput) -> None:
+        """Full base-model blocks this (returned) step finished computing: the next step
+        copies them to the tier (``kv_offload_mode: computed``)."""
+        if len(self._tiered) > MAX_TIERED_KEYS:  # forget old ones: a few copies twice
+            self._tiered.clear()
+        bs = self.block_size
+        for req_id in out.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is None or req.lora_id or not self.kv.uses_cache(req):
+                continue
+            blocks = self.kv.req_blocks.get(req_id, [])
+            done = req.num_computed_tokens // bs
+            for block in blocks[min(req.tier_noted, done):done]:
+                key = block.block_hash
+                if key is not None and key not in self._tiered:
+                    self._tiered.add(key)
+                    self._computed_blocks.append((block.block_id, key))
+            req.tier_noted = done
 
     def _recompute_lost(self, failed: set[str]) -> set[str]:
         """Requests whose KV a worker could not save to the swap pool (or restore from it)
