@@ -169,3 +169,24 @@ def test_the_engine_gives_the_same_tokens_from_fetched_blocks(tiny_model_dir, mo
     else:
         assert tier.hit_tokens >= 36 and tier.fetch_failures == 0
     llm.shutdown()
+
+
+@pytest.mark.unit
+def test_prefix_keys_are_the_same_in_every_process():
+    """The KV tier matches keys computed by different replicas: a fresh interpreter (its
+    own hash seed and object addresses) computes the same keys for the same tokens."""
+    import subprocess
+    import sys
+
+    code = ("from kvray.scheduler.kv_cache_manager import KVCacheManager\n"
+            "from kvray.scheduler.request import Request\n"
+            "from kvray.sampling_params import SamplingParams\n"
+            "r = Request('a', list(range(100, 121)), SamplingParams())\n"
+            "KVCacheManager(8, 4).update_hashes(r)\n"
+            "print(r.block_hashes)")
+    here = _req("a", 0, tokens=PROMPT)
+    _sched().kv.update_hashes(here)
+    theirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={"PYTHONHASHSEED": "random", "PATH": "/usr/bin:/bin"},
+                            check=True).stdout.strip()
+    assert theirs == str(here.block_hashes)

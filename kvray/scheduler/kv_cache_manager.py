@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from kvray.config import CacheConfig
 from kvray.scheduler.request import Request
 
+CHAIN_ROOT = 0x6B7672  # the parent of a base-model prefix's first block, in its key
+
 
 @dataclass(eq=False)
 class Block:
@@ -167,9 +169,11 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while (len(request.block_hashes) + 1) * bs <= len(tokens):
             i = len(request.block_hashes)
-            # an adapter's K/V differs from the base model's: its chain starts elsewhere
+            # an adapter's K/V differs from the base model's: its chain starts elsewhere.
+            # The base model's starts from an int: keys must agree across processes (the KV
+            # tier), and Python 3.11 hashes None by its address.
             parent = request.block_hashes[-1] if i else (
-                ("lora", request.lora_id) if request.lora_id else None)
+                ("lora", request.lora_id) if request.lora_id else CHAIN_ROOT)
             request.block_hashes.append(hash((parent, tuple(tokens[i * bs:(i + 1) * bs]))))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
