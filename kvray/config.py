@@ -188,11 +188,12 @@ class CacheConfig(_Section):
         "process memory otherwise), LRU: a later prompt with that prefix fetches them "
         "instead of recomputing. 0 = off.")
     kv_offload_mode: Literal["evicted", "computed"] = Field(
-        "evicted",
+        "computed",
         description="Which prefix-cache blocks go to the KV tier (kv_offload_bytes > 0): "
-        "evicted = the blocks the device cache evicts (a copy only when one would be lost); "
         "computed = every full block once computed, so other replicas (one started later, "
-        "too) can fetch a prefix while its first replica still holds it (a copy per block).")
+        "too) can fetch a prefix while its first replica still holds it (a copy per block); "
+        "evicted = only the blocks the device cache evicts (a copy only when one would be "
+        "lost).")
     kv_cache_dtype: Literal["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto",
         description="What the KV cache stores. auto: K/V in the model's dtype "
