@@ -103,6 +103,37 @@ def test_in_computed_mode_a_second_engine_fetches_a_prefix_the_first_still_holds
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("num_blocks", [3, 16], ids=["then-evicted", "kept"])
+def test_in_computed_mode_a_request_that_ends_in_its_first_step_still_shares_its_blocks(
+        num_blocks):
+    """x ends in the step that computes its blocks; the next step (y's) copies them to the
+    tier once, as computed blocks, or as evicted ones when y's admission evicts them
+    (before y overwrites them); another engine then fetches x's prefix."""
+    from kvray.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    tier = LocalKVTier(capacity_bytes=1 << 20, owner="a")
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=64),
+                          cache=CacheConfig(block_size=4, kv_offload_bytes=1 << 20,
+                                            kv_offload_mode="computed"))
+    a = Scheduler(config, num_blocks, 64, kv_tier=tier)
+    shadow = ShadowKV(4)
+    a.add_request(_req("x", 0, max_tokens=1, tokens=PROMPT[:9]))  # 2 full blocks, ends
+    outs = _run(a, shadow)
+    a.add_request(_req("y", 0, max_tokens=1, tokens=list(range(500, 509))))
+    outs += _run(a, shadow)
+    copied = [key for o in outs for _, key in o.kv_offload]
+    probe = _req("probe", 0, tokens=PROMPT[:9])
+    a.kv.update_hashes(probe)
+    assert copied.count(probe.block_hashes[0]) == copied.count(probe.block_hashes[1]) == 1
+    tier_b = LocalKVTier(1 << 20, owner="b")
+    tier_b.index = tier.index
+    b = Scheduler(config, 16, 64, kv_tier=tier_b)
+    b.add_request(_req("z", 0, max_tokens=1, tokens=PROMPT[:9] + [7]))
+    first = _run(b, ShadowKV(4))[0]
+    assert [r.num_computed_tokens for r in first.new_requests] == [8]
+
+
+@pytest.mark.unit
 def test_only_a_verified_chain_is_adopted():
     def block(key, tokens, parent):
         return TierBlock(key, tuple(tokens), parent, ["h"], 8)

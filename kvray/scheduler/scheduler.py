@@ -478,6 +478,8 @@ class Scheduler:
         self._kv_fetch[req.request_id] = [
             (block_id, entry.handles) for block_id, entry in zip(block_ids, run, strict=True)]
         self._fetching[req.request_id] = [entry.key for entry in run]
+        if self._write_through:  # already in the tier: not copied back
+            self._tiered.update(entry.key for entry in run)
         stats = self.tier_stats
         stats.hit_tokens += len(run) * self.block_size
         stats.local_hit_tokens += self.block_size * sum(
@@ -512,20 +514,28 @@ class Scheduler:
             elif req is not None:
                 self.kv.confirm_restored(req)
 
+    def _offload(self, out: SchedulerOutput, block_id: int, key: int,
+                 tokens: tuple[int, ...], parent: int | None) -> None:
+        out.kv_offload.append((block_id, key))
+        self._offloading[key] = (tokens, parent)
+        if self._write_through:  # each computed block goes to the tier once
+            self._tiered.add(key)
+
     def _fill_output(self, out: SchedulerOutput, plan: StepPlan) -> None:
         out.spec_token_ids = plan.spec
         out.lora_loads, self._lora_loads = self._lora_loads, []
         if self.kv_tier is not None:
+            # Evicted first: a block noted as computed but evicted by this schedule is
+            # copied out as an evicted one (either way before this step writes into it).
             for block_id, key, tokens, parent in self.kv.pool.evicted:
                 if key not in self._offloading and key not in self._tiered:
-                    out.kv_offload.append((block_id, key))
-                    self._offloading[key] = (tokens, parent)
+                    self._offload(out, block_id, key, tokens, parent)
             self.kv.pool.evicted.clear()
             for block_id, key in self._computed_blocks:
                 block = self.kv.pool.blocks[block_id]
-                if block.block_hash == key and key not in self._offloading:  # still holds it
-                    out.kv_offload.append((block_id, key))
-                    self._offloading[key] = (block.token_ids, block.parent_key)
+                if block.block_hash == key and key not in self._offloading \
+                        and key not in self._tiered:  # still holds it, not copied yet
+                    self._offload(out, block_id, key, block.token_ids, block.parent_key)
             self._computed_blocks.clear()
             out.kv_fetch, self._kv_fetch = self._kv_fetch, {}
         for req_id, num in plan.num_scheduled.items():
@@ -561,6 +571,8 @@ class Scheduler:
         sampled = dict(zip(result.req_ids, result.sampled_token_ids, strict=True))
         self._in_flight.difference_update(out.num_scheduled_tokens)
         lost = self._recompute_lost(result.failed_swaps) if result.failed_swaps else set()
+        if self._write_through:
+            self._note_computed(out, lost | result.failed_swaps)
         updated = []
         for req_id, num in out.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
@@ -593,26 +605,26 @@ class Scheduler:
                 self.kv.confirm_restored(req)
         if self.kv_tier is not None:
             self._tier_results(out, result, lost)
-            if self._write_through:
-                self._note_computed(out)
         return updated
 
-    def _note_computed(self, out: SchedulerOutput) -> None:
-        """Full base-model blocks this (returned) step finished computing: the next step
-        copies them to the tier (``kv_offload_mode: computed``)."""
+    def _note_computed(self, out: SchedulerOutput, lost: set[str]) -> None:
+        """Full base-model blocks this (returned) step finished computing, noted before
+        its requests finish or roll back drafts: the next step copies them to the tier
+        (``kv_offload_mode: computed``) if they still hold their keys."""
         if len(self._tiered) > MAX_TIERED_KEYS:  # forget old ones: a few copies twice
             self._tiered.clear()
         bs = self.block_size
-        for req_id in out.num_scheduled_tokens:
+        for req_id, num in out.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
-            if req is None or req.lora_id or not self.kv.uses_cache(req):
+            if req is None or req.is_finished or req_id in lost or req.lora_id \
+                    or not self.kv.uses_cache(req):
                 continue
             blocks = self.kv.req_blocks.get(req_id, [])
-            done = req.num_computed_tokens // bs
+            drafts = len(out.spec_token_ids.get(req_id, ()))
+            done = (req.num_computed_tokens + num - drafts) // bs
             for block in blocks[min(req.tier_noted, done):done]:
                 key = block.block_hash
                 if key is not None and key not in self._tiered:
-                    self._tiered.add(key)
                     self._computed_blocks.append((block.block_id, key))
             req.tier_noted = done
 
