@@ -90,3 +90,19 @@ def test_a_hot_prefix_spreads_over_replicas_while_sessions_stay_put():
     for session, (replica, prompt) in first_turn.items():
         hashes = block_hashes(prompt + _prompt(200 + session, 40), 16)
         assert pick_replica(replicas, index.match(hashes), loads, rng) == replica
+
+
+def test_the_router_reads_the_prompt_of_each_admitting_call():
+    from types import SimpleNamespace
+
+    from kvray.serve.routing import ReplicaTargetRouter
+
+    def call(method: str, *args) -> SimpleNamespace:
+        return SimpleNamespace(metadata=SimpleNamespace(call_method=method), args=list(args))
+
+    prompt = {"prompt_token_ids": [1, 2, 3], "prompt": "x"}
+    assert ReplicaTargetRouter._prompt_of(call("submit", "ch", "req", prompt)) == [1, 2, 3]
+    assert ReplicaTargetRouter._prompt_of(call("generate", "req", prompt)) == [1, 2, 3]
+    assert ReplicaTargetRouter._prompt_of(call("carry", "ch")) is None
+    assert ReplicaTargetRouter._prompt_of(call("submit", "ch", "req", "text")) is None
+    assert ReplicaTargetRouter._prompt_of(None) is None

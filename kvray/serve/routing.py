@@ -21,7 +21,8 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from kvray.serve.prefix_index import PrefixIndex, block_hashes, pick_replica
 
-PROMPT_CALLS = ("submit", "generate")  # the model replica's methods whose args[2] is a prompt
+# the model replica's methods that admit a request -> the position of their prompt argument
+PROMPT_ARG = {"submit": 2, "generate": 1}
 
 
 class ReplicaTargetRouter(RequestRouter):
@@ -63,10 +64,12 @@ class ReplicaTargetRouter(RequestRouter):
     @staticmethod
     def _prompt_of(pending_request: PendingRequest | None) -> list[int] | None:
         """The prompt token ids of a request's admitting call, else None."""
-        if pending_request is None or pending_request.metadata.call_method not in PROMPT_CALLS:
+        at = PROMPT_ARG.get(pending_request.metadata.call_method) \
+            if pending_request is not None else None
+        if at is None:
             return None
         args = pending_request.args
-        prompt: Any = args[2] if len(args) > 2 else None
+        prompt: Any = args[at] if len(args) > at else None
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         return ids if isinstance(ids, list) else None
 
