@@ -112,8 +112,9 @@ def test_nodes_are_isolated_hosts(cluster):
 
 
 def test_tp_pp_across_nodes_match_one_worker(cluster, model):
-    """Greedy tokens of three cross-node layouts and of swap preemption under a tiny cache
-    equal transformers' (and one in-process worker's), 24 tokens each."""
+    """Greedy tokens of three cross-node layouts, of swap preemption under a tiny cache and
+    of a tiny cache over the KV tier (blocks fetched from copies on other nodes) equal
+    transformers' (and one in-process worker's), 24 tokens each."""
     ips = [n.ip for n in cluster.nodes]
     want = _reference(model, MAX_TOKENS)
     scenarios = [
@@ -129,6 +130,12 @@ def test_tp_pp_across_nodes_match_one_worker(cluster, model):
          "config": {**COMMON, "tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD",
                     "max_num_batched_tokens": 32, "num_gpu_blocks_override": 24,
                     "preemption_mode": "swap", "swap_space": 0.01}},
+        # the KV tier across nodes: a tiny cache evicts, the second round fetches the first
+        # round's blocks from the workers' copies on the other nodes
+        {"name": "tp2_tier", "max_tokens": MAX_TOKENS, "rounds": 2,
+         "config": {**COMMON, "tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD",
+                    "max_num_batched_tokens": 32, "num_gpu_blocks_override": 24,
+                    "kv_offload_bytes": 1 << 26}},
     ]
     spec = {"model": model, "prompts": _prompts(), "scenarios": scenarios}
     proc = cluster.run(cluster.head, [sys.executable, DRIVER, "layouts", json.dumps(spec)],
@@ -152,6 +159,10 @@ def test_tp_pp_across_nodes_match_one_worker(cluster, model):
     assert len(set(swap["worker_nodes"])) == 2
     assert swap["swaps_out"] > 0 and swap["swaps_in"] > 0
     assert swap["swap_objects"] == [0, 0]
+    tier = results["tp2_tier"]
+    assert tier["rounds"] == [want, want]
+    assert len(set(tier["worker_nodes"])) == 2
+    assert tier["tier"]["hit_tokens"] > 0 and tier["tier"]["fetch_failures"] == 0
 
 
 def test_node_loss_fails_in_flight_request_and_engine_rebuilds_on_the_rest(cluster, model):

@@ -73,8 +73,11 @@ def weights_actor(model_path: str) -> Any:
             # refs nested in a dict travel as refs: the reader fetches each chunk itself
             return dict(self.files) if self.complete else None
 
+    # Outside any placement group: created inside a replica's group, it would go with it.
+    outside = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(None)
     return ModelFiles.options(name=f"kvray-weights-{_key(model_path)}", namespace=NAMESPACE,
-                              get_if_exists=True, lifetime="detached").remote()
+                              get_if_exists=True, lifetime="detached",
+                              scheduling_strategy=outside).remote()
 
 
 def _files(path: Path) -> list[Path]:
@@ -92,7 +95,7 @@ def share(model_path: str) -> None:
         return
     actor = weights_actor(model_path)
     who = f"{ray.get_runtime_context().get_node_id()}:{os.getpid()}"
-    if ray.get(actor.claim.remote(who)) != "upload":
+    if ray.get(actor.claim.remote(who), timeout=60) != "upload":
         return
     path = Path(model_path)
     start, total = time.perf_counter(), 0

@@ -17,6 +17,7 @@ CACHE_NAME = "kvray-kernel-builds"
 CACHE_NAMESPACE = "kvray"
 BUILD_LEASE_S = 600.0  # a node that claimed a build and went silent this long loses it
 POLL_S = 2.0
+CALL_TIMEOUT_S = 30.0  # the cache actor unreachable this long: build (or keep) locally
 
 
 def cluster_cache() -> Any:
@@ -57,9 +58,12 @@ def cluster_cache() -> Any:
             if self.building.get(tag, ("",))[0] == node:
                 del self.building[tag]
 
+    # Outside any placement group: created from a worker inside a replica's group, it would
+    # go with that group when the replica dies, and never restart.
+    outside = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(None)
     return KernelBuilds.options(name=CACHE_NAME, namespace=CACHE_NAMESPACE,
-                                get_if_exists=True, lifetime="detached",
-                                max_restarts=-1).remote()
+                                get_if_exists=True, lifetime="detached", max_restarts=-1,
+                                scheduling_strategy=outside).remote()
 
 
 def fetch_build(tag: str) -> bytes | None:
@@ -75,7 +79,7 @@ def fetch_build(tag: str) -> bytes | None:
     deadline = time.monotonic() + BUILD_LEASE_S
     try:
         while time.monotonic() < deadline:
-            got = ray.get(cache.claim.remote(tag, node))
+            got = ray.get(cache.claim.remote(tag, node), timeout=CALL_TIMEOUT_S)
             if got is True:
                 return None
             if got is not False:
@@ -95,8 +99,8 @@ def publish_build(tag: str, read_binary: Callable[[], bytes]) -> None:
     import ray
 
     try:
-        if not ray.get(cache.has.remote(tag)):
-            ray.get(cache.publish.remote(tag, read_binary()))
+        if not ray.get(cache.has.remote(tag), timeout=CALL_TIMEOUT_S):
+            ray.get(cache.publish.remote(tag, read_binary()), timeout=CALL_TIMEOUT_S)
     except Exception as err:  # the cache actor is unreachable: the others build themselves
         logger.warning("kvray: could not share the kernel build (%s)",
                        err.__class__.__name__)

@@ -47,8 +47,11 @@ def kv_tier_actor(name: str, capacity_bytes: int) -> Any:
             return list(self.index.entries)
 
     # Restarted by Ray if its process dies (empty: the copies it referenced are freed).
+    # Outside any placement group: created inside a replica's group, it would go with it.
+    outside = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(None)
     return KVTierActor.options(name=name, namespace=STATS_NAMESPACE, get_if_exists=True,
-                               lifetime="detached", max_restarts=-1).remote(capacity_bytes)
+                               lifetime="detached", max_restarts=-1,
+                               scheduling_strategy=outside).remote(capacity_bytes)
 
 
 class RemoteKVTier:

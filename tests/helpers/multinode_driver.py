@@ -33,12 +33,15 @@ def layouts(spec: dict) -> None:
         try:
             params = SamplingParams(temperature=0.0, max_tokens=scenario["max_tokens"],
                                     ignore_eos=True)
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            rounds = [[o.outputs[0].token_ids
+                       for o in llm.generate(prompts, params, use_tqdm=False)]
+                      for _ in range(scenario.get("rounds", 1))]
             engine = llm.llm_engine
             s = engine.stats
             _emit("RESULT", {
                 "name": scenario["name"],
-                "tokens": [o.outputs[0].token_ids for o in outs],
+                "tokens": rounds[-1], "rounds": rounds,
+                "tier": dict(s.kv_tier),
                 "worker_nodes": engine.executor.worker_nodes,
                 "prefix_cache_hits": s.prefix_cache_hits,
                 "preemptions": s.num_preemptions,
