@@ -74,6 +74,8 @@ def lora_directory(board_name: str, config: EngineConfig) -> Any:
             entry = self.entries.get(name)
             return None if entry is None else (entry[0], [entry[1]])
 
+    outside = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(None)
     return LoRADirectory.options(name=f"{board_name}-lora", namespace=STATS_NAMESPACE,
-                                 get_if_exists=True, lifetime="detached").remote(
+                                 get_if_exists=True, lifetime="detached",
+                                 scheduling_strategy=outside).remote(
         config.model.model, config)

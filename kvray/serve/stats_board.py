@@ -36,8 +36,10 @@ def stats_board(name: str) -> Any:
 
     # Restarted by Ray if its process dies (the stats refill within STATS_PERIOD_S);
     # callers also look it up again when a call fails.
+    outside = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(None)
     return StatsBoard.options(name=name, namespace=STATS_NAMESPACE, get_if_exists=True,
-                              lifetime="detached", max_restarts=-1).remote()
+                              lifetime="detached", max_restarts=-1,
+                              scheduling_strategy=outside).remote()
 
 
 async def report_stats(engine: Any, replica: str, board_name: str) -> None:
