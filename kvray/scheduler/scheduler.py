@@ -121,6 +121,7 @@ class Scheduler:
         self._offloading: dict[int, tuple[tuple[int, ...], int | None]] = {}
         self._kv_fetch: dict[str, list[tuple[int, list]]] = {}
         self._fetching: dict[str, list[int]] = {}  # req -> keys fetched in the step in flight
+        self._to_look_up: list[Request] = []  # queued (or re-queued) since the last lookup
         # kv_offload_mode "computed": blocks keyed by a step that has returned, copied out in
         # the next step (block id, key); keys this engine already put in the tier
         self._write_through = kv_tier is not None and \
@@ -137,6 +138,8 @@ class Scheduler:
             raise ValueError("this engine serves no LoRA adapters (enable_lora is off)")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if self.kv_tier is not None:
+            self._to_look_up.append(request)
         if request.lora_id:
             self.loras.retain(request.lora_id, self.loras.name_of(request.lora_id))
 
@@ -272,8 +275,9 @@ class Scheduler:
         else:
             req.status = RequestStatus.PREEMPTED
             req.num_computed_tokens = 0
-            if req.tier_found is not None and self.kv_tier is not None:
-                req.tier_found = None  # its blocks may be in the tier now: look again
+            if self.kv_tier is not None:  # its blocks may be in the tier now: look again
+                req.tier_found = None
+                self._to_look_up.append(req)
             req.tier_noted = 0
             self.waiting.add_front(req)
 
@@ -441,9 +445,10 @@ class Scheduler:
 
     # ---- KV tier ----------------------------------------------------------------------------
     def _look_up_tier(self) -> None:
-        """One lookup for every waiting request not looked up yet: the tier's entries among
-        its full blocks' keys."""
-        new = [r for r in self.waiting if r.tier_found is None]
+        """One lookup for the requests queued since the last one (not the whole waiting
+        queue, every step): the tier's entries among their full blocks' keys."""
+        new = [r for r in self._to_look_up if not r.is_finished and r.tier_found is None]
+        self._to_look_up.clear()
         if not new:
             return
         keys: list[int] = []
