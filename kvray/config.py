@@ -357,6 +357,12 @@ class ServerConfig(_Section):
         "auto", description="How tool calls are found in a chat output under tool_choice "
         "'auto': hermes (Qwen2/2.5/3, Hermes: <tool_call> JSON), llama3_json (Llama 3.x JSON); "
         "auto = llama3_json for a chat template in Llama 3's tool format, else hermes.")
+    reasoning_parser: Literal["none", "qwen3", "deepseek_r1"] = Field(
+        "none", description="Split a thinking model's <think>...</think> text from its answer "
+        "on chat completions (message.reasoning_content / delta.reasoning_content): qwen3 "
+        "(Qwen3, QwQ: reasoning when the output or the prompt opens a block), deepseek_r1 "
+        "(DeepSeek-R1 and distills: the output starts in the reasoning). Tool calls and "
+        "structured outputs then apply to the answer only. none: the text is all content.")
 
 
 _ADAPTER_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:/@+-")

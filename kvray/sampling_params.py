@@ -22,6 +22,27 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # one output, when the request has finished
 
 
+@dataclass(frozen=True)
+class ReasoningSpan:
+    """Where a thinking model's reasoning ends in its output: structured outputs constrain
+    only the answer after it (set by the server's reasoning parser).
+
+    Attributes:
+        end_ids: the token ids of the closing marker (``</think>``).
+        opened: the output starts inside the reasoning (the prompt opened the block).
+        start_id: else, the one token of the opening marker the output may begin with
+            (None: no reasoning unless ``opened``).
+    """
+
+    end_ids: tuple[int, ...]
+    opened: bool = False
+    start_id: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(bool(self.end_ids) and all(isinstance(t, int) and t >= 0 for t in self.end_ids),
+               "reasoning.end_ids", self.end_ids, "must be a non-empty tuple of token ids")
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on the output's text (vLLM's ``StructuredOutputsParams``): exactly one of
@@ -36,6 +57,8 @@ class StructuredOutputsParams:
             default, unlike vLLM's: small models otherwise may spend their whole token
             budget on whitespace); False allows any whitespace between tokens.
         field: the request field it came from, for error messages (set by the server).
+        reasoning: where the output's reasoning ends, when the model thinks first: the
+            constraint applies after it (set by the server's reasoning parser).
     """
 
     json: dict[str, Any] | str | None = None
@@ -45,6 +68,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = True
     field: str = "structured_outputs"
+    reasoning: ReasoningSpan | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvray.errors import InvalidRequestError
-from kvray.sampling_params import StructuredOutputsParams
+from kvray.sampling_params import ReasoningSpan, StructuredOutputsParams
 from kvray.tokenizer import load_tokenizer
 
 _CACHE_SIZE = 256  # compiled grammars kept (LRU), per process
@@ -78,6 +78,71 @@ class Matcher:
     @property
     def raw(self) -> Any:
         return self._m
+
+
+class ReasoningGatedMatcher(Matcher):
+    """A matcher whose grammar starts after the output's reasoning (a thinking model's
+    ``<think>…</think>``, :class:`ReasoningSpan`): the reasoning is unconstrained, the
+    grammar sees only the tokens after the closing marker. Before the first token, when the
+    output may open a block, the opening token is allowed beside the grammar's first
+    tokens (``allow_start``)."""
+
+    def __init__(self, inner: Matcher, span: ReasoningSpan) -> None:
+        super().__init__(inner.raw)
+        self.span = span
+        # "maybe": before the first token, the output may open a block; "reasoning";
+        # "answer": the grammar applies.
+        self.phase = "reasoning" if span.opened else (
+            "maybe" if span.start_id is not None else "answer")
+        self._history: list[tuple[str, bool]] = []  # per token: phase before it, to grammar
+        self._tokens: list[int] = []
+
+    @property
+    def constrained(self) -> bool:
+        """The next token's mask comes from the grammar (else every token is allowed)."""
+        return self.phase != "reasoning"
+
+    @property
+    def allow_start(self) -> int | None:
+        """A token to allow beside the grammar's mask (the opening marker), or None."""
+        return self.span.start_id if self.phase == "maybe" else None
+
+    def accept(self, token_ids: list[int]) -> bool:
+        ok = True
+        for tok in token_ids:
+            before = self.phase
+            to_grammar = False
+            if before == "maybe" and tok == self.span.start_id:
+                self.phase = "reasoning"
+            elif before == "reasoning":
+                end = self.span.end_ids
+                if len(self._tokens) + 1 >= len(end) and \
+                        [*self._tokens[len(self._tokens) + 1 - len(end):], tok] == list(end):
+                    self.phase = "answer"
+            else:
+                self.phase, to_grammar = "answer", True
+                ok = self._m.consume_token(tok) and ok
+            self._history.append((before, to_grammar))
+            self._tokens.append(tok)
+        return ok
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        undone = self._history[-num_tokens:]
+        del self._history[-num_tokens:], self._tokens[-num_tokens:]
+        grammar_tokens = sum(1 for _, to_grammar in undone if to_grammar)
+        if grammar_tokens:
+            self._m.rollback(grammar_tokens)
+        self.phase = undone[0][0]
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.phase == "answer" and self._m.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return super().error if self.phase == "answer" else None
 
 
 class GrammarCompiler:
@@ -151,14 +216,32 @@ class GrammarCompiler:
     def fill_bitmask(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """Fill row ``i`` of ``bitmask`` (CPU, int32, contiguous, [B, W]) with the next-token
         mask of each ``(matcher, i)``; in parallel, without the GIL. A terminated or broken
-        matcher allows EOS only."""
-        if not matchers:
-            return
+        matcher allows EOS only; a matcher still in the output's reasoning leaves its row
+        as it is (all ones: unconstrained)."""
+        gated = [(m, row) for m, row in matchers if isinstance(m, ReasoningGatedMatcher)]
+        if gated:
+            matchers = [(m, row) for m, row in matchers
+                        if not isinstance(m, ReasoningGatedMatcher) or m.constrained]
+        if matchers:
+            self._fill(matchers, bitmask)
+        for m, row in gated:  # the opening marker stays allowed before the first token
+            start = m.allow_start
+            if start is not None:
+                word = bitmask[row, start // 32]
+                bitmask[row, start // 32] = int(_as_signed(int(word) | (1 << (start % 32))))
+
+    def _fill(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
         width = bitmask.shape[1]
         self._executor.unsafe_compute_mask_ptr(
             [(m.raw, row) for m, row in matchers], bitmask.data_ptr(), width * 4,
             bitmask.shape[0])
+
+
+def _as_signed(word: int) -> int:
+    """A 32-bit mask word as the int32 a tensor holds."""
+    word &= 0xFFFFFFFF
+    return word - (1 << 32) if word >= 1 << 31 else word
 
 
 def _first_lines(text: str, limit: int = 400) -> str:

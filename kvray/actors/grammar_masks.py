@@ -9,7 +9,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kvray.sampling_params import SamplingParams
-from kvray.structured_output import GrammarCompiler, Matcher, bitmask_width, compiler_for
+from kvray.structured_output import (
+    GrammarCompiler,
+    Matcher,
+    ReasoningGatedMatcher,
+    bitmask_width,
+    compiler_for,
+)
 
 
 class GrammarMasks:
@@ -29,7 +35,10 @@ class GrammarMasks:
         if self._compiler is None:
             self._compiler = compiler_for(self.model_path, self.tokenizer, self.vocab_size,
                                           params.eos_token_ids)
-        matcher = self._compiler.compile(params.structured_outputs)
+        structured = params.structured_outputs
+        matcher = self._compiler.compile(structured)
+        if structured.reasoning is not None:  # the grammar starts after the reasoning
+            matcher = ReasoningGatedMatcher(matcher, structured.reasoning)
         matcher.accept(generated)
         return matcher
 

@@ -10,6 +10,7 @@ the non-streamed response) and turns each delta into SSE chunks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -17,8 +18,17 @@ from typing import Any, Protocol, TypeVar
 
 from kvray.config import ServerConfig
 from kvray.outputs import CompletionOutput, RequestOutput
+from kvray.sampling_params import ReasoningSpan
 from kvray.serve.http import APIError, api_error_from, drain, sse, streaming_response
 from kvray.serve.protocol import ProtocolError, error_body, new_id, now
+from kvray.serve.reasoning import (
+    THINK_END,
+    THINK_START,
+    ReasoningSplitter,
+    prompt_state,
+    split_reasoning,
+    starts_in_reasoning,
+)
 from kvray.serve.tools import ToolCallStreamer, parse_tool_calls, pick_parser
 
 Logprobs = list[dict[int, float]] | None
@@ -42,7 +52,8 @@ class ServerContext(Protocol):
         """400 when a prompt text is over the length limit."""
 
     def chat_prompt_ids(self, conv: list[dict], add_generation_prompt: bool,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None,
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """A conversation's token ids through the chat template."""
 
     def stream(self, request_id: str, prompt: Any, params: Any, priority: int
@@ -300,6 +311,12 @@ class ChatHandler(_Handler):
         self.tool_parser = pick_parser(server.limits.tool_call_parser,
                                        getattr(server.tokenizer, "chat_template", None))
         self.streamers: dict[int, ToolCallStreamer] = {}  # choice index -> its parser
+        parser = server.limits.reasoning_parser
+        self.reasoning_parser = parser if parser != "none" else None
+        # whether the output starts in reasoning (None: if it opens a block), from the
+        # prompt's end; set with the prompt
+        self.reasoning_begins: bool | None = False
+        self.splitters: dict[int, ReasoningSplitter] = {}  # choice index -> its splitter
 
     def _finish_reason(self, reason: str | None, made_calls: bool) -> str | None:
         """A finished output that called tools says so (a named function's: "stop", as
@@ -315,7 +332,27 @@ class ChatHandler(_Handler):
         top = self.req.top_logprobs
         if top is not None and not self.req.logprobs:
             raise ProtocolError("top_logprobs needs logprobs=true", "top_logprobs")
-        return self.req.sampling_params(max_tokens, (top or 0) if self.req.logprobs else None)
+        params = self.req.sampling_params(max_tokens, (top or 0) if self.req.logprobs else None)
+        span = self._reasoning_span()
+        if span is not None and params.structured_outputs is not None:
+            # the constraint (response_format, or the one tool_choice implies) holds for
+            # the answer after the reasoning
+            params.structured_outputs = dataclasses.replace(params.structured_outputs,
+                                                            reasoning=span)
+        return params
+
+    def _reasoning_span(self) -> ReasoningSpan | None:
+        """Where this request's reasoning ends, in tokens; None when its output has none."""
+        if self.reasoning_parser is None or self.reasoning_begins is False:
+            return None
+        tok = self.server.tokenizer
+        end = tuple(tok.encode(THINK_END, add_special_tokens=False))
+        start = tok.encode(THINK_START, add_special_tokens=False)
+        if self.reasoning_begins:
+            return ReasoningSpan(end, opened=True)
+        if len(start) != 1:  # the output cannot open a block in one token: no reasoning
+            return None
+        return ReasoningSpan(end, start_id=start[0])
 
     def num_prompts(self) -> int:
         return 1
@@ -324,8 +361,24 @@ class ChatHandler(_Handler):
         # under tool_choice "none" the tools stay out of the prompt: no calls to tempt
         tools = self.req.tool_dicts() if self.tool_mode != "none" else None
         ids = self.server.chat_prompt_ids(self.req.conversation(),
-                                          self.req.add_generation_prompt, tools)
+                                          self.req.add_generation_prompt, tools,
+                                          self.req.template_kwargs())
+        if self.reasoning_parser is not None:
+            tail = self.server.tokenizer.decode(ids[-16:], skip_special_tokens=False)
+            self.reasoning_begins = starts_in_reasoning(self.reasoning_parser,
+                                                        prompt_state(tail))
         return [(None, ids)]
+
+    def _split(self, index: int, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, answer) deltas of choice ``index``'s new text."""
+        if self.reasoning_parser is None:
+            return "", text
+        splitter = self.splitters.setdefault(index, ReasoningSplitter(self.reasoning_begins))
+        reasoning, answer = splitter.feed(text)
+        if final:
+            more_reasoning, more_answer = splitter.finish()
+            reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        return (reasoning if self.req.include_reasoning else ""), answer
 
     def prefix_text(self, i: int) -> str:
         return ""
@@ -347,6 +400,7 @@ class ChatHandler(_Handler):
 
     def choice(self, i: int, comp: CompletionOutput, text: str, ids: list[int],
                lps: Logprobs, text_offset: int) -> dict:
+        reasoning, text = self._split(comp.index, text, comp.finish_reason is not None)
         if self.tool_mode == "none":
             delta: dict[str, Any] = {"content": text}
             made_calls = False
@@ -358,15 +412,26 @@ class ChatHandler(_Handler):
                 parts += streamer.finish()
             delta = _merge_deltas(parts)
             made_calls = streamer.made_calls
+        if reasoning:
+            if delta.get("content") == "" and "tool_calls" not in delta:
+                del delta["content"]
+            delta = {"reasoning_content": reasoning, **delta}
         return {"index": comp.index, "delta": delta, "logprobs": self._logprobs(ids, lps),
                 "finish_reason": self._finish_reason(comp.finish_reason, made_calls)}
 
     def _message(self, comp: CompletionOutput) -> tuple[dict, str | None]:
-        content, calls = parse_tool_calls(comp.text, self.tool_mode, self.tool_parser,
+        reasoning, answer = None, comp.text
+        if self.reasoning_parser is not None:
+            reasoning, answer = split_reasoning(comp.text, self.reasoning_begins)
+        content, calls = parse_tool_calls(answer, self.tool_mode, self.tool_parser,
                                           self.tool_name)
         if comp.finish_reason == "length" and self.tool_mode in ("required", "named"):
-            content, calls = comp.text, []  # cut off mid-arguments: not a call
+            content, calls = answer, []  # cut off mid-arguments: not a call
+        if reasoning is not None and content == "":
+            content = None  # all thought, no answer (yet)
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None and self.req.include_reasoning:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
         return message, self._finish_reason(comp.finish_reason, bool(calls))

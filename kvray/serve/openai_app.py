@@ -37,6 +37,7 @@ from kvray.serve.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     check_messages,
+    check_template_kwargs,
     conversation_of,
     now,
 )
@@ -280,7 +281,8 @@ class OpenAIServer:
         if req.messages is not None:
             check_messages(req.messages, self.limits)
             conv = conversation_of(req.messages)
-            ids = await self.off_loop(self.chat_prompt_ids, conv, req.add_generation_prompt)
+            ids = await self.off_loop(self.chat_prompt_ids, conv, req.add_generation_prompt,
+                                      None, check_template_kwargs(req.chat_template_kwargs))
         elif req.prompt is not None:
             self.check_prompt_text(req.prompt, "prompt")
             ids = (await self.off_loop(lambda: self.tokenizer(
@@ -303,9 +305,11 @@ class OpenAIServer:
                            f"{self.limits.max_prompt_chars} allowed", "BadRequestError", param)
 
     def chat_prompt_ids(self, conv: list[dict], add_generation_prompt: bool,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None,
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a conversation (and the tools offered, if any) through the chat
-        template (400 if it has none or rejects the messages)."""
+        template, with the request's ``chat_template_kwargs`` (400 if it has none or
+        rejects the messages)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            "BadRequestError", "messages")
@@ -314,7 +318,7 @@ class OpenAIServer:
         try:
             return list(self.tokenizer.apply_chat_template(
                 conv, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                tokenize=True, return_dict=True)["input_ids"])
+                tokenize=True, return_dict=True, **(template_kwargs or {}))["input_ids"])
         except jinja2.TemplateError as err:  # the template rejects these messages
             raise APIError(400, f"the chat template rejected the messages: {err.message}",
                            "BadRequestError", "messages") from None

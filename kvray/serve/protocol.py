@@ -280,6 +280,10 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM extras: variables for the chat template (``enable_thinking``...), and whether a
+    # reasoning parser's reasoning_content is returned
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
 
     def tool_mode(self) -> tuple[str, str | None]:
         """(``none`` | ``auto`` | ``required`` | ``named``, the named function's name)."""
@@ -321,6 +325,9 @@ class ChatCompletionRequest(_Sampling):
         except ValueError as err:
             raise ProtocolError(str(err), "tools") from None
 
+    def template_kwargs(self) -> dict[str, Any]:
+        return check_template_kwargs(self.chat_template_kwargs)
+
     def conversation(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them: text content parts joined; any
         other part (image, audio, file) is a 400, as this server runs text models."""
@@ -333,6 +340,7 @@ class ChatCompletionRequest(_Sampling):
             raise ProtocolError(f"top_logprobs = {top}: must be in [0, {limits.max_logprobs}]",
                                 "top_logprobs")
         check_messages(self.messages, limits)
+        self.template_kwargs()
 
 
 def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -382,6 +390,28 @@ def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
             "function": {"name": fn["name"], "arguments": args}}
 
 
+# What the server passes to the chat template itself: a request cannot override these.
+_TEMPLATE_OWN = frozenset({"messages", "conversation", "tools", "documents",
+                           "add_generation_prompt", "continue_final_message", "tokenize",
+                           "return_dict", "return_tensors", "chat_template", "tokenizer",
+                           "padding", "truncation", "max_length", "return_assistant_tokens_mask"})
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` as the template takes them: string keys naming template
+    variables, none of the arguments the server sets itself (a 400 naming the key)."""
+    if not kwargs:
+        return {}
+    for key in kwargs:
+        if not key.isidentifier():
+            raise ProtocolError(f"chat_template_kwargs.{key}: not a template variable name",
+                                f"chat_template_kwargs.{key}")
+        if key in _TEMPLATE_OWN:
+            raise ProtocolError(f"chat_template_kwargs.{key}: set by the server; give it as "
+                                "a request field instead", f"chat_template_kwargs.{key}")
+    return dict(kwargs)
+
+
 def check_messages(messages: list[ChatMessage], limits: ServerConfig) -> None:
     """Message count and total content size within the server's limits."""
     if len(messages) > limits.max_messages:
@@ -405,6 +435,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Request):
