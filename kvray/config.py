@@ -353,10 +353,13 @@ class ServerConfig(_Section):
         description="Streamed outputs carry this many new tokens per chunk (the first token "
         "and the last chunk go at once): fewer, larger chunks cost less per token on the "
         "way to the client (Ray hops, SSE events) at the price of a burstier stream.")
-    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic",
+                              "qwen3_coder"] = Field(
         "auto", description="How tool calls are found in a chat output under tool_choice "
-        "'auto': hermes (Qwen2/2.5/3, Hermes: <tool_call> JSON), llama3_json (Llama 3.x JSON); "
-        "auto = llama3_json for a chat template in Llama 3's tool format, else hermes.")
+        "'auto': hermes (Qwen2/2.5/3, Hermes: <tool_call> JSON), llama3_json (Llama 3.x JSON), "
+        "mistral ([TOOL_CALLS]), pythonic (Llama 3.2/4: [f(x=1)]), qwen3_coder (Qwen3-Coder's "
+        "<function=...> XML; values typed by the tool's schema); auto = the one the chat "
+        "template speaks, else hermes.")
     reasoning_parser: Literal["none", "qwen3", "deepseek_r1"] = Field(
         "none", description="Split a thinking model's <think>...</think> text from its answer "
         "on chat completions (message.reasoning_content / delta.reasoning_content): qwen3 "
