@@ -21,6 +21,9 @@ that cache prompts must not answer one load from the KV of another. The prompts 
 run a new `--seed`: a repeated run is answered from the prefix cache (at concurrency 16 on
 a 2-core Xeon: 176 instead of 124 output tok/s).
 
+Requests, loads and metrics are `kvray bench serve`'s (kvray.bench); this script adds the
+launched servers, the fresh prompts per load, the tables and the peer ratios.
+
 Usage:
     python benchmarks/serve.py [--rates 1,2,4,inf] [--concurrency N[,N...]] [--num-requests 64]
         [--base-url http://127.0.0.1:8000] [--skip-offline] [--dtype D]
@@ -33,114 +36,68 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-@dataclass
-class Result:
-    ok: bool
-    output_tokens: int = 0
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    error: str = ""
+from kvray.bench.client import Endpoint, RequestOutput  # noqa: E402
+from kvray.bench.datasets import SampleRequest  # noqa: E402
+from kvray.bench.load import run_load  # noqa: E402
+from kvray.bench.metrics import compute_metrics, output_token_count  # noqa: E402
 
 
 def workload(n: int, seed: int, prompt_len: tuple[int, int] = (32, 256),
-             output_len: tuple[int, int] = (32, 128)) -> list[tuple[list[int], int]]:
+             output_len: tuple[int, int] = (32, 128)) -> list[SampleRequest]:
     """n requests of random token ids (no special tokens), lengths uniform in the ranges."""
     rng = random.Random(seed)
-    return [([rng.randrange(100, 49000) for _ in range(rng.randint(*prompt_len))],
-             rng.randint(*output_len)) for _ in range(n)]
+    reqs = []
+    for _ in range(n):
+        prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(*prompt_len))]
+        reqs.append(SampleRequest(prompt, len(prompt), rng.randint(*output_len)))
+    return reqs
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                      max_tokens: int) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    res, last, chunks = Result(ok=False), None, 0
-    try:
-        async with client.stream("POST", url, json=body, timeout=600) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    chunks += 1
-                    if last is None:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-        res.e2e = time.perf_counter() - start
-        res.output_tokens = res.output_tokens or chunks  # a peer that reports no usage
-        res.ok = res.output_tokens == max_tokens
-        res.error = "" if res.ok else f"got {res.output_tokens}/{max_tokens} tokens"
-    except httpx.HTTPError as err:
-        res.error = repr(err)
-    return res
+def _checked(output: RequestOutput, request: SampleRequest) -> RequestOutput:
+    """A request that ended short of its ``max_tokens`` (ignore_eos is set) failed. A peer
+    that reports no usage is counted by its text chunks."""
+    got = output_token_count(output, None)
+    if output.success and got != request.output_len:
+        return replace(output, success=False, error=f"got {got}/{request.output_len} tokens")
+    return output
 
 
-async def run_load(base: str, model: str, reqs, rate: float, concurrency: int | None,
-                   seed: int) -> tuple[list[Result], float]:
-    rng = random.Random(seed)
-    url = f"{base}/v1/completions"
-    sem = asyncio.Semaphore(concurrency or len(reqs))
-    limits = httpx.Limits(max_connections=len(reqs) + 8)
-    async with httpx.AsyncClient(limits=limits) as client:
-        async def guarded(prompt, max_tokens):
-            async with sem:
-                return await one_request(client, url, model, prompt, max_tokens)
-
-        start = time.perf_counter()
-        tasks = []
-        for prompt, max_tokens in reqs:
-            tasks.append(asyncio.create_task(guarded(prompt, max_tokens)))
-            if rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-    return results, time.perf_counter() - start
+def measure(base: str, model: str, reqs: list[SampleRequest], rate: float,
+            concurrency: int | None, seed: int) -> tuple[list[RequestOutput], float]:
+    """One load through :func:`kvray.bench.load.run_load`: greedy, EOS ignored."""
+    endpoint = Endpoint(f"{base}/v1/completions", "openai", model,
+                        extra_body={"temperature": 0, "ignore_eos": True})
+    outputs, duration = asyncio.run(run_load(endpoint, reqs, rate, 1.0, concurrency, seed))
+    return [_checked(o, r) for o, r in zip(outputs, reqs, strict=True)], duration
 
 
-def _stats(values: list[float]) -> tuple[float, float, float]:
-    if not values:
-        return (float("nan"),) * 3
-    ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
-    return statistics.mean(values) * 1e3, statistics.median(values) * 1e3, p99 * 1e3
+def summarize(label: str, outputs: list[RequestOutput], duration: float) -> dict:
+    metrics = compute_metrics(outputs, duration, [99.0])
 
+    def ms(name: str) -> tuple[float, float, float]:
+        stats = metrics.stats[name]
+        return stats.mean, stats.median, stats.percentiles[99.0]
 
-def summarize(label: str, results: list[Result], duration: float) -> dict:
-    ok = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    row = {"load": label, "ok": len(ok), "failed": len(results) - len(ok),
-           "duration_s": duration, "req_s": len(ok) / duration, "out_tok_s": out_tokens / duration,
-           "ttft": _stats([r.ttft for r in ok]), "tpot": _stats(tpot),
-           "itl": _stats([x for r in ok for x in r.itl]), "e2e": _stats([r.e2e for r in ok])}
-    errors = {r.error for r in results if not r.ok}
+    row = {"load": label, "ok": metrics.completed, "failed": metrics.failed,
+           "duration_s": duration, "req_s": metrics.request_throughput,
+           "out_tok_s": metrics.output_throughput, "ttft": ms("ttft"), "tpot": ms("tpot"),
+           "itl": ms("itl"), "e2e": ms("e2el")}
+    errors = {o.error for o in outputs if not o.success}
     if errors:
         print(f"  {label}: errors {sorted(errors)[:3]}")
     print(f"  {label}: {row['out_tok_s']:.1f} output tok/s, p99 TTFT {row['ttft'][2]:.0f} ms, "
@@ -203,9 +160,10 @@ def offline(reqs, dtype: str, model: str | None = None) -> float:
 
     llm = LLM(model=model, dtype=dtype)
     llm.generate([{"prompt_token_ids": [5] * 16}], SamplingParams(max_tokens=4), use_tqdm=False)
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
+              for r in reqs]
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": r.prompt} for r in reqs], params, use_tqdm=False)
     wall = time.perf_counter() - start
     llm.shutdown()
     return sum(len(o.outputs[0].token_ids) for o in outs) / wall
@@ -217,7 +175,7 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def load_workload(n: int, seed: int, load: str, prompt_len: tuple[int, int],
-                  output_len: tuple[int, int]) -> list[tuple[list[int], int]]:
+                  output_len: tuple[int, int]) -> list[SampleRequest]:
     """The requests of one load: fresh prompts per load (and per warm-up), the same for
     every server. A server that caches prompts (kvray's prefix cache, llama-server's slot
     cache) would otherwise answer a later load's prompts from an earlier load's KV and
@@ -233,17 +191,17 @@ def run_loads(base: str, n: int, rates: list[str], concurrencies: list[int], see
     on its own prompts (:func:`load_workload`)."""
     model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
     warmup = load_workload(4, seed, "warm-up", prompt_len, output_len)
-    asyncio.run(run_load(base, model, warmup, float("inf"), None, 0))
+    measure(base, model, warmup, float("inf"), None, 0)
     rows = []
     for rate_text in rates:
         load = f"rate {rate_text} req/s"
         reqs = load_workload(n, seed, load, prompt_len, output_len)
-        results, dur = asyncio.run(run_load(base, model, reqs, float(rate_text), None, seed))
+        results, dur = measure(base, model, reqs, float(rate_text), None, seed)
         rows.append(summarize(f"{label}{load}", results, dur))
     for conc in concurrencies:
         load = f"concurrency {conc}"
         reqs = load_workload(n, seed, load, prompt_len, output_len)
-        results, dur = asyncio.run(run_load(base, model, reqs, float("inf"), conc, seed))
+        results, dur = measure(base, model, reqs, float("inf"), conc, seed)
         rows.append(summarize(f"{label}{load}", results, dur))
     return rows
 

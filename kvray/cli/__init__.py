@@ -56,11 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 
+    from kvray.bench.cli import add_bench_parser
     from kvray.ops.cluster import add_cluster_parser
     from kvray.ops.grafana import add_grafana_parser
 
     add_cluster_parser(sub)
     add_grafana_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
