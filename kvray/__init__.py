@@ -6,11 +6,12 @@
 from kvray.config import ConfigError, EngineConfig, load_config
 from kvray.lora.request import LoRARequest
 from kvray.outputs import CompletionOutput, RequestOutput
-from kvray.sampling_params import SamplingParams
+from kvray.sampling_params import PoolingParams, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "ConfigError", "EngineConfig", "LoRARequest",
-           "RequestOutput", "SamplingParams", "load_config", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "ConfigError", "EngineConfig",
+           "LoRARequest", "PoolingParams", "RequestOutput", "SamplingParams", "load_config",
+           "__version__"]
 
 
 def __getattr__(name: str):
@@ -19,4 +20,8 @@ def __getattr__(name: str):
         from kvray.engine.llm import LLM
 
         return LLM
+    if name == "BeamSearchParams":  # the engine layer: imported when asked for
+        from kvray.engine.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     raise AttributeError(f"module 'kvray' has no attribute {name!r}")

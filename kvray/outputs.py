@@ -73,6 +73,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(repr=False, default=None)
+    # a pooling request's embedding or class logits (on its final output)
+    pooled: list[float] | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Fold a later DELTA output of the same request into this one (``later`` is left
@@ -92,3 +94,5 @@ class RequestOutput:
         self.outputs = sorted(by_index.values(), key=lambda c: c.index)
         self.finished = later.finished
         self.metrics = later.metrics
+        if later.pooled is not None:
+            self.pooled = later.pooled

@@ -108,6 +108,38 @@ class StructuredOutputsParams:
         return kind, text
 
 
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding or classification request: the prompt's hidden states pooled into one
+    vector instead of text (prefill only; the one token the step samples is dropped).
+
+    Attributes:
+        task: ``embed`` (the pooled final hidden state) or ``classify`` (the classification
+            head's logits at the pooled position: a ``*ForSequenceClassification`` model).
+        pooling_type: ``last`` token, ``mean`` over the prompt, or the first (``cls``);
+            None = the model's (its sentence-transformers pooling config, else ``last``).
+        normalize: L2-normalise the embedding; None = the model's choice.
+        dimensions: keep the first ``dimensions`` values (Matryoshka), then normalise.
+    """
+
+    task: str = "embed"
+    pooling_type: str | None = None
+    normalize: bool | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.task in ("embed", "classify"), "task", self.task,
+               "must be embed or classify")
+        _check(self.pooling_type is None or self.pooling_type in POOLING_TYPES,
+               "pooling_type", self.pooling_type, f"must be one of {', '.join(POOLING_TYPES)}")
+        _check(self.dimensions is None or (isinstance(self.dimensions, int)
+                                           and self.dimensions >= 1),
+               "dimensions", self.dimensions, "must be a positive integer")
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request and when to stop.
@@ -133,6 +165,8 @@ class SamplingParams:
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
             (a dict is read as :class:`StructuredOutputsParams`' fields). A constrained
             request also ends at EOS once its grammar is complete, even with ignore_eos.
+        pooling: an embedding / classification request (:class:`PoolingParams`): its
+            output's ``pooled`` holds the vector; it generates nothing.
     """
 
     n: int = 1
@@ -156,6 +190,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    pooling: PoolingParams | None = None
     # Filled by the engine: the model's EOS ids (ignored when ignore_eos).
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 

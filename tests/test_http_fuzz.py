@@ -265,6 +265,20 @@ ENDPOINT_FIELDS: dict[str, dict[str, st.SearchStrategy]] = {
         "max_completion_tokens": st.sampled_from([0, -1, 2, 10**30, None]) | hostile,
         "add_generation_prompt": hostile, "tools": json_values, "tool_choice": json_values,
     },
+    "/v1/responses": {
+        "model": hostile_str, "temperature": SAMPLING_FIELDS["temperature"],
+        "top_p": SAMPLING_FIELDS["top_p"], "stream": SAMPLING_FIELDS["stream"],
+        "input": hostile_str | messages | st.lists(json_values, max_size=3) | st.sampled_from(
+            [[], [{"type": "function_call", "call_id": 1}], [{"type": "reasoning"}],
+             [{"type": "function_call_output", "call_id": "c", "output": [{"x": 1}]}],
+             [{"role": "developer", "content": [{"type": "input_text", "text": 5}]}]]),
+        "instructions": hostile_str, "max_output_tokens": st.sampled_from(
+            [0, -1, 2, 10**30, None]) | hostile, "tools": json_values,
+        "tool_choice": json_values, "text": json_values | st.sampled_from(
+            [{"format": {"type": "json_schema", "schema": 1}}, {"format": "x"},
+             {"format": {"type": "json_schema", "schema": {"type": "nope"}}}]),
+        "previous_response_id": hostile_str, "background": hostile, "metadata": json_values,
+    },
     "/tokenize": {"model": hostile_str, "prompt": hostile_str, "messages": messages,
                   "add_special_tokens": hostile, "add_generation_prompt": hostile},
     "/detokenize": {"model": hostile_str,
@@ -275,6 +289,7 @@ VALID = {
     "/v1/completions": {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0},
     "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                              "max_tokens": 2},
+    "/v1/responses": {"model": MODEL, "input": "Hi", "max_output_tokens": 2},
     "/tokenize": {"model": MODEL, "prompt": "Hello"},
     "/detokenize": {"model": MODEL, "tokens": [1, 2, 3]},
 }

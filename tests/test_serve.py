@@ -1,5 +1,5 @@
 """`kvray serve` on a real local Ray cluster (loopback), exercised with the official `openai`
-client and raw HTTP: completions and chat, streaming, n, logprobs, stops, seeds, usage,
+client and raw HTTP: completions, chat and responses, streaming, n, logprobs, stops, seeds, usage,
 concurrency, client disconnects, metrics and every error case — through both front ends
 (Ray Serve's, ``--ingress replica`` and ``--ingress process``)."""
 
@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from kvray import LLM, SamplingParams
+from kvray import LLM, PoolingParams, SamplingParams
 from tests.helpers.server import API_KEY, launch_server, openai_client
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -317,6 +317,163 @@ def test_tokenize_detokenize_version(server, model_name):
     text = _post(server, "/detokenize", {"model": model_name, "tokens": ids["tokens"]}).json()
     assert text["prompt"] == "Hello world"
     assert httpx.get(f"{server}/version").json()["version"]
+
+
+def test_beam_search_completions_equal_offline_beam_search(client, model_name, model_dir):
+    from kvray import BeamSearchParams
+
+    prompts = ["Hello world", "The capital of France is"]
+    got = client.completions.create(model=model_name, prompt=prompts, max_tokens=6, n=2,
+                                    extra_body={"use_beam_search": True, "best_of": 3,
+                                                "length_penalty": 0.5})
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, max_model_len=256)
+    want = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=6,
+                                                     length_penalty=0.5))
+    llm.shutdown()
+    texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
+    assert texts == [s.text for w in want for s in w.sequences[:2]]
+    assert got.usage.completion_tokens == sum(len(s.token_ids) for w in want
+                                              for s in w.sequences[:2])
+    streamed = list(client.completions.create(
+        model=model_name, prompt=prompts[0], max_tokens=6, n=2, stream=True,
+        extra_body={"use_beam_search": True, "best_of": 3, "length_penalty": 0.5}))
+    assert [c.choices[0].text for c in streamed] == texts[:2]
+    for body, param in [({"best_of": 1, "n": 2, "use_beam_search": True}, "best_of"),
+                        ({"best_of": 3}, "best_of"),
+                        ({"use_beam_search": True, "logprobs": 2}, "logprobs"),
+                        ({"use_beam_search": True, "stop": ["x"]}, "stop"),
+                        ({"use_beam_search": True, "best_of": 11}, "best_of")]:
+        resp = httpx.post(f"{client.base_url}completions",
+                          json={"model": model_name, "prompt": "Hi", "max_tokens": 3, **body},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_embeddings_equal_offline_and_rerank_orders_by_them(client, server, model_name,
+                                                            model_dir):
+    texts = ["Hello world", "The capital of France is Paris."]
+    got = client.embeddings.create(model=model_name, input=texts)  # base64 on the wire
+    floats = client.embeddings.create(model=model_name, input=texts, encoding_format="float",
+                                      dimensions=16)
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, max_model_len=256)
+    want = llm.embed(texts, use_tqdm=False)
+    cut = llm.embed(texts, PoolingParams(dimensions=16), use_tqdm=False)
+    llm.shutdown()
+    for g, w in zip(got.data, want, strict=True):
+        assert max(abs(a - b) for a, b in zip(g.embedding, w, strict=True)) < 1e-5
+    for g, w in zip(floats.data, cut, strict=True):
+        assert len(g.embedding) == 16
+        assert max(abs(a - b) for a, b in zip(g.embedding, w, strict=True)) < 1e-5
+    assert got.usage.prompt_tokens == got.usage.total_tokens > 0
+    resp = httpx.post(f"{server}/v1/rerank", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": model_name, "query": texts[0], "documents": texts},
+                      timeout=60)
+    assert resp.status_code == 200, resp.text
+    results = resp.json()["results"]
+    assert results[0]["index"] == 0 and abs(results[0]["relevance_score"] - 1) < 1e-5
+
+
+# ---- /v1/responses (the stateless subset) ----------------------------------------------
+ANSWER_SCHEMA = {"type": "object", "additionalProperties": False,
+                 "properties": {"city": {"type": "string", "maxLength": 12},
+                                "sunny": {"type": "boolean"}},
+                 "required": ["city", "sunny"]}
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+                "parameters": {"type": "object", "additionalProperties": False,
+                               "properties": {"city": {"type": "string", "maxLength": 12}},
+                               "required": ["city"]}}
+
+
+def test_responses_plain_equals_the_chat_completion(client, model_name):
+    resp = client.responses.create(model=model_name, input="Hello there",
+                                   instructions="Be brief.", max_output_tokens=12,
+                                   temperature=0)
+    chat = client.chat.completions.create(
+        model=model_name, max_tokens=12, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Hello there"}])
+    assert resp.object == "response" and resp.id.startswith("resp")
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.status == ("incomplete" if chat.choices[0].finish_reason == "length"
+                           else "completed")
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    assert resp.model == model_name and resp.store is False
+
+
+def test_responses_streamed_events_rebuild_the_whole_response(client, model_name):
+    kwargs = dict(model=model_name, max_output_tokens=10, temperature=0,
+                  input=[{"role": "developer", "content": "Answer."},
+                         {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}])
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text
+    final = events[-1].response
+    assert final.output_text == whole.output_text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert "response.output_item.done" in kinds and "response.content_part.added" in kinds
+
+
+def test_responses_json_schema_output_validates(client, model_name):
+    import jsonschema
+
+    for seed in (0, 1):
+        resp = client.responses.create(
+            model=model_name, input="Weather in Paris as JSON", max_output_tokens=60,
+            temperature=1.0, extra_body={"seed": seed},
+            text={"format": {"type": "json_schema", "name": "weather",
+                             "schema": ANSWER_SCHEMA, "strict": True}})
+        assert resp.status == "completed"
+        jsonschema.validate(json.loads(resp.output_text), ANSWER_SCHEMA)
+
+
+def test_responses_function_tool_round_trip(client, model_name):
+    first = client.responses.create(model=model_name, input="Weather in Paris?",
+                                    tools=[WEATHER_TOOL], tool_choice="required",
+                                    max_output_tokens=150, temperature=0)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather"
+    assert isinstance(json.loads(calls[0].arguments)["city"], str)
+    streamed = list(client.responses.create(model=model_name, input="Weather in Paris?",
+                                            tools=[WEATHER_TOOL], tool_choice="required",
+                                            max_output_tokens=150, temperature=0, stream=True))
+    args = "".join(e.delta for e in streamed
+                   if e.type == "response.function_call_arguments.delta")
+    assert args == calls[0].arguments
+    done = [e.item for e in streamed if e.type == "response.output_item.done"]
+    assert [(i.name, i.arguments) for i in done if i.type == "function_call"] == [
+        (calls[0].name, calls[0].arguments)]
+    # the call and its result go back as input items; the model answers in text
+    second = client.responses.create(
+        model=model_name, tools=[WEATHER_TOOL], max_output_tokens=8, temperature=0,
+        input=[{"role": "user", "content": "Weather in Paris?"},
+               {"type": "function_call", "call_id": calls[0].call_id,
+                "name": calls[0].name, "arguments": calls[0].arguments},
+               {"type": "function_call_output", "call_id": calls[0].call_id,
+                "output": json.dumps({"sunny": True})}],
+        tool_choice="none")
+    assert second.status in ("completed", "incomplete") and second.output_text is not None
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content.0"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
+    ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"input": []}, "input"),
+])
+def test_responses_errors_are_400s_naming_the_field(server, model_name, body, param):
+    resp = httpx.post(f"{server}/v1/responses", json={"model": model_name, **body},
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
 
 
 def test_the_engine_is_built_on_the_thread_that_steps_it(model_dir):

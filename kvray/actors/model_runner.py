@@ -85,6 +85,7 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.spec)
         self.block_size = config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
+        self.pool_sums: dict[str, torch.Tensor] = {}  # pooling requests' partial sums
         self.generators: dict[str, torch.Generator] = {}  # survive preemption
         self.default_generator = torch.Generator(device).manual_seed(config.model.seed)
         self.cache: CacheEngine | None = None
@@ -200,6 +201,7 @@ class ModelRunner:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
             self.generators.pop(req_id, None)
+            self.pool_sums.pop(req_id, None)
             if self.drafter is not None:
                 self.drafter.forget(req_id)
         for req_id in out.preempted_req_ids:
@@ -337,8 +339,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_index])
         if not self.ctx.is_output_rank:
             return None
+        pooled = self._pool(inputs, out, hidden)
         result = self._sample(inputs, logits, prompt_logprobs,
                               bitmask.result() if bitmask is not None else None)
+        result.pooled = pooled
         if self.drafter is not None:
             result.draft_token_ids = self._propose_drafts(out, result)
         return result
@@ -495,6 +499,47 @@ class ModelRunner:
                     if k and top_ids is not None else {}
                 entries.append({tok: lps[at + j], **top})
             logprobs[state.req_id] = entries
+
+    def _pool(self, inputs: StepInputs, out: SchedulerOutput, hidden: torch.Tensor
+              ) -> dict[str, list[float]]:
+        """Pooling requests: fold this chunk's final hidden states into the request's
+        vector; once its prompt is complete, the vector (the classification head's logits
+        for ``classify``), cut to ``dimensions`` and normalised as asked. A mean's running
+        sum outlives a swap-out (kept until the request finishes); a request that
+        recomputes starts it again at token 0."""
+        result = {}
+        for b, req_id in enumerate(inputs.req_ids):
+            state = self.requests[req_id]
+            pooling = state.params.pooling
+            start, num_prompt = state.num_computed_tokens, state.num_prompt_tokens
+            if pooling is None or start >= num_prompt:
+                continue
+            end = min(start + out.num_scheduled_tokens[req_id], num_prompt)
+            first = inputs.token_starts[b]
+            rows = hidden[first:first + end - start].float()
+            if pooling.pooling_type == "mean":
+                total = rows.sum(0)
+                if start > 0:
+                    total += self.pool_sums[req_id]
+                self.pool_sums[req_id] = total
+            elif pooling.pooling_type == "cls" and start == 0:
+                self.pool_sums[req_id] = rows[0]
+            if end < num_prompt:
+                continue
+            if pooling.pooling_type == "last":
+                vector = rows[-1]
+            else:
+                vector = self.pool_sums.pop(req_id)
+                if pooling.pooling_type == "mean":
+                    vector = vector / num_prompt
+            if pooling.task == "classify":
+                vector = self.model.classify(vector[None])[0]
+            if pooling.dimensions is not None:
+                vector = vector[:pooling.dimensions]
+            if pooling.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=0)
+            result[req_id] = vector.tolist()
+        return result
 
     def _prompt_logprobs(self, inputs: StepInputs, out: SchedulerOutput, hidden: torch.Tensor
                          ) -> dict[str, tuple[int, list[dict[int, float] | None]]]:

@@ -11,10 +11,17 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kvray.config import EngineConfig, config_from_flat, load_config
+from kvray.engine.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    run_beam_searches,
+    top_logprobs_of,
+)
 from kvray.engine.llm_engine import LLMEngine, PromptType
 from kvray.lora.request import LoRARequest
 from kvray.outputs import RequestOutput
-from kvray.sampling_params import RequestOutputKind, SamplingParams
+from kvray.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -103,6 +110,55 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam-search every prompt (forms as :meth:`generate` takes them); one output per
+        prompt, in input order, each with ``params.beam_width`` sequences best first.
+
+        Runs above the engine (:mod:`kvray.engine.beam_search`): each step is one
+        ``generate`` call with a one-token request per live beam of every prompt, which the
+        prefix cache serves from the blocks of the prompt and the beam's earlier tokens.
+        """
+        if isinstance(prompts, str | dict) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        searches = []
+        for prompt in prompts:
+            text, ids = engine._tokenize(prompt)
+            searches.append(BeamSearch(ids, params, engine.eos_token_ids, text,
+                                       engine.max_model_len))
+
+        def run_step(batch: list[list[int]], step_params: list[SamplingParams]):
+            outs = self.generate([{"prompt_token_ids": p} for p in batch], step_params,
+                                 use_tqdm=False)
+            return [top_logprobs_of(out) for out in outs]
+
+        run_beam_searches(searches, run_step)
+        return [search.output(self.get_tokenizer()) for search in searches]
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True
+              ) -> list[list[float]]:
+        """Each prompt's embedding: the final hidden states pooled as the model says (its
+        sentence-transformers config, else the last token, normalised) or as
+        ``pooling_params`` asks."""
+        outs = self._pool(prompts, pooling_params or PoolingParams(), use_tqdm)
+        return [out.pooled for out in outs]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
+                 ) -> list[list[float]]:
+        """Each prompt's class logits from a ``*ForSequenceClassification`` model."""
+        return [out.pooled for out in self._pool(prompts, PoolingParams(task="classify"),
+                                                 use_tqdm)]
+
+    def _pool(self, prompts: PromptType | Sequence[PromptType], pooling: PoolingParams,
+              use_tqdm: bool) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self.generate(prompts, SamplingParams(pooling=pooling), use_tqdm)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}
@@ -131,22 +187,25 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them via the chat template;
         ``tools`` (OpenAI's function specs) go to the template as vLLM's ``LLM.chat`` passes
         them. The reply is text: :func:`kvray.serve.tools.parse_tool_calls` finds calls in
-        it, and ``structured_outputs={"json": required_schema(...)}`` forces them."""
+        it, and ``structured_outputs={"json": required_schema(...)}`` forces them.
+        ``chat_template_kwargs`` are further template variables (``enable_thinking``)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         if not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate()")
         prompts = []
         for conv in convs:
+            extra = chat_template_kwargs or {}
             ids = tok.apply_chat_template(conv, tools=tools,
                                           add_generation_prompt=add_generation_prompt,
-                                          tokenize=True, return_dict=True)["input_ids"]
+                                          tokenize=True, return_dict=True, **extra)["input_ids"]
             text = tok.apply_chat_template(conv, tools=tools,
                                            add_generation_prompt=add_generation_prompt,
-                                           tokenize=False)
+                                           tokenize=False, **extra)
             prompts.append({"prompt_token_ids": list(ids), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -24,6 +24,7 @@ from kvray.errors import EngineUnavailableError, InvalidRequestError
 from kvray.lora.manager import LoRARegistry
 from kvray.lora.request import LoRARequest
 from kvray.models.default_model import resolve_model_path, with_builtin_model
+from kvray.models.pooling import model_pooling
 from kvray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
 from kvray.scheduler.kv_tier import KVTier, LocalKVTier
@@ -69,6 +70,7 @@ class _Parent:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_sent_prompt_logprobs: int = 0  # DELTA
     prompt_sent: bool = False  # DELTA: the prompt went out with the first output
+    pooled: list[float] | None = None  # a pooling request's vector, once computed
 
     @property
     def finished(self) -> bool:
@@ -118,6 +120,9 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        self.pooling = model_pooling(local_model_path(self.model_path,
+                                                      config.model.share_weights),
+                                     classify=self.spec.head == "classify")
 
     def _startup_report(self, workers_s: float, kv_s: float, total_s: float) -> dict:
         """Where the engine's start-up went, logged once: workers (their processes, the
@@ -253,6 +258,12 @@ class LLMEngine:
         self._check_token_ids(list(params.logit_bias or {}), "logit_bias", "logit_bias")
         self._check_token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
+        if params.pooling is not None:
+            params = self._pooling_params(params)
+        elif self.spec.is_pooling_model:
+            raise InvalidRequestError(
+                f"this model ({self.spec.architecture}) is a pooling model: it serves "
+                "embeddings and scores, not generated text", "model")
         if params.structured_outputs is not None:  # an invalid grammar is the client's 400
             self._grammar_compiler().compile(params.structured_outputs)
         lora_id = self._lora_id(lora_request)
@@ -278,6 +289,28 @@ class LLMEngine:
             self._child_to_parent[child.request_id] = (request_id, i)
         self._parents[request_id] = parent
         self._update_gauges()
+
+    def _pooling_params(self, params: SamplingParams) -> SamplingParams:
+        """A pooling request as the engine runs it: the model's pooling where the request
+        leaves it open, prefill plus one greedy token (dropped); InvalidRequestError naming
+        the field it cannot serve."""
+        pooling = params.pooling
+        if pooling.task == "classify" and self.spec.head != "classify":
+            raise InvalidRequestError(
+                f"this model ({self.spec.architecture}) has no classification head; "
+                "scores need a *ForSequenceClassification model", "model")
+        size = self.spec.num_labels if pooling.task == "classify" else self.spec.hidden_size
+        if pooling.dimensions is not None and pooling.dimensions > size:
+            raise InvalidRequestError(f"dimensions = {pooling.dimensions}: this model's "
+                                      f"vectors have {size}", "dimensions")
+        pooling = dataclasses.replace(
+            pooling, pooling_type=pooling.pooling_type or self.pooling.pooling_type,
+            normalize=self.pooling.normalize if pooling.normalize is None
+            else pooling.normalize)
+        return dataclasses.replace(
+            params, pooling=pooling, n=1, max_tokens=1, min_tokens=0, temperature=0.0,
+            logprobs=None, prompt_logprobs=None, structured_outputs=None, stop=[],
+            stop_token_ids=[], logit_bias=None)
 
     def _lora_id(self, lora_request: LoRARequest | str | None) -> int:
         """The registered id of the adapter a request names (0: none), its weights in host
@@ -343,6 +376,7 @@ class LLMEngine:
         self._record_step(out, elapsed)
         updated = self.scheduler.update_from_output(out, result)
         touched = self._apply_prompt_logprobs(result)
+        touched |= self._apply_pooled(result)
         touched |= self._apply_tokens(updated, result)
         self._update_gauges()
         return self._outputs_of(touched)
@@ -412,6 +446,17 @@ class LLMEngine:
             s.decode_tokens += len(out.num_scheduled_tokens)
             s.decode_context_tokens += sum(reqs[r].num_computed_tokens + 1
                                            for r in out.num_scheduled_tokens)
+
+    def _apply_pooled(self, result: ModelRunnerOutput) -> set[str]:
+        """Keep each pooling request's vector for its final output."""
+        touched = set()
+        for req_id, vector in result.pooled.items():
+            parent_id, _ = self._child_to_parent.get(req_id, (None, 0))
+            parent = self._parents.get(parent_id)
+            if parent is not None:
+                parent.pooled = vector
+                touched.add(parent_id)
+        return touched
 
     def _apply_prompt_logprobs(self, result: ModelRunnerOutput) -> set[str]:
         touched = set()
@@ -529,7 +574,7 @@ class LLMEngine:
                 prompt_lps = prompt_lps[parent.num_sent_prompt_logprobs:]
                 parent.num_sent_prompt_logprobs += len(prompt_lps)
         return RequestOutput(parent.request_id, prompt, prompt_ids, prompt_lps, outs,
-                             parent.finished, self._metrics(parent))
+                             parent.finished, self._metrics(parent), parent.pooled)
 
     def _cumulative_completion(self, index: int, seq: _Sequence) -> CompletionOutput:
         req = seq.request

@@ -347,6 +347,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(ctx, spec.vocab_size, spec.hidden_size, dtype)
             if spec.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
+        # a sequence-classification head (whole on every rank of the last stage: it is small)
+        self.score = None
+        if ctx.is_last_stage and spec.head == "classify":
+            self.score = nn.Linear(spec.hidden_size, spec.num_labels, bias=False, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor | None, meta: AttentionMetadata,
                 hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -360,6 +364,11 @@ class LlamaForCausalLM(nn.Module):
         if cap is not None:  # Gemma 2: tanh(logits / cap) * cap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The classification head's logits of pooled hidden states (fp32)."""
+        assert self.score is not None, "not a sequence-classification model"
+        return F.linear(pooled.to(self.score.weight.dtype), self.score.weight).float()
 
 
 def use_fused_decode_layer(model: nn.Module, kernel: Callable[..., tuple], max_rows: int,

@@ -109,9 +109,12 @@ def load_weights(model: LlamaForCausalLM,
     start, end = model.model.start_layer, model.model.end_layer
     filled: set[str] = set()
     unexpected: list[str] = []
+    base_only = model.spec.head == "embed"  # a *Model checkpoint may omit the "model."
     for name, tensor in _unfused(weights, model.spec):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
+        if base_only and not name.startswith(("model.", "lm_head.")):
+            name = "model." + name
         m = _LAYER_RE.match(name)
         if m and not start <= int(m.group(1)) < end:
             continue  # another pipeline stage's layer
@@ -197,7 +200,8 @@ def _expert_keys(param: str, num_experts: int) -> list[str]:
 
 def _belongs_to_other_stage(name: str, model: LlamaForCausalLM) -> bool:
     return (name.startswith("model.embed_tokens.") and model.model.embed_tokens is None) or (
-        (name.startswith("model.norm.") or name.startswith("lm_head.")) and model.lm_head is None)
+        (name.startswith("model.norm.") or name.startswith("lm_head.")) and model.lm_head is None
+    ) or (name.startswith("score.") and model.score is None and model.spec.head == "classify")
 
 
 def _expected_keys(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter]) -> set[str]:

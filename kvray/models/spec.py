@@ -24,6 +24,14 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
 }
+# Pooling models of the dense families: the base model alone (``*Model``: embedding
+# checkpoints such as sentence-transformers' decoders) and ``*ForSequenceClassification``
+# (a ``score`` head of num_labels rows over the last token: rerankers, classifiers).
+POOLING_HEADS = {"Model": "embed", "ForSequenceClassification": "classify"}
+for _stem, _family in (("Llama", "llama"), ("Mistral", "mistral"), ("Qwen2", "qwen2"),
+                       ("Qwen3", "qwen3")):
+    for _suffix in POOLING_HEADS:
+        SUPPORTED_ARCHITECTURES[f"{_stem}{_suffix}"] = _family
 _GEMMA_FAMILIES = ("gemma2", "gemma3")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -69,6 +77,15 @@ class ModelSpec:
     attn_logit_softcap: float | None = None  # tanh(s / cap) * cap on attention scores
     final_logit_softcap: float | None = None  # ... and on the logits
     local_rope_theta: float | None = None  # sliding-window layers' own rope base (Gemma 3)
+    # lm: a language model; embed: the base model only (pooling; the LM head borrows the
+    # embeddings); classify: a score head of num_labels rows (pooling)
+    head: str = "lm"
+    num_labels: int = 0
+
+    @property
+    def is_pooling_model(self) -> bool:
+        """Serves embeddings / scores only: no language-model head of its own."""
+        return self.head != "lm"
 
     def is_moe_layer(self, i: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[i]
@@ -93,6 +110,8 @@ class ModelSpec:
         theta, scaling, local_theta = _rope(config)
         num_heads = config.num_attention_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
+        head = next((h for suffix, h in POOLING_HEADS.items()
+                     if arch.endswith(suffix) and not arch.endswith("ForCausalLM")), "lm")
         return cls(
             architecture=arch,
             vocab_size=config.vocab_size,
@@ -106,7 +125,8 @@ class ModelSpec:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            tie_word_embeddings=head != "lm" or bool(getattr(config, "tie_word_embeddings",
+                                                                 False)),
             qkv_bias=(bool(getattr(config, "qkv_bias", True))
                       if family in ("qwen2", "qwen2_moe") else attention_bias),
             o_bias=False if family in ("qwen2", "qwen2_moe") else attention_bias,
@@ -120,6 +140,8 @@ class ModelSpec:
             hidden_act=act,
             local_rope_theta=local_theta,
             **(_gemma_fields(config, family) if family in _GEMMA_FAMILIES else {}),
+            head=head,
+            num_labels=int(getattr(config, "num_labels", 0) or 0) if head == "classify" else 0,
         )
 
 

@@ -290,8 +290,12 @@ class KVCacheManager:
             yield num_freed
 
     def uses_cache(self, request: Request) -> bool:
-        # Prompt logprobs need every prompt position computed, so such a request never hits.
-        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+        # Prompt logprobs, and mean or first-token pooling, need every prompt position (or
+        # the first) computed, so such a request never hits; last-token pooling may.
+        params = request.sampling_params
+        pooling = params.pooling
+        return self.enable_prefix_caching and params.prompt_logprobs is None and (
+            pooling is None or pooling.pooling_type == "last")
 
     def num_shared_prefix_tokens(self, request: Request) -> int:
         """Computed tokens at the start of ``request`` in cached blocks that another request

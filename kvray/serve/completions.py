@@ -29,7 +29,12 @@ from kvray.serve.reasoning import (
     split_reasoning,
     starts_in_reasoning,
 )
-from kvray.serve.tools import ToolCallStreamer, parse_tool_calls, pick_parser
+from kvray.serve.tools import (
+    ToolCallStreamer,
+    keeps_special_tokens,
+    parse_tool_calls,
+    pick_parser,
+)
 
 Logprobs = list[dict[int, float]] | None
 T = TypeVar("T")
@@ -39,6 +44,8 @@ class ServerContext(Protocol):
     """What a handler uses of the server it runs in (the OpenAI app's server is one)."""
 
     model_name: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]  # the ids that end a sequence (beam search)
     limits: ServerConfig  # bounds every request
     tokenizer: Any  # the model's Hugging Face tokenizer
 
@@ -162,6 +169,20 @@ class _Handler:
                 "total_tokens": prompt + completion}
 
     async def run(self):
+        """The whole response, or a streaming response of SSE chunks."""
+        streams, firsts = await self.submit()
+        if self.req.stream:
+            return streaming_response(self._sse(streams, firsts))
+        return self.response(await self.finals(streams))
+
+    async def finals(self, streams) -> list[RequestOutput]:
+        """Each prompt's folded output, once all have finished."""
+        await drain(streams)
+        return [self.totals[i] for i in range(len(streams))]
+
+    async def submit(self) -> tuple[list, list]:
+        """Check the request, put its prompts into the engine; their streams and first
+        outputs (a bad or refused prompt fails here: 4xx / 503)."""
         self.req.check_limits(self.server.limits, self.num_prompts())  # 400 naming the field
         prompts = await self.server.off_loop(self.prompt_ids)
         streams = []
@@ -180,12 +201,16 @@ class _Handler:
             for s in streams:  # requests already queued for other prompts
                 await s.aclose()
             raise failed[0]
-        if self.req.stream:
-            return streaming_response(self._sse(streams, firsts))
-        await drain(streams)
-        return self.response([self.totals[i] for i in range(len(streams))])
+        return streams, firsts
 
     async def _sse(self, streams, firsts) -> AsyncIterator[str]:
+        async for chunk in self.chunks(streams, firsts):
+            yield sse(chunk)
+        yield sse("[DONE]")
+
+    async def chunks(self, streams, firsts) -> AsyncIterator[dict]:
+        """The stream's chunks as dicts, the usage chunk if asked for last; an error after
+        the first output ends it with OpenAI's error body (a dict with ``error``)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, first, stream):
@@ -201,7 +226,7 @@ class _Handler:
                  for i, (f, s) in enumerate(zip(firsts, streams, strict=True))]
         try:
             for chunk in self.first_chunks():
-                yield sse(chunk)
+                yield chunk
             done = 0
             while done < len(tasks):
                 i, out = await queue.get()
@@ -210,15 +235,14 @@ class _Handler:
                     continue
                 if isinstance(out, Exception):  # headers are sent: end the stream with it
                     api = api_error_from(out)
-                    yield sse(error_body(api.message, api.err_type, api.status, api.param))
+                    yield error_body(api.message, api.err_type, api.status, api.param)
                     break
                 for chunk in self.delta_chunks(i, out):
-                    yield sse(chunk)
+                    yield chunk
             opts = self.req.stream_options
             if opts is not None and opts.include_usage:
                 totals = [self.totals[i] for i in sorted(self.totals)]
-                yield sse(self.envelope(self.chunk_name, [], usage=self.usage(totals)))
-            yield sse("[DONE]")
+                yield self.envelope(self.chunk_name, [], usage=self.usage(totals))
         finally:
             for t in tasks:  # client gone: cancelling the pumps aborts the requests
                 t.cancel()
@@ -227,6 +251,67 @@ class _Handler:
 class CompletionHandler(_Handler):
     id_prefix = "cmpl"
     object_name = chunk_name = "text_completion"
+
+    async def run(self):
+        if self.req.use_beam_search:
+            return await self._beam_search()
+        return await super().run()
+
+    async def _beam_search(self):
+        """``use_beam_search``: each prompt's ``best_of`` (default ``n``) beams searched
+        above the engine (:func:`kvray.engine.beam_search.beam_search_async`), the ``n``
+        best returned; streamed, each choice comes whole in one chunk."""
+        from kvray.engine.beam_search import BeamSearchParams, beam_search_async
+
+        req = self.req
+        req.check_limits(self.server.limits, self.num_prompts())
+        prompts = await self.server.off_loop(self.prompt_ids)
+        searches = []
+        for i, (text, ids) in enumerate(prompts):
+            max_tokens = self.server.resolve_max_tokens(req.max_tokens, len(ids))
+            try:
+                params = BeamSearchParams(beam_width=req.best_of or req.n,
+                                          max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                          length_penalty=req.length_penalty,
+                                          early_stopping=req.early_stopping)
+            except ValueError as err:
+                field = str(err).split(" ", 1)[0]
+                param = {"beam_width": "best_of", "max_tokens": "max_tokens"}.get(field, field)
+                raise APIError(400, str(err), "BadRequestError", param) from None
+            searches.append(beam_search_async(
+                self._generate, ids, params, f"{self.id}-{i}", self.server.eos_token_ids,
+                prompt=text, tokenizer=self.server.tokenizer, priority=req.priority,
+                max_model_len=self.server.max_model_len))
+        results = await asyncio.gather(*searches)
+        choices = []
+        for i, result in enumerate(results):
+            prefix = (result.prompt if result.prompt is not None else
+                      self.server.tokenizer.decode(result.prompt_token_ids)) if req.echo else ""
+            for j, seq in enumerate(result.sequences[:req.n]):
+                choices.append({"index": i * req.n + j, "text": prefix + (seq.text or ""),
+                                "logprobs": None, "finish_reason": seq.finish_reason})
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in results)
+        completion = sum(len(s.token_ids) for r in results for s in r.sequences[:req.n])
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": prompt_tokens + completion}
+        if not req.stream:
+            return self.envelope(self.object_name, choices, usage=usage)
+
+        async def events() -> AsyncIterator[str]:
+            for choice in choices:
+                yield sse(self.envelope(self.chunk_name, [choice]))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield sse(self.envelope(self.chunk_name, [], usage=usage))
+            yield sse("[DONE]")
+
+        return streaming_response(events())
+
+    def _generate(self, request_id: str, prompt: dict, params: Any, priority: int
+                  ) -> AsyncIterator[RequestOutput]:
+        """The engine stream of one beam's step (with the request's LoRA adapter)."""
+        if self.lora is not None:
+            prompt = {**prompt, "lora_name": self.lora}
+        return self.server.stream(request_id, prompt, params, priority)
 
     def requested_max_tokens(self):
         return self.req.max_tokens
@@ -310,6 +395,7 @@ class ChatHandler(_Handler):
             raise APIError(400, str(err), "BadRequestError", err.param) from None
         self.tool_parser = pick_parser(server.limits.tool_call_parser,
                                        getattr(server.tokenizer, "chat_template", None))
+        self.tools = req.tool_dicts()  # qwen3_coder converts arguments by their schema
         self.streamers: dict[int, ToolCallStreamer] = {}  # choice index -> its parser
         parser = server.limits.reasoning_parser
         self.reasoning_parser = parser if parser != "none" else None
@@ -333,6 +419,8 @@ class ChatHandler(_Handler):
         if top is not None and not self.req.logprobs:
             raise ProtocolError("top_logprobs needs logprobs=true", "top_logprobs")
         params = self.req.sampling_params(max_tokens, (top or 0) if self.req.logprobs else None)
+        if self.tool_mode == "auto" and keeps_special_tokens(self.tool_parser):
+            params.skip_special_tokens = False  # Mistral's [TOOL_CALLS] / [ARGS] are special
         span = self._reasoning_span()
         if span is not None and params.structured_outputs is not None:
             # the constraint (response_format, or the one tool_choice implies) holds for
@@ -406,7 +494,7 @@ class ChatHandler(_Handler):
             made_calls = False
         else:
             streamer = self.streamers.setdefault(comp.index, ToolCallStreamer(
-                self.tool_mode, self.tool_parser, self.tool_name))
+                self.tool_mode, self.tool_parser, self.tool_name, tools=self.tools))
             parts = streamer.feed(text)
             if comp.finish_reason is not None:
                 parts += streamer.finish()
@@ -424,7 +512,7 @@ class ChatHandler(_Handler):
         if self.reasoning_parser is not None:
             reasoning, answer = split_reasoning(comp.text, self.reasoning_begins)
         content, calls = parse_tool_calls(answer, self.tool_mode, self.tool_parser,
-                                          self.tool_name)
+                                          self.tool_name, tools=self.tools)
         if comp.finish_reason == "length" and self.tool_mode in ("required", "named"):
             content, calls = answer, []  # cut off mid-arguments: not a call
         if reasoning is not None and content == "":

@@ -58,7 +58,9 @@ class OpenAIIngress(ReplicaLifecycle):
         client = ServeClient(llm_handle, tokenizer, options.board_name, channels, directory)
         info = await llm_handle.model_info.remote()
         self.server = OpenAIServer(client, model_name, info["max_model_len"], api_key,
-                                   config.server, lora=config.lora)
+                                   config.server, lora=config.lora,
+                                   model_head=info.get("head", "lm"),
+                                   eos_token_ids=info.get("eos_token_ids"))
         self._refresher = asyncio.create_task(client.stats.run())
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -79,7 +81,8 @@ class LLMServerIngress(ReplicaLifecycle):
 
         self.engine = start_engine(config)
         self.server = OpenAIServer(self.engine, model_name, self.engine.engine.max_model_len,
-                                   resolve_api_key(options), config.server, lora=config.lora)
+                                   resolve_api_key(options), config.server, lora=config.lora,
+                                   model_head=self.engine.engine.spec.head)
         # `kvray serve`'s throughput line and any other reader of the board see it too.
         self._reporter = asyncio.create_task(
             report_stats(self.engine, replica_name(), options.board_name))

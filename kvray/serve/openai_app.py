@@ -29,6 +29,14 @@ from kvray.outputs import RequestOutput
 from kvray.serve.completions import ChatHandler, CompletionHandler
 from kvray.serve.http import APIError, api_error_from, error_response
 from kvray.serve.metrics import ServerMetrics
+from kvray.serve.pooling_api import (
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    create_embeddings,
+    create_rerank,
+    create_scores,
+)
 from kvray.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,9 +49,11 @@ from kvray.serve.protocol import (
     conversation_of,
     now,
 )
+from kvray.serve.responses import ResponsesHandler, ResponsesRequest
 
 logger = logging.getLogger("kvray.serve")
 T = TypeVar("T")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
 OPEN_PATHS = ("/health", "/version")  # never need the API key (/metrics: configurable)
 
 
@@ -126,8 +136,12 @@ class OpenAIServer:
     def __init__(self, client: Any, model_name: str, max_model_len: int,
                  api_key: str | None = None, limits: ServerConfig | None = None,
                  app: FastAPI | None = None, enable_docs: bool | None = None,
-                 lora: LoRAConfig | None = None) -> None:
+                 lora: LoRAConfig | None = None, model_head: str = "lm",
+                 eos_token_ids: tuple[int, ...] | None = None) -> None:
         self.client, self.model_name = client, model_name
+        # lm | embed | classify (ModelSpec.head): /score and /rerank use the classification
+        # head of a classify model, else embeddings' cosine similarity
+        self.model_head = model_head
         # LoRA on: ``model`` may name an adapter (the client lists, loads and unloads them)
         self.lora = lora if lora is not None and lora.enabled else None
         self.max_model_len, self.api_key = max_model_len, api_key or None
@@ -135,6 +149,12 @@ class OpenAIServer:
         if enable_docs is not None:
             self.limits = self.limits.model_copy(update={"enable_docs": enable_docs})
         self.tokenizer = client.tokenizer
+        if eos_token_ids is None:  # the engine's, where the caller knows them
+            engine = getattr(client, "engine", None)
+            eos_token_ids = getattr(engine, "eos_token_ids", None) or (
+                (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None
+                else ())
+        self.eos_token_ids = tuple(eos_token_ids)
         self.metrics = ServerMetrics(model_name)
         self.draining = False
         self._abort: asyncio.Future | None = None  # set by abort_all: ends every stream
@@ -179,7 +199,9 @@ class OpenAIServer:
                     loc0 == ("body",) and first.get("type") == "model_attributes_type"):
                 return error_response(400, "request body is not valid JSON (an object)",
                                       "BadRequestError")
-            loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+            # a union's member types ("str", "list[int]") are not part of the field's name
+            loc = [str(x) for x in first.get("loc", ()) if x != "body" and not (
+                isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or "(" in x))]
             param = ".".join(loc) or None
             return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid')}",
                                   "BadRequestError", param)
@@ -223,6 +245,12 @@ class OpenAIServer:
         app.post("/detokenize")(self.detokenize)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/v1/responses")(self.responses)
+        app.post("/v1/embeddings")(self.embeddings)
+        for path in ("/score", "/v1/score"):
+            app.post(path)(self.score)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            app.post(path)(self.rerank)
         if self.lora is not None and self.lora.enable_runtime_lora_updating:
             app.post("/v1/load_lora_adapter")(self.load_lora_adapter)
             app.post("/v1/unload_lora_adapter")(self.unload_lora_adapter)
@@ -332,6 +360,20 @@ class OpenAIServer:
 
     async def chat_completions(self, req: ChatCompletionRequest):
         return await ChatHandler(self, req, self._check_model(req.model)).run()
+
+    async def responses(self, req: ResponsesRequest):
+        return await ResponsesHandler(self, req, self._check_model(req.model)).run()
+
+    async def embeddings(self, req: EmbeddingRequest) -> dict:
+        return await create_embeddings(self, req, self._check_model(req.model))
+
+    async def score(self, req: ScoreRequest) -> dict:
+        return await create_scores(self, req, self._check_model(req.model),
+                                   self.model_head == "classify")
+
+    async def rerank(self, req: RerankRequest) -> dict:
+        return await create_rerank(self, req, self._check_model(req.model),
+                                   self.model_head == "classify")
 
     # ---- shared by handlers -------------------------------------------------------------
     async def stream(self, request_id: str, prompt: Any, params, priority: int

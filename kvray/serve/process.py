@@ -117,7 +117,7 @@ def serve_in_process(config: EngineConfig, name: str, host: str, port: int,
     engine = AsyncLLM(config)
     try:
         server = OpenAIServer(engine, name, engine.engine.max_model_len, api_key,
-                              config.server, lora=config.lora)
+                              config.server, lora=config.lora, model_head=engine.engine.spec.head)
         uv_config = uvicorn.Config(server.app, host=host, port=port, log_level="warning",
                                    access_log=False, lifespan="off",
                                    timeout_graceful_shutdown=5)

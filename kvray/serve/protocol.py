@@ -219,6 +219,11 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    # beam search (vLLM's extras): best_of beams (default n), the n best returned
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -239,6 +244,23 @@ class CompletionRequest(_Sampling):
         if self.logprobs is not None and not 0 <= self.logprobs <= cap:
             raise ProtocolError(f"logprobs = {self.logprobs}: must be in [0, {cap}]",
                                 "logprobs")
+        if self.best_of is not None and (not self.use_beam_search or self.best_of < self.n):
+            raise ProtocolError(f"best_of = {self.best_of}: only with use_beam_search, and "
+                                f">= n ({self.n})", "best_of")
+        if self.use_beam_search:
+            width = self.best_of or self.n
+            if width * num_prompts > limits.max_seqs_per_request:
+                raise ProtocolError(f"best_of: {width} beams x {num_prompts} prompts; this "
+                                    f"server allows at most {limits.max_seqs_per_request} "
+                                    "sequences per request", "best_of")
+            for name in ("logprobs", "logit_bias", "response_format", "structured_outputs",
+                         "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+                if getattr(self, name) is not None:
+                    raise ProtocolError(f"{name}: not supported with use_beam_search", name)
+            if self.stop or self.stop_token_ids or self.min_tokens:
+                name = "stop" if self.stop else (
+                    "stop_token_ids" if self.stop_token_ids else "min_tokens")
+                raise ProtocolError(f"{name}: not supported with use_beam_search", name)
 
 
 class ChatMessage(BaseModel):

@@ -103,7 +103,9 @@ class LLMServer(ReplicaLifecycle, ChannelEndpoint):
         await self.check_health()
 
     def model_info(self) -> dict:
-        return {"max_model_len": self.engine.engine.max_model_len}
+        return {"max_model_len": self.engine.engine.max_model_len,
+                "head": self.engine.engine.spec.head,
+                "eos_token_ids": list(self.engine.engine.eos_token_ids)}
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:

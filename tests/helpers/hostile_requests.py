@@ -9,7 +9,8 @@ from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
 
-POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+              "/detokenize")
 
 
 def fuzz_settings(max_examples: int) -> settings:
@@ -101,6 +102,13 @@ EXPLICIT = [  # the cases named in the brief, always tried first
      "stream_options": {"include_usage": True}},
     {"prompt": "x", "min_tokens": 3, "max_tokens": 3, "ignore_eos": True,
      "stop_token_ids": [0, 1, 2], "logit_bias": {"5": 100, "6": -100}},
+    {"input": "x", "max_output_tokens": 10**30}, {"input": []}, {"input": "\ud800"},
+    {"input": [{"type": "input_image"}]}, {"input": "x", "previous_response_id": "resp_1"},
+    {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+    {"input": "x", "text": {"format": {"type": "json_schema"}}},
+    {"input": "x", "tools": [{"type": "web_search"}]}, {"input": [{"type": "function_call"}]},
+    {"input": "x", "stream": True, "max_output_tokens": 3, "tool_choice": "required",
+     "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]},
     {"tokens": [10**30]}, {"tokens": [-1]}, {"tokens": [2**63]}, {"tokens": ["a"]},
     {"messages": [{"role": "user", "content": "\ud800"}], "prompt": 5},
 ]

@@ -18,8 +18,10 @@ LEAKS = [
     ("filesystem path", re.compile(r"/work/|/tmp/|/usr/|/home/|/root/|/opt/|site-packages")),
     ("ray internals", re.compile(r"ActorID|actor_id|ObjectRef|RayTaskError|ray::")),
     ("memory address", re.compile(r"\b0x[0-9a-fA-F]{8,}\b")),
-    # a 32+ hex run with a letter in it, except a response id (cmpl-/chatcmpl-<uuid hex>)
-    ("hex id", re.compile(r"(?<!cmpl-)\b(?=[0-9]*[a-fA-F])[0-9a-fA-F]{32,}\b")),
+    # a 32+ hex run with a letter in it, except a response id (cmpl-/chatcmpl-/embd-/
+    # score-/rerank-<uuid hex>; resp_/msg_/fc_/rs_ ids have no word boundary before it)
+    ("hex id", re.compile(r"(?<!cmpl-)(?<!embd-)(?<!score-)(?<!rerank-)"
+                          r"\b(?=[0-9]*[a-fA-F])[0-9a-fA-F]{32,}\b")),
 ]
 # Generated or echoed text in a successful response is content, not a leak.
 CONTENT_KEYS = {"text", "content", "token", "tokens", "top_logprobs", "prompt", "bytes"}
@@ -92,6 +94,23 @@ def _error_shape_problem(body: Any, status: int) -> str | None:
     return None
 
 
+RESPONSES_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+
+
+def _responses_event_problems(events: list[Any]) -> list[str]:
+    """A Responses event stream: numbered 0, 1, ... in order; no server error in it."""
+    problems = []
+    numbers = [ev.get("sequence_number") for ev in events if isinstance(ev, dict)]
+    if numbers != list(range(len(numbers))):
+        problems.append("Responses events are not numbered 0, 1, ...")
+    for ev in events:
+        if isinstance(ev, dict) and ev.get("type") == "error":
+            code = str(ev.get("code"))
+            if code.isdigit() and int(code) >= 500:
+                problems.append(f"in-stream error {code}")
+    return problems
+
+
 def response_problems(status: int, content_type: str, content: bytes, body: Any,
                       raw: bytes, cut_short: bool = False) -> list[str]:
     """Everything wrong with one response to a request (``body`` as sent, ``raw`` its bytes;
@@ -102,14 +121,19 @@ def response_problems(status: int, content_type: str, content: bytes, body: Any,
     text = content.decode("utf-8", "replace")
     events: list[Any] = []
     if "text/event-stream" in content_type:
-        if not cut_short and not text.endswith("data: [DONE]\n\n"):
-            problems.append("event stream does not end with [DONE]")
         for line in text.split("\n"):
             if line.startswith("data: ") and line != "data: [DONE]":
                 try:
                     events.append(json.loads(line.removeprefix("data: ")))
                 except ValueError:
                     problems.append(f"SSE event is not JSON: {line[:80]!r}")
+        kinds = [ev.get("type") for ev in events if isinstance(ev, dict)]
+        if kinds and kinds[0] == "response.created":  # the Responses API's events
+            if not cut_short and kinds[-1] not in RESPONSES_TERMINAL:
+                problems.append(f"Responses stream ends with {kinds[-1]!r}")
+            problems += _responses_event_problems(events)
+        elif not cut_short and not text.endswith("data: [DONE]\n\n"):
+            problems.append("event stream does not end with [DONE]")
     else:
         try:
             events.append(json.loads(text))
@@ -119,7 +143,7 @@ def response_problems(status: int, content_type: str, content: bytes, body: Any,
                 problems.append("error body is not JSON")
     sent = _sent_strings(body, raw)
     for ev in events:
-        is_error = status >= 400 or (isinstance(ev, dict) and "error" in ev)
+        is_error = status >= 400 or (isinstance(ev, dict) and ev.get("error") is not None)
         if is_error and isinstance(ev, dict):
             code = (ev.get("error") or {}).get("code") if isinstance(ev.get("error"),
                                                                       dict) else None

@@ -1,0 +1,250 @@
+"""Pooling models and endpoints: embeddings of decoder models equal transformers' pooled,
+normalised hidden states (last token, mean, first; batched and one by one; chunked prefill
+and prefix-cache hits included), a sentence-transformers checkpoint's own pooling config is
+honoured, a base-model (``*Model``) checkpoint loads, ``*ForSequenceClassification`` scores
+equal the classification head's logits; and through the OpenAI app: ``/v1/embeddings``
+(float and base64, dimensions, token ids), ``/score`` and ``/rerank``, and their 400s."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+
+import pytest
+import torch
+import transformers
+from fastapi.testclient import TestClient
+
+from kvray import LLM, SamplingParams
+from kvray.sampling_params import PoolingParams
+from tests.helpers.tiny_models import build_tokenizer, make_tiny_model
+
+TEXTS = ["Hello world", "The capital of France is Paris. The capital of Italy is Rome.",
+         "numbers 0123456789 and symbols", "Once upon a time there was a small model that "
+         "generated tokens one at a time, with a paged KV cache on Ray."]
+
+
+def _reference(model_dir, texts, pooling_type: str, normalize: bool = True) -> list:
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    hf = transformers.AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    for text in texts:
+        with torch.no_grad():
+            hidden = hf(torch.tensor([tok(text)["input_ids"]])).last_hidden_state[0]
+        vec = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling_type]
+        out.append(torch.nn.functional.normalize(vec, dim=0) if normalize else vec)
+    return out
+
+
+def _embed(llm: LLM, texts, **pooling) -> list[torch.Tensor]:
+    outs = llm.generate(texts, SamplingParams(pooling=PoolingParams(**pooling)),
+                        use_tqdm=False)
+    return [torch.tensor(o.pooled) for o in outs]
+
+
+@pytest.fixture(scope="module", params=["llama_gqa", "qwen3_qknorm_headdim"])
+def embed_model(request, tmp_path_factory):
+    path = make_tiny_model(request.param, tmp_path_factory.mktemp("embed") / request.param)
+    # small chunks and blocks: long prompts prefill in several chunks
+    llm = LLM(str(path), dtype="float32", block_size=4, max_model_len=256,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    yield path, llm
+    llm.shutdown()
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("pooling_type", ["last", "mean", "cls"])
+def test_embeddings_equal_transformers_pooled_hidden_states(embed_model, pooling_type):
+    path, llm = embed_model
+    want = _reference(path, TEXTS, pooling_type)
+    batched = _embed(llm, TEXTS, pooling_type=pooling_type)
+    single = [_embed(llm, [t], pooling_type=pooling_type)[0] for t in TEXTS]
+    for got_b, got_s, ref in zip(batched, single, want, strict=True):
+        assert torch.allclose(got_b, ref, atol=1e-5), (got_b - ref).abs().max()
+        assert torch.allclose(got_s, ref, atol=1e-5)
+        assert abs(float(got_b.norm()) - 1.0) < 1e-5
+
+
+@pytest.mark.parity
+def test_prefix_cache_hits_keep_last_token_embeddings_exact(embed_model):
+    path, llm = embed_model
+    long = TEXTS[3] * 2
+    first = _embed(llm, [long])[0]
+    hits_before = llm.llm_engine.stats.prefix_cache_hits
+    again = _embed(llm, [long])[0]  # its prompt's blocks are cached now
+    assert llm.llm_engine.stats.prefix_cache_hits > hits_before
+    assert torch.allclose(first, again, atol=1e-6)
+    assert torch.allclose(again, _reference(path, [long], "last")[0], atol=1e-5)
+    # a mean needs every position: such a request never hits
+    hits_before = llm.llm_engine.stats.prefix_cache_hits
+    mean = _embed(llm, [long], pooling_type="mean")[0]
+    assert llm.llm_engine.stats.prefix_cache_hits == hits_before
+    assert torch.allclose(mean, _reference(path, [long], "mean")[0], atol=1e-5)
+
+
+@pytest.mark.parity
+def test_dimensions_and_normalize_options(embed_model):
+    path, llm = embed_model
+    raw = _reference(path, TEXTS[:2], "last", normalize=False)
+    got = _embed(llm, TEXTS[:2], normalize=False)
+    for g, r in zip(got, raw, strict=True):
+        assert torch.allclose(g, r, atol=1e-5)
+    cut = _embed(llm, TEXTS[:2], dimensions=8)
+    for c, r in zip(cut, raw, strict=True):
+        assert torch.allclose(c, torch.nn.functional.normalize(r[:8], dim=0), atol=1e-5)
+
+
+def _sentence_transformers_dir(base, path, mode: str, normalize: bool):
+    """A sentence-transformers checkpoint of ``base``: the base model's weights
+    (``*Model``, keys without ``model.``), modules.json, its pooling config."""
+    hf = transformers.AutoModel.from_pretrained(str(base), dtype=torch.float32)
+    hf.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+        (path / "2_Normalize").mkdir()
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": hf.config.hidden_size, "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": mode == "mean", "pooling_mode_max_tokens": False,
+        "pooling_mode_lasttoken": mode == "lasttoken"}))
+    return path
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize(("mode", "normalize"), [("mean", True), ("lasttoken", False)])
+def test_a_sentence_transformers_checkpoint_pools_as_it_says(tmp_path, tiny_model_dir, mode,
+                                                              normalize):
+    path = _sentence_transformers_dir(tiny_model_dir("qwen3_qknorm_headdim"),
+                                      tmp_path / "st", mode, normalize)
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3Model"]  # the base model alone
+    llm = LLM(str(path), dtype="float32", block_size=4, max_model_len=256)
+    try:
+        got = [torch.tensor(v) for v in llm.embed(TEXTS, use_tqdm=False)]  # its own pooling
+        want = _reference(path, TEXTS, "mean" if mode == "mean" else "last", normalize)
+        for g, r in zip(got, want, strict=True):
+            assert torch.allclose(g, r, atol=1e-5)
+        with pytest.raises(ValueError, match="pooling model"):  # no LM head: no text
+            llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """A tiny random Qwen2ForSequenceClassification with one label (a reranker)."""
+    config = transformers.Qwen2Config(vocab_size=384, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, num_labels=1,
+                                      pad_token_id=0, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForSequenceClassification(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08)
+    path = tmp_path_factory.mktemp("cls") / "reranker"
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path, model
+
+
+@pytest.mark.parity
+def test_classification_scores_equal_the_heads_logits(classifier):
+    path, hf = classifier
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    llm = LLM(str(path), dtype="float32", block_size=4, max_model_len=256)
+    try:
+        for text, logits in zip(TEXTS, llm.classify(TEXTS, use_tqdm=False), strict=True):
+            with torch.no_grad():
+                want = hf(torch.tensor([tok(text)["input_ids"]])).logits[0]
+            assert torch.allclose(torch.tensor(logits), want, atol=1e-5)
+    finally:
+        llm.shutdown()
+
+
+# ---- the HTTP endpoints ----------------------------------------------------------------
+def _app(model_dir, head_check: str):
+    from kvray.config import config_from_flat
+    from kvray.engine.async_engine import AsyncLLM
+    from kvray.serve.openai_app import OpenAIServer
+
+    engine = AsyncLLM(config_from_flat({"model": str(model_dir), "dtype": "float32",
+                                        "block_size": 4, "max_model_len": 256}))
+    assert engine.engine.spec.head == head_check
+    return engine, TestClient(OpenAIServer(engine, "m", 256,
+                                           model_head=engine.engine.spec.head).app)
+
+
+@pytest.mark.serve
+def test_rerank_and_score_use_the_classification_head(classifier):
+    path, hf = classifier
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    engine, client = _app(path, "classify")
+    try:
+        docs = ["Paris is the capital.", "Bananas are yellow.", "Rome, Italy"]
+        resp = client.post("/rerank", json={"query": "capital of France", "documents": docs,
+                                            "top_n": 2})
+        assert resp.status_code == 200, resp.text
+        want = []
+        for doc in docs:
+            ids = tok("capital of France", text_pair=doc)["input_ids"]
+            with torch.no_grad():
+                want.append(float(hf(torch.tensor([ids])).logits[0, 0]))
+        results = resp.json()["results"]
+        order = sorted(range(3), key=lambda i: -want[i])[:2]
+        assert [r["index"] for r in results] == order
+        for r in results:
+            assert abs(r["relevance_score"] - want[r["index"]]) < 1e-5
+            assert r["document"]["text"] == docs[r["index"]]
+        score = client.post("/v1/score", json={"text_1": "capital of France",
+                                               "text_2": docs}).json()
+        assert all(abs(d["score"] - w) < 1e-5 for d, w in zip(score["data"], want,
+                                                               strict=True))
+        # a pooling model serves no text
+        resp = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"
+        for body, param in [({"query": "q", "documents": []}, "documents"),
+                            ({"query": "", "documents": ["a"]}, "query"),
+                            ({"query": "q", "documents": [{"x": 1}]}, "documents.0"),
+                            ({"query": "q", "documents": ["a"], "top_n": 0}, "top_n")]:
+            resp = client.post("/rerank", json=body)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == param, body
+        resp = client.post("/score", json={"text_1": ["a", "b"], "text_2": ["c", "d", "e"]})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "text_2"
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.serve
+def test_embeddings_endpoint_errors_name_the_field(tiny_model_dir):
+    engine, client = _app(tiny_model_dir("llama_gqa"), "lm")
+    try:
+        for body, param in [({"input": []}, "input"), ({"input": ""}, "input"),
+                            ({"input": [[]]}, "input"), ({"input": [10**9]}, "input"),
+                            ({"input": "x " * 400}, "input"), ({"input": 5}, "input"),
+                            ({"input": "x", "dimensions": 0}, "dimensions"),
+                            ({"input": "x", "dimensions": 10**6}, "dimensions"),
+                            ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
+                            ({"input": ["a"] * 10**4}, "input")]:
+            resp = client.post("/v1/embeddings", json=body)
+            assert resp.status_code == 400, (body, resp.text)
+            assert resp.json()["error"]["param"] == param, (body, resp.json())
+        ok = client.post("/v1/embeddings", json={"input": [[5, 6, 7], [8, 9]],
+                                                 "encoding_format": "base64"}).json()
+        floats = client.post("/v1/embeddings", json={"input": [[5, 6, 7], [8, 9]]}).json()
+        for b, f in zip(ok["data"], floats["data"], strict=True):
+            raw = base64.b64decode(b["embedding"])
+            decoded = struct.unpack(f"<{len(raw) // 4}f", raw)
+            assert len(decoded) == len(f["embedding"])
+            assert max(abs(x - y) for x, y in zip(decoded, f["embedding"], strict=True)) < 1e-6
+        assert floats["usage"]["prompt_tokens"] == floats["usage"]["total_tokens"] == 5
+    finally:
+        engine.shutdown()
