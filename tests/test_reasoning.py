@@ -314,3 +314,30 @@ def test_chat_template_kwargs_the_server_sets_are_400s_naming_the_key(clients, k
                                  json=_body(tok, chat_template_kwargs=kwargs))
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == param
+
+
+@pytest.mark.serve
+def test_responses_carry_the_reasoning_as_a_reasoning_item(clients):
+    tok = _thinking_tokenizer()
+    end = tok.convert_tokens_to_ids("</think>")
+    body = {"input": "Is 3 < 5?", "max_output_tokens": 40, "temperature": 1.0, "seed": 7,
+            "logit_bias": {str(end): 5.0}, "chat_template_kwargs": {"think_in_prompt": True}}
+    chat = clients["qwen3"].post("/v1/chat/completions", json={
+        **{k: v for k, v in body.items() if k not in ("input", "max_output_tokens")},
+        "messages": [{"role": "user", "content": "Is 3 < 5?"}], "max_tokens": 40}).json()
+    message = chat["choices"][0]["message"]
+    whole = clients["qwen3"].post("/v1/responses", json=body).json()
+    kinds = [item["type"] for item in whole["output"]]
+    assert kinds[0] == "reasoning"
+    assert whole["output"][0]["content"][0]["text"] == message["reasoning_content"]
+    text = "".join(part["text"] for item in whole["output"] if item["type"] == "message"
+                   for part in item["content"])
+    assert text == (message["content"] or "")
+    resp = clients["qwen3"].post("/v1/responses", json={**body, "stream": True})
+    events = [json.loads(line.removeprefix("data: ")) for line in resp.text.split("\n")
+              if line.startswith("data: ")]
+    reasoning = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    answer = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert (reasoning, answer) == (message["reasoning_content"], message["content"] or "")
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    assert [i["type"] for i in events[-1]["response"]["output"]] == kinds

@@ -257,7 +257,7 @@ class ResponsesHandler:
         choice = chat["choices"][0]
         message = choice["message"]
         output: list[dict[str, Any]] = []
-        if message.get("reasoning_content") is not None:
+        if message.get("reasoning_content"):  # as streamed: no item for empty reasoning
             output.append(_reasoning_item(new_id("rs"), message["reasoning_content"]))
         if message.get("content") or not message.get("tool_calls"):
             output.append(_message_item(new_id("msg"), message.get("content") or ""))
