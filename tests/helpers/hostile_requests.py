@@ -9,8 +9,8 @@ from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
 
-POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
-              "/detokenize")
+POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
+              "/rerank", "/score", "/tokenize", "/detokenize")
 
 
 def fuzz_settings(max_examples: int) -> settings:
@@ -107,6 +107,11 @@ EXPLICIT = [  # the cases named in the brief, always tried first
     {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
     {"input": "x", "text": {"format": {"type": "json_schema"}}},
     {"input": "x", "tools": [{"type": "web_search"}]}, {"input": [{"type": "function_call"}]},
+    {"input": ["x"] * 10_000}, {"input": [[10**30]]}, {"input": "x", "dimensions": 10**30},
+    {"input": "x", "encoding_format": "base64", "dimensions": 3}, {"input": [[]]},
+    {"query": "q", "documents": ["d"] * 10_000}, {"query": "\ud800", "documents": ["d"]},
+    {"query": "q", "documents": [{"text": 5}]}, {"query": "q", "documents": ["a"], "top_n": -1},
+    {"text_1": ["a"] * 3, "text_2": ["b"] * 2}, {"text_1": "a", "text_2": []},
     {"input": "x", "stream": True, "max_output_tokens": 3, "tool_choice": "required",
      "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]},
     {"tokens": [10**30]}, {"tokens": [-1]}, {"tokens": [2**63]}, {"tokens": ["a"]},
