@@ -248,3 +248,26 @@ def test_embeddings_endpoint_errors_name_the_field(tiny_model_dir):
         assert floats["usage"]["prompt_tokens"] == floats["usage"]["total_tokens"] == 5
     finally:
         engine.shutdown()
+
+
+@pytest.mark.unit
+def test_a_sentence_transformers_config_kvray_cannot_honour_is_an_error(tmp_path):
+    from kvray.models.pooling import ModelPooling, model_pooling
+
+    assert model_pooling(tmp_path) == ModelPooling("last", True)  # nothing said: defaults
+    assert model_pooling(tmp_path, classify=True) == ModelPooling("last", False)
+    modules = [{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_mean_tokens": True}))
+    with pytest.raises(ValueError, match="Dense"):  # a projection kvray would skip
+        model_pooling(tmp_path)
+    (tmp_path / "modules.json").write_text(json.dumps(modules[:2]))
+    assert model_pooling(tmp_path) == ModelPooling("mean", False)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_max_tokens": True}))
+    with pytest.raises(ValueError, match="pooling_mode_max_tokens"):
+        model_pooling(tmp_path)

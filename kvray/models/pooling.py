@@ -16,6 +16,7 @@ from pathlib import Path
 
 logger = logging.getLogger("kvray.models")
 
+_KNOWN_MODULES = {"Transformer", "Pooling", "Normalize"}
 _MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
           "pooling_mode_cls_token": "cls"}
 
@@ -38,6 +39,10 @@ def model_pooling(model_dir: str | Path | None, classify: bool = False) -> Model
     try:
         modules = json.loads(modules_file.read_text())
         kinds = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+        extra = sorted(set(kinds) - _KNOWN_MODULES)
+        if extra:  # e.g. a Dense projection after pooling: embeddings would be wrong
+            raise ValueError(f"sentence-transformers module(s) {extra} are not supported "
+                             f"(kvray runs {', '.join(sorted(_KNOWN_MODULES))})")
         pooling_type = ModelPooling.pooling_type
         if "Pooling" in kinds:
             config = json.loads((root / kinds["Pooling"] / "config.json").read_text())

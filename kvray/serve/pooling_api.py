@@ -25,7 +25,7 @@ from kvray.outputs import RequestOutput
 from kvray.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 from kvray.serve.completions import ServerContext
 from kvray.serve.http import APIError, api_error_from
-from kvray.serve.protocol import _Request, new_id, now
+from kvray.serve.protocol import PRIORITY_MAX, PRIORITY_MIN, _Request, new_id, now
 
 Prompt = str | list[int]
 
@@ -37,14 +37,14 @@ class EmbeddingRequest(_Request):
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     normalize: bool | None = None  # vLLM extra: None = the model's choice
-    priority: int = 0
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
 
 
 class ScoreRequest(_Request):
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
-    priority: int = 0
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
 
 
 class RerankRequest(_Request):
@@ -53,7 +53,7 @@ class RerankRequest(_Request):
     documents: list[str | dict[str, Any]] = Field(min_length=1)
     top_n: int | None = Field(None, ge=1)
     return_documents: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
 
 
 class PoolingHandler:
