@@ -1,4 +1,5 @@
-"""``kvray`` command line: ``setup``, ``generate``, ``serve``, ``cluster``, ``grafana``.
+"""``kvray`` command line: ``setup``, ``generate``, ``run-batch``, ``serve``, ``bench``,
+``cluster``, ``grafana``.
 
 Every config key is also a flag (``block_size`` -> ``--block-size``); a flag overrides the
 value from ``--config FILE``.
@@ -18,6 +19,7 @@ from kvray.cli.flags import (
     config_from_args,
 )
 from kvray.cli.generate import cmd_generate, cmd_setup, show_kvray_info_on_stderr
+from kvray.cli.run_batch import add_run_batch_parser
 from kvray.cli.serve_command import SERVE_ENV, cmd_serve, resolve_api_key
 from kvray.cli.serve_lifecycle import proxy_location
 from kvray.config import ConfigError
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "directory (for transformers; kvray runs the GGUF as shipped)")
     setup.set_defaults(func=cmd_setup)
     _add_generate_parser(sub)
+    add_run_batch_parser(sub)
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API on Ray Serve")
     add_serve_arguments(srv)
     srv.set_defaults(func=cmd_serve)
