@@ -250,7 +250,10 @@ def test_a_second_engine_fetches_the_blocks_the_first_one_evicted(cluster, model
             tier = b.llm_engine.scheduler.tier_stats
             assert tier.hit_tokens - tier.local_hit_tokens >= 4 * 28  # a's blocks
             # replica a goes, and its workers' copies with them: b recomputes those blocks
+            workers = list(a.llm_engine.executor.workers)
             a.shutdown()
+            _wait_until_dead(workers)  # ray.kill returns before the owner process exits
+            _wait_until_lost("test-kv-tier", "a")  # and the store frees its objects later
             got = [o.outputs[0].token_ids for o in b.generate(prompts[4:], params,
                                                               use_tqdm=False)]
             assert got == want[4:]
@@ -260,6 +263,40 @@ def test_a_second_engine_fetches_the_blocks_the_first_one_evicted(cluster, model
     finally:
         a.shutdown()
         ray.kill(ray.get_actor("test-kv-tier", namespace="kvray"))
+
+
+def _wait_until_dead(actors: list, timeout_s: float = 60) -> None:
+    """Until every actor's process is gone (and the objects it owned with it)."""
+    deadline = time.monotonic() + timeout_s
+    for actor in actors:
+        while True:
+            try:
+                ray.get(actor.node_address.remote(), timeout=5)
+            except ray.exceptions.RayActorError:
+                break
+            except ray.exceptions.GetTimeoutError:
+                pass
+            assert time.monotonic() < deadline, "a killed worker stayed alive"
+            time.sleep(0.2)
+
+
+def _wait_until_lost(tier_name: str, owner: str, timeout_s: float = 60) -> None:
+    """Until the tier copies ``owner`` made can no longer be read (Ray frees a dead
+    owner's objects some time after its process exits)."""
+    index = ray.get_actor(tier_name, namespace="kvray")
+    blocks = ray.get(index.lookup.remote(ray.get(index.keys.remote())))
+    handles = [h for b in blocks.values() if b.owner == owner for h in b.handles]
+    assert handles, f"no tier copies of {owner!r} to lose"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(handles[0], timeout=5)
+        except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError):
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        assert time.monotonic() < deadline, f"{owner!r}'s copies outlived their owner"
+        time.sleep(0.2)
 
 
 def test_a_node_without_the_model_files_takes_them_from_the_object_store(cluster, tmp_path):
