@@ -270,6 +270,13 @@ class ResponsesHandler:
 
     # ---- streamed -----------------------------------------------------------------
     async def _events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+        try:
+            async for text in self._translate(chunks):
+                yield text
+        finally:  # ended, failed or the client went away: the chat stream's requests too
+            await chunks.aclose()
+
+    async def _translate(self, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
         stream = _EventStream()
         yield stream.event("response.created", response=self._envelope("in_progress", [], None))
         yield stream.event("response.in_progress",
