@@ -11,13 +11,7 @@ from typing import Any
 
 from kvray.bench.client import BACKENDS
 from kvray.bench.metrics import METRICS, SLO_METRICS
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+from kvray.cli.flags import _positive_int
 
 
 def _non_negative_int(text: str) -> int:

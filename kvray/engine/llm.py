@@ -26,6 +26,14 @@ from kvray.sampling_params import PoolingParams, RequestOutputKind, SamplingPara
 Conversation = list[dict[str, Any]]
 
 
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (text, token ids or a prompt dict) or several, as a list."""
+    if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
 class LLM:
     """Generate text for batches of prompts with the paged, continuously batched engine.
 
@@ -80,10 +88,7 @@ class LLM:
         SamplingParams for all or one per prompt; ``lora_request`` one LoRA adapter for all
         prompts or one per prompt (None: the base model), as vLLM takes them.
         """
-        if isinstance(prompts, str | dict) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -119,9 +124,7 @@ class LLM:
         ``generate`` call with a one-token request per live beam of every prompt, which the
         prefix cache serves from the blocks of the prompt and the beam's earlier tokens.
         """
-        if isinstance(prompts, str | dict) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         engine = self.llm_engine
         searches = []
         for prompt in prompts:
@@ -154,9 +157,6 @@ class LLM:
 
     def _pool(self, prompts: PromptType | Sequence[PromptType], pooling: PoolingParams,
               use_tqdm: bool) -> list[RequestOutput]:
-        if isinstance(prompts, str | dict) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
         return self.generate(prompts, SamplingParams(pooling=pooling), use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from kvray.serve.tool_scanner import partial_suffix
+
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -89,7 +91,7 @@ class ReasoningSplitter:
                 self._held = self._held[end + len(THINK_END):]
                 self._phase = "answer"
                 continue
-            keep = _partial_suffix(self._held, THINK_END)
+            keep = partial_suffix(self._held, THINK_END)
             reasoning.append(self._held[:len(self._held) - keep])
             self._held = self._held[len(self._held) - keep:]
             break
@@ -113,11 +115,3 @@ def split_reasoning(text: str, begins: bool | None) -> tuple[str | None, str]:
     r2, a2 = splitter.finish()
     reasoning = r1 + r2
     return (reasoning if splitter.saw_reasoning else None), a1 + a2
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

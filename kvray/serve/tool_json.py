@@ -9,7 +9,25 @@ from __future__ import annotations
 import json
 
 
-class CallScanner:
+class _JsonStrings:
+    """Whether a scan is inside a JSON string; escapes tracked so that quotes and brackets
+    inside strings do not count."""
+
+    in_string = escape = False
+
+    def _string_char(self, ch: str) -> bool:
+        """Step over ``ch`` inside a string; True when it closed the string."""
+        if self.escape:
+            self.escape = False
+        elif ch == "\\":
+            self.escape = True
+        elif ch == '"':
+            self.in_string = False
+            return True
+        return False
+
+
+class CallScanner(_JsonStrings):
     """Reads JSON text a piece at a time and reports, for each call object at ``depth``
     (1: top-level objects; 2: objects inside a top-level array), its ``name`` once the
     string is complete and the raw text of its arguments value (under ``args_keys``) as it
@@ -47,14 +65,8 @@ class CallScanner:
     def _args_char(self, ch: str) -> bool:
         """Whether ``ch`` belongs to the arguments value being captured."""
         if self.in_string:
-            if self.escape:
-                self.escape = False
-            elif ch == "\\":
-                self.escape = True
-            elif ch == '"':
-                self.in_string = False
-                if self.args_depth == 0:  # the value was a string
-                    self.capture = "args_done"
+            if self._string_char(ch) and self.args_depth == 0:  # the value was a string
+                self.capture = "args_done"
             return True
         if ch == '"':
             self.in_string = True
@@ -79,14 +91,7 @@ class CallScanner:
         if self.capture == "args_done":
             self.capture = None
         if self.in_string:
-            if self.escape:
-                self.escape = False
-                self.string += ch
-            elif ch == "\\":
-                self.escape = True
-                self.string += ch
-            elif ch == '"':
-                self.in_string = False
+            if self._string_char(ch):
                 self._string_done()
             else:
                 self.string += ch
@@ -126,8 +131,7 @@ class CallScanner:
                 self.events.append(("name", self.string))
 
 
-
-class JsonExtent:
+class JsonExtent(_JsonStrings):
     """Where one JSON object or array ends, in text read a piece at a time (brackets inside
     strings do not count)."""
 
@@ -139,12 +143,7 @@ class JsonExtent:
         """How many leading characters of ``text`` belong to the value: all until it ends."""
         for i, ch in enumerate(text):
             if self.in_string:
-                if self.escape:
-                    self.escape = False
-                elif ch == "\\":
-                    self.escape = True
-                elif ch == '"':
-                    self.in_string = False
+                self._string_char(ch)
             elif ch == '"':
                 self.in_string = True
             elif ch in "{[":
