@@ -85,6 +85,7 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.spec)
         self.block_size = config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
+        self.pooling_ids: set[str] = set()  # requests that pool (none: no per-step scan)
         self.pool_sums: dict[str, torch.Tensor] = {}  # pooling requests' partial sums
         self.generators: dict[str, torch.Generator] = {}  # survive preemption
         self.default_generator = torch.Generator(device).manual_seed(config.model.seed)
@@ -201,6 +202,7 @@ class ModelRunner:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
             self.generators.pop(req_id, None)
+            self.pooling_ids.discard(req_id)
             self.pool_sums.pop(req_id, None)
             if self.drafter is not None:
                 self.drafter.forget(req_id)
@@ -214,6 +216,8 @@ class ModelRunner:
                 list(new.block_ids), new.num_computed_tokens,
                 list(new.token_ids[new.num_prompt_tokens:]),
                 list(new.token_ids[:new.num_prompt_tokens]), lora_slot=new.lora_slot)
+            if new.sampling_params.pooling is not None:
+                self.pooling_ids.add(new.req_id)
             if new.sampling_params.structured_outputs is not None and self.ctx.is_output_rank:
                 state.matcher = self.grammar.matcher(new.sampling_params,
                                                      state.output_token_ids)
@@ -507,7 +511,9 @@ class ModelRunner:
         for ``classify``), cut to ``dimensions`` and normalised as asked. A mean's running
         sum outlives a swap-out (kept until the request finishes); a request that
         recomputes starts it again at token 0."""
-        result = {}
+        result: dict[str, list[float]] = {}
+        if not self.pooling_ids:
+            return result
         for b, req_id in enumerate(inputs.req_ids):
             state = self.requests[req_id]
             pooling = state.params.pooling

@@ -100,9 +100,8 @@ class LLMEngine:
         self.config = config
         self.model_path = str(resolve_model_path(config.model.model))
         # the workers take the model's files from the object store themselves if need be
-        self.tokenizer = load_tokenizer(
-            local_model_path(self.model_path, config.model.share_weights),
-            config.model.tokenizer)
+        local_path = local_model_path(self.model_path, config.model.share_weights)
+        self.tokenizer = load_tokenizer(local_path, config.model.tokenizer)
         self.stats = EngineStats()
         # A copy taken by the engine's own thread after each update, for readers on other
         # threads: they never see a half-updated set of gauges (running but no blocks).
@@ -120,9 +119,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self.pooling = model_pooling(local_model_path(self.model_path,
-                                                      config.model.share_weights),
-                                     classify=self.spec.head == "classify")
+        self.pooling = model_pooling(local_path, classify=self.spec.head == "classify")
 
     def _startup_report(self, workers_s: float, kv_s: float, total_s: float) -> dict:
         """Where the engine's start-up went, logged once: workers (their processes, the
