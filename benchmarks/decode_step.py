@@ -132,6 +132,7 @@ def main() -> None:
     from kvray.config import config_from_flat
     from kvray.engine.llm_engine import LLMEngine
     from kvray.hardware import describe
+    from kvray.kernels import cpu_ops
     from kvray.models.layers import SmallMMatmul
     from kvray.quant.tensor import QuantTensor
 
@@ -146,7 +147,8 @@ def main() -> None:
                         if isinstance(m, SmallMMatmul) and m.qweight is not None})
     print(f"model {Path(engine.model_path).name}, dtype {str(dtype).removeprefix('torch.')}, "
           f"weights {'quantized (' + ', '.join(quantized) + ' codes)' if quantized else 'dense'}"
-          f", torch threads {torch.get_num_threads()}")
+          f", torch threads {torch.get_num_threads()}"
+          + (f", int8 dot {cpu_ops.quant_dot()}" if quantized else ""))
     bandwidth = read_bandwidth()
     peak = matmul_peak(dtype)
     weight_bytes = weight_bytes_per_decode_step(model)

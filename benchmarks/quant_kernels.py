@@ -69,7 +69,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     assert cpu_ops.load_ops() is not None, "the CPU kernels do not build here"
     print(describe())
-    print(f"threads: {args.threads}; vector lanes: {cpu_ops.vector_lanes()}", flush=True)
+    print(f"threads: {args.threads}; vector lanes: {cpu_ops.vector_lanes()}; "
+          f"int8 dot: {cpu_ops.quant_dot()}", flush=True)
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(n, k) for _ in range(LAYERS) for _, n, k in LINEARS]

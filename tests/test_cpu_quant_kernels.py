@@ -261,3 +261,43 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, layout):
     for m in (0, 1, 63, 64, 299):
         assert torch.equal(ops.linear_q(x[m:m + 1].clone(), blob, None)[0], together[m]), m
     assert torch.equal(ops.linear_q(x[:70].clone(), blob, None), together[:70])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_linear_q_gives_the_same_bits_with_any_number_of_threads(ops, threads):
+    """Each thread streams its own run of tiles and then takes the rest of the others' runs
+    (parallel_streams): every tile is computed exactly once whatever the thread count, and a
+    row's result does not depend on which thread computed it. Uneven runs (5 threads over
+    odd tile counts) make threads finish early and take from the others."""
+    blob = _matrix(["u4_g32_fp16_mins", "s8_g32_fp16"], 1001, 576, seed=11).to_blob()
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(12))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = ops.linear_q(x, blob, None)
+        torch.set_num_threads(threads)
+        for _ in range(5):
+            assert torch.equal(ops.linear_q(x, blob, None), alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_kernel_uses_vnni_where_the_build_targets_it(ops):
+    """A build for this CPU (-march=native) takes the VNNI dot product where the CPU has it
+    (AVX-512 VNNI with VL, or AVX-VNNI), else AVX2's; KVRAY_CPU_MARCH may target less."""
+    import os
+    from pathlib import Path
+
+    from kvray.kernels import cpu_ops
+
+    kind = cpu_ops.quant_dot()
+    assert kind in ("vnni", "avx2", "none")
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if os.environ.get(cpu_ops.MARCH_ENV, "").strip() not in ("", "native") or not flags:
+        return
+    vnni = {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags
+    assert kind == ("vnni" if vnni else "avx2" if "avx2" in flags else "none")

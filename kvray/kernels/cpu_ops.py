@@ -288,6 +288,13 @@ def vector_lanes() -> int:
     return 0 if ext is None else int(ext.vector_lanes())
 
 
+def quant_dot() -> str:
+    """The integer dot product of the quantized linears' kernel: ``vnni`` (AVX-512 VNNI or
+    AVX-VNNI), ``avx2``, ``none`` (dequantized matmul) or ``""`` (no extension)."""
+    ext = load_ops()
+    return "" if ext is None else str(ext.quant_dot())
+
+
 def small_m_max_rows() -> int:
     """Inputs of up to this many rows go through ``linear_small_m`` (and a decode batch of
     up to this many through the fused fp32 layer), by the built kernels' vector width."""

@@ -8,11 +8,14 @@
 // The activations are quantized per block of 32 to int8 (dx = amax / 127), as llama.cpp
 // does. Per tile and block, each x row's 4 codes at a time are broadcast against the tile's
 // 32-byte parts (AVX2 maddubs: unsigned U4 codes x signed activations; S8 through the sign
-// trick, maddubs(|w|, sign(x, w))), the products summed exactly in int16 / int32 to one int
-// per weight row (lane), converted once and accumulated with the multiplier s * dx: one fma
-// per block for 8 weight rows, no horizontal sums. Mins add m[n, g] times the sum of
+// trick, maddubs(|w|, sign(x, w)); with AVX-512 VNNI or AVX-VNNI one dpbusd per part
+// instead, 1.35-1.5x faster from 4 rows on), the products summed exactly in int16 / int32 to
+// one int per weight row (lane), converted once and accumulated with the multiplier s * dx:
+// one fma per block for 8 weight rows, no horizontal sums. Mins add m[n, g] times the sum of
 // quantized x over group g. A tile's parts are unpacked once for up to 4 x rows, the tiles
 // of an L2-sized stretch taken by every pass of 4 x rows (prefill, big decode batches).
+// At a few rows a call is bound by reading its weight: each thread streams its own run of
+// tiles (parallel_streams) and fetches the codes 4 KiB ahead of the block in hand.
 // The error against x's exact products is at most sum over blocks of dx / 2 * sum |w|
 // (tests/test_cpu_quant_kernels.py checks it).
 // A row's result is the same sequence of operations whatever the number of rows in the call
@@ -29,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "vec.h"
@@ -315,20 +319,73 @@ inline __m256i x4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// A U4 part's 32 bytes as their low and high nibbles: codes 4 j .. 4 j + 3 of each row.
+inline void unpack_u4(const uint8_t* part, __m256i& lo, __m256i& hi) {
+  const __m256i mask = _mm256_set1_epi8(0xF);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(part));
+  lo = _mm256_and_si256(v, mask);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+}
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define KVRAY_VNNI 1
+// acc + the sums of each lane's 4 products u8 x s8, exact in int32 (one instruction).
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#endif
+
 // Per x row m, the int32 dot products [8 weight rows] of one tile's parts [P0, P1) of block
-// b (U4: parts of 64 codes; S8: of 32) with x's codes.
+// b (U4: parts of 64 codes; S8: of 32) with x's codes. With VNNI each part and x row is one
+// or two dpbusd into int32; else AVX2's maddubs into int16 (exact: see the bounds below),
+// widened by madd. Both give the same exact sums.
 template <int MR, int KD, int P0, int P1>
 inline void part_sums(const uint8_t* block, const XView& x, int64_t b, __m256i (&sum)[MR]) {
+#ifdef KVRAY_VNNI
+  // two chains per row (even / odd products), added at the end: half the latency
+  __m256i other[MR];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) sum[m] = other[m] = _mm256_setzero_si256();
+  if constexpr (KD == kU4) {
+#pragma GCC unroll 4
+    for (int p = P0; p < P1; ++p) {
+      __m256i lo, hi;
+      unpack_u4(block + 32 * p, lo, hi);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xq = x.q + m * x.Kp + kBlock * b + 8 * p;
+        sum[m] = dot4(sum[m], lo, x4(xq));
+        other[m] = dot4(other[m], hi, x4(xq + 4));
+      }
+    }
+  } else {
+#pragma GCC unroll 8
+    for (int p = P0; p < P1; ++p) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * p));
+      const __m256i wa = _mm256_abs_epi8(w);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xq = x.q + m * x.Kp + kBlock * b + 4 * p;
+        __m256i& s = (p - P0) % 2 ? other[m] : sum[m];
+        s = dot4(s, wa, _mm256_sign_epi8(x4(xq), w));
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) sum[m] = _mm256_add_epi32(sum[m], other[m]);
+#else
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (KD == kU4) {
     // maddubs of 15 x 127 pairs: |.| <= 3810 per int16 lane, 8 of them (one block) < 2^15
-    const __m256i mask = _mm256_set1_epi8(0xF);
     __m256i s16[MR];
 #pragma GCC unroll 4
     for (int p = P0; p < P1; ++p) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * p));
-      const __m256i lo = _mm256_and_si256(v, mask);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      __m256i lo, hi;
+      unpack_u4(block + 32 * p, lo, hi);
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {
         const int8_t* xq = x.q + m * x.Kp + kBlock * b + 8 * p;
@@ -356,6 +413,7 @@ inline void part_sums(const uint8_t* block, const XView& x, int64_t b, __m256i (
       }
     }
   }
+#endif
 }
 
 // acc[m] += float(sum[m]) * scales(g) * dx[m, b], then (at a group's end) mins(g) * gs[m, g].
@@ -372,6 +430,18 @@ inline void add_mins(__m256 mv, const XView& x, int64_t g, __m256 (&acc)[MR]) {
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m)
     acc[m] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(x.gs + m * x.ng + g), acc[m]);
+}
+
+// How far ahead of the block in hand the codes are fetched into L1: the hardware prefetcher
+// alone leaves a one-row pass at ~60 % of the read bandwidth (three streams: codes, scales,
+// mins); 4 KiB ahead (a tile or two) measured 1.3-1.5x faster on an EPYC Zen 5.
+constexpr int64_t kPrefetchBytes = 4096;
+
+template <int64_t Bytes>
+inline void prefetch_ahead(const uint8_t* block) {
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < Bytes; i += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes + i), _MM_HINT_T0);
 }
 
 // Tile t of a segment against MR (1..4) rows of x: y[m * ldy + 8 t + lane] (+ bias), the
@@ -391,6 +461,7 @@ void dot_tile(const SegView& s, const XView& x, int64_t t, float* y, int64_t ldy
   if constexpr (G16) {  // a scale (and min) per half block
     for (int64_t b = 0; b < x.nb; ++b) {
       const uint8_t* block = codes + b * kBlockBytes;
+      prefetch_ahead<kBlockBytes>(block);
       part_sums<MR, KD, 0, kParts / 2>(block, x, b, sum);
       accumulate<MR, Half>(sum, lanes_at<Half>(sc, 2 * b), x, b, acc);
       if constexpr (Mins) add_mins<MR>(lanes_at<Half>(mn, 2 * b), x, 2 * b, acc);
@@ -403,6 +474,7 @@ void dot_tile(const SegView& s, const XView& x, int64_t t, float* y, int64_t ldy
     for (int64_t g = 0, b = 0; b < x.nb; ++g) {
       const __m256 sv = lanes_at<Half>(sc, g);
       for (const int64_t end = b + per_group; b < end; ++b) {
+        prefetch_ahead<kBlockBytes>(codes + b * kBlockBytes);
         part_sums<MR, KD, 0, kParts>(codes + b * kBlockBytes, x, b, sum);
         accumulate<MR, Half>(sum, sv, x, b, acc);
       }
@@ -431,6 +503,11 @@ void dot_tile(const SegView& s, const XView& x, int64_t t, float* y, int64_t ldy
 template <int KD, bool G16, bool Half, bool Mins>
 void dot_tiles(const SegView& s, const XView& x, int64_t M, int64_t t0, int64_t t1, float* y,
                int64_t ldy, const float* bias) {
+  // the first kPrefetchBytes of this range, which no block's prefetch_ahead asks for
+  const uint8_t* first = s.codes + t0 * s.tile_bytes;
+  const int64_t head = std::min(kPrefetchBytes, (t1 - t0) * s.tile_bytes);
+  for (int64_t i = 0; i < head; i += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(first + i), _MM_HINT_T0);
   const int64_t stretch = std::max<int64_t>(1, 65536 / s.tile_bytes);
   for (int64_t a = t0; a < t1; a += stretch) {
     const int64_t e = std::min(t1, a + stretch);
@@ -487,7 +564,7 @@ void linear_int8(const Blob& b, const float* x, int64_t ldx, int64_t M, const fl
   // chunks of at least ~16 KiB of codes, about 4 per thread (as cpu_linear.cpp's run)
   const int64_t grain = std::max<int64_t>(1, 16384 / (kTile * b.Kp / 2));
   const int64_t chunk = std::max(grain, chunk_for_threads(tiles));
-  parallel_dynamic(tiles, chunk, [&](int64_t c0, int64_t c1) {
+  parallel_streams(tiles, chunk, [&](int64_t c0, int64_t c1) {
     for (const Job& j : jobs) {
       const int64_t lo = std::max(c0, j.tile0), hi = std::min(c1, j.tile0 + j.tiles);
       if (lo < hi)
@@ -499,6 +576,16 @@ void linear_int8(const Blob& b, const float* x, int64_t ldx, int64_t M, const fl
 
 }  // namespace
 #endif  // __AVX2__
+
+std::string quant_dot() {
+#if defined(KVRAY_VNNI)
+  return "vnni";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "none";
+#endif
+}
 
 at::Tensor dequantize_q(at::Tensor blob) {
   const Blob b = parse_blob(blob, "dequantize_q");

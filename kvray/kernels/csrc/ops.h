@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -24,6 +25,34 @@ inline void parallel_dynamic(int64_t n, int64_t chunk, const F& fn) {
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
       fn(c * chunk, std::min(n, (c + 1) * chunk));
+  });
+}
+
+// parallel_dynamic for a pass that streams its input from memory: each thread owns a
+// contiguous run of the chunks and takes them in order (one unbroken stream, which the
+// prefetchers keep ahead of), and once its own run is done takes what is left of the
+// others' runs, one chunk at a time. Measured on a quantized decode step (120 calls of
+// 0.3-1 MiB each, 2 threads): 1.1-1.2x faster than chunks handed out in one shared order,
+// where each thread jumps to a new place every chunk.
+template <typename F>
+inline void parallel_streams(int64_t n, int64_t chunk, const F& fn) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (threads <= 1) {
+    if (n > 0) fn(0, n);
+    return;
+  }
+  // run r: chunks [r * chunks / threads, (r + 1) * chunks / threads), next[r] its next one
+  std::vector<std::atomic<int64_t>> next(threads);
+  for (int64_t r = 0; r < threads; ++r) next[r] = r * chunks / threads;
+  at::parallel_for(0, threads, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t own = r0; own < r1; ++own) {
+      for (int64_t i = 0; i < threads; ++i) {
+        const int64_t r = (own + i) % threads, end = (r + 1) * chunks / threads;
+        for (int64_t c = next[r].fetch_add(1); c < end; c = next[r].fetch_add(1))
+          fn(c * chunk, std::min(n, (c + 1) * chunk));
+      }
+    }
   });
 }
 
@@ -145,6 +174,10 @@ at::Tensor argmax_rows(at::Tensor x);
 // without mins), read in place: activations quantized to int8 per block and integer dot
 // products, the same operations for a row whatever the number of rows (cpu_quant.cpp).
 at::Tensor linear_q(at::Tensor x, at::Tensor blob, c10::optional<at::Tensor> bias);
+
+// The integer dot product linear_q's kernel runs on: "vnni" (AVX-512 VNNI or AVX-VNNI
+// dpbusd), "avx2" (maddubs) or "none" (dequantized matmul).
+std::string quant_dot();
 
 // Rows `ids` (int64, any shape) of a quantized blob dequantized -> fp32 [*ids.shape, K].
 at::Tensor embedding_q(at::Tensor blob, at::Tensor ids);
