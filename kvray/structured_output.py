@@ -156,10 +156,15 @@ class GrammarCompiler:
 
         self._ll = llguidance
         eos = [t for t in eos_token_ids if t < vocab_size] or None
+        # A tokenizer may hold more tokens than the model has logits (one built from a GGUF
+        # adds its end-of-text token when the vocabulary lacks it): the masks then cover
+        # the tokenizer's ids, and the sampler reads the first vocab_size bits of a row.
+        self.mask_vocab = max(vocab_size, len(hf_tokenizer))
         # Building the token trie reads the whole vocabulary: ~1 s, once per process.
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=self.mask_vocab,
                                                       eos_token=eos)
         self.vocab_size = vocab_size
+        self.bitmask_words = bitmask_width(self.mask_vocab)  # int32 words per mask row
         self.eos_token_ids = tuple(eos or ())
         self._executor = llguidance.LLExecutor()
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -233,6 +238,7 @@ class GrammarCompiler:
     def _fill(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
         width = bitmask.shape[1]
+        assert width >= self.bitmask_words, "a mask row narrower than the tokenizer's ids"
         self._executor.unsafe_compute_mask_ptr(
             [(m.raw, row) for m, row in matchers], bitmask.data_ptr(), width * 4,
             bitmask.shape[0])

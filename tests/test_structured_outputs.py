@@ -245,3 +245,24 @@ def test_constraints_survive_preemption(mode):
     assert [o.outputs[0].token_ids for o in outs] == want
     for out in outs:
         jsonschema.validate(json.loads(out.outputs[0].text), LONG_ARRAY)
+
+
+@pytest.mark.unit
+def test_a_tokenizer_with_more_ids_than_the_model_has_logits_still_constrains():
+    """Regression: a tokenizer one id past the model's vocabulary (transformers adds a GGUF's
+    end-of-text token when the vocabulary lacks it) made llguidance refuse the compiler, and
+    a mask row sized by the model's vocabulary would be too narrow for the tokenizer's ids.
+    The masks now cover the tokenizer; the sampler reads the model's first ids."""
+    tok = build_tokenizer()
+    tok.add_tokens(["<|extra|>"], special_tokens=True)
+    assert len(tok) == VOCAB_SIZE + 1
+    compiler = GrammarCompiler(tok, VOCAB_SIZE, (2,))
+    assert compiler.bitmask_words == bitmask_width(VOCAB_SIZE + 1)
+    matcher = compiler.compile(StructuredOutputsParams(regex="ab+", field="regex"))
+    bitmask = torch.full((1, compiler.bitmask_words), -1, dtype=torch.int32)
+    compiler.fill_bitmask([(matcher, 0)], bitmask)
+    logits = torch.zeros(1, VOCAB_SIZE)
+    apply_bitmask_(logits, bitmask)
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert allowed and all(tok.decode([t]).startswith("a") or tok.decode([t]) == ""
+                           for t in allowed), [tok.decode([t]) for t in allowed]

@@ -13,7 +13,6 @@ from kvray.structured_output import (
     GrammarCompiler,
     Matcher,
     ReasoningGatedMatcher,
-    bitmask_width,
     compiler_for,
 )
 
@@ -51,7 +50,7 @@ class GrammarMasks:
         row is constrained."""
         if not plain and not spec:
             return None
-        bitmask = torch.full((num_rows, bitmask_width(self.vocab_size)), -1,
+        bitmask = torch.full((num_rows, self._compiler.bitmask_words), -1,
                              dtype=torch.int32, pin_memory=self.pin_memory)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvray-grammar")
