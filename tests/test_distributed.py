@@ -171,8 +171,9 @@ def test_pipelined_steps_overlap_and_give_the_same_tokens(cluster, models, uncon
             llm.shutdown()
 
 
-def _long_preemption_run(models, **kw) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(models["gqa4"]), **{"distributed_executor_backend": "ray", **kw},
+def _long_preemption_run(models, path: Path | None = None, **kw) -> tuple[list[list[int]],
+                                                                           LLM]:
+    llm = LLM(str(path or models["gqa4"]), **{"distributed_executor_backend": "ray", **kw},
               num_gpu_blocks_override=24, **{**COMMON, "max_num_batched_tokens": 32})
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = llm.generate(_prompts(), params, use_tqdm=False)
@@ -199,6 +200,56 @@ def test_swap_preemption_gives_the_same_tokens_and_leaves_nothing(cluster, model
         assert tokens == unconstrained
         assert stats.num_swaps_out > 0 and stats.num_swaps_in > 0
         assert llm.llm_engine.executor.swap_objects() == [0]
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gguf_q4_1(models, tmp_path_factory):
+    """The gqa4 model as a Q4_1 GGUF (every matrix in 4-bit blocks with mins, as the
+    built-in model ships), which kvray keeps quantized."""
+    from tests.helpers.tiny_gguf import write_gguf
+
+    return write_gguf(models["gqa4"], tmp_path_factory.mktemp("gguf") / "gqa4-Q4_1.gguf",
+                      quant={"*": "Q4_1"})
+
+
+def test_a_quantized_gguf_shards_over_tp_and_pp_and_swaps_its_int8_kv(cluster, models,
+                                                                      gguf_q4_1):
+    """The GGUF's blocks split over TP x PP ranks (each holds its quantized shard, split on
+    block boundaries) give one worker's tokens; an int8 KV cache swapped out to the object
+    store and back under preemption gives the unconstrained run's tokens."""
+    kw = dict(kv_cache_dtype="int8")
+    one = LLM(str(gguf_q4_1), **kw, **COMMON)
+    try:
+        want = _tokens(one)
+        held = one.llm_engine.startup["ranks"][0]["quantized"]
+        long_params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        roomy = [o.outputs[0].token_ids
+                 for o in one.generate(_prompts(), long_params, use_tqdm=False)]
+    finally:
+        one.shutdown()
+    assert held["tensors"] == 3 * 4 + 2 and held["dequantized"] == 0  # + embedding, LM head
+    assert sum(held["kinds"].values()) == held["tensors"], held
+
+    llm = LLM(str(gguf_q4_1), tensor_parallel_size=2, pipeline_parallel_size=2, **kw,
+              **COMMON)
+    try:
+        assert _tokens(llm) == want
+        ranks = [r["quantized"] for r in llm.llm_engine.startup["ranks"]]
+    finally:
+        llm.shutdown()
+    # 4 ranks, each with its stage's layers (and the embedding / LM head on the first /
+    # last stage), all quantized: together about the one worker's bytes
+    assert all(r["tensors"] > 0 and r["dequantized"] == 0 for r in ranks), ranks
+    assert 0.9 * held["bytes"] <= sum(r["bytes"] for r in ranks) <= 1.1 * held["bytes"]
+
+    tokens, llm = _long_preemption_run(models, gguf_q4_1, tensor_parallel_size=2,
+                                       preemption_mode="swap", swap_space=0.01, **kw)
+    try:
+        stats = llm.llm_engine.stats
+        assert tokens == roomy
+        assert stats.num_swaps_out > 0 and stats.num_swaps_in > 0
     finally:
         llm.shutdown()
 

@@ -100,6 +100,7 @@ class ModelRunner:
             config.model.attention_backend, device, self.dtype, self.spec.torch_dtype,
             ctx.tp_size)
         installed = install_kernel_plan(self.model, self.plan)
+        self.quantized = installed.quantized  # what this rank's shard holds quantized
         if ctx.world_rank == 0:
             installed.log()
         self.lora: LoRAModel | None = None

@@ -102,10 +102,16 @@ class Worker:
 
     def startup_report(self) -> dict[str, object]:
         """Seconds this rank spent loading its shard (the kernels' build or fetch
-        included), and how it got the CPU kernels."""
+        included), how it got the CPU kernels, and the quantized weights its shard holds
+        (tensors, bytes, kinds; zeros for a dense model)."""
         from kvray.kernels import cpu_ops
 
-        return {"load_s": round(self.load_s, 3), "kernels": cpu_ops.build_report()}
+        quant = self.runner.quantized
+        held = {"tensors": quant.layers, "bytes": quant.bytes_held,
+                "kinds": dict(quant.sources), "dequantized": quant.dequantized} \
+            if quant is not None else {"tensors": 0, "bytes": 0, "kinds": {}, "dequantized": 0}
+        return {"load_s": round(self.load_s, 3), "kernels": cpu_ops.build_report(),
+                "quantized": held}
 
     def model_info(self) -> tuple[ModelSpec, int]:
         """(spec, max_model_len) for the engine, which holds no model itself."""
