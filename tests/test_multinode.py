@@ -3,7 +3,9 @@ mount namespace (kvray.testing.netns), hostnames resolving to 127.0.1.1 as on De
 
 Checked: TP ranks on two nodes, PP stages pinned to two nodes and TP=2 x PP=2 spread over
 three give transformers' greedy tokens (fp32), as one in-process worker does (prefix
-caching and chunked prefill on; swap preemption under a tiny cache); a node killed
+caching and chunked prefill on; swap preemption under a tiny cache), and so do a Qwen3-MoE
+with expert parallelism over TP2 x PP2 on three nodes and a Q4_1 GGUF's quantized blocks
+split over two; a node killed
 mid-generation fails the request within a bound, the executor rebuilds on the nodes left,
 and the next request succeeds — offline and through ``kvray serve`` with the ``openai``
 client from the host; nothing of the cluster is left behind. Needs root (CI runs as root).
@@ -111,12 +113,39 @@ def test_nodes_are_isolated_hosts(cluster):
     assert probe.stdout.startswith("unreachable")
 
 
-def test_tp_pp_across_nodes_match_one_worker(cluster, model):
+@pytest.fixture(scope="module")
+def moe_model(cluster) -> str:
+    return str(make_tiny_model("qwen3_moe", cluster.shared / "qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def gguf_model(cluster, model) -> str:
+    """The gqa4 model as a Q4_1 GGUF, which kvray keeps quantized."""
+    from tests.helpers.tiny_gguf import write_gguf
+
+    return str(write_gguf(model, cluster.shared / "gqa4-Q4_1.gguf", quant={"*": "Q4_1"}))
+
+
+def _one_worker(model: str, max_tokens: int) -> list[list[int]]:
+    llm = LLM(model, **{**COMMON, "max_num_batched_tokens": 32})
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+def test_tp_pp_across_nodes_match_one_worker(cluster, model, moe_model, gguf_model):
     """Greedy tokens of three cross-node layouts, of swap preemption under a tiny cache and
     of a tiny cache over the KV tier (blocks fetched from copies on other nodes) equal
-    transformers' (and one in-process worker's), 24 tokens each."""
+    transformers' (and one in-process worker's), 24 tokens each; so do a Qwen3-MoE's with
+    its experts spread over TP2 x PP2 on three nodes (expert parallelism), and a Q4_1 GGUF's
+    quantized blocks split over two nodes give one worker's."""
     ips = [n.ip for n in cluster.nodes]
     want = _reference(model, MAX_TOKENS)
+    want_moe = _reference(moe_model, MAX_TOKENS)
+    want_gguf = _one_worker(gguf_model, MAX_TOKENS)
     scenarios = [
         {"name": "tp2", "max_tokens": MAX_TOKENS,
          "config": {**COMMON, "tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD"}},
@@ -136,6 +165,11 @@ def test_tp_pp_across_nodes_match_one_worker(cluster, model):
          "config": {**COMMON, "tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD",
                     "max_num_batched_tokens": 32, "num_gpu_blocks_override": 24,
                     "kv_offload_bytes": 1 << 26}},
+        {"name": "moe_ep_tp2pp2", "max_tokens": MAX_TOKENS, "model": moe_model,
+         "config": {**COMMON, "tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+                    "enable_expert_parallel": True, "placement_strategy": "SPREAD"}},
+        {"name": "q4_1_tp2", "max_tokens": MAX_TOKENS, "model": gguf_model,
+         "config": {**COMMON, "tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD"}},
     ]
     spec = {"model": model, "prompts": _prompts(), "scenarios": scenarios}
     proc = cluster.run(cluster.head, [sys.executable, DRIVER, "layouts", json.dumps(spec)],
@@ -163,6 +197,13 @@ def test_tp_pp_across_nodes_match_one_worker(cluster, model):
     assert tier["rounds"] == [want, want]
     assert len(set(tier["worker_nodes"])) == 2
     assert tier["tier"]["hit_tokens"] > 0 and tier["tier"]["fetch_failures"] == 0
+    moe = results["moe_ep_tp2pp2"]
+    assert moe["tokens"] == want_moe
+    assert len(set(moe["worker_nodes"])) == 3
+    quant = results["q4_1_tp2"]
+    assert quant["tokens"] == want_gguf
+    assert len(set(quant["worker_nodes"])) == 2
+    assert all(r["tensors"] > 0 and r["dequantized"] == 0 for r in quant["quantized"])
 
 
 def test_node_loss_fails_in_flight_request_and_engine_rebuilds_on_the_rest(cluster, model):

@@ -28,7 +28,7 @@ def layouts(spec: dict) -> None:
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     for scenario in spec["scenarios"]:
         start = time.monotonic()
-        llm = LLM(spec["model"], **scenario["config"])
+        llm = LLM(scenario.get("model", spec["model"]), **scenario["config"])
         started = time.monotonic() - start
         try:
             params = SamplingParams(temperature=0.0, max_tokens=scenario["max_tokens"],
@@ -47,6 +47,7 @@ def layouts(spec: dict) -> None:
                 "preemptions": s.num_preemptions,
                 "swaps_out": s.num_swaps_out, "swaps_in": s.num_swaps_in,
                 "swap_objects": engine.executor.swap_objects(),
+                "quantized": [r["quantized"] for r in engine.startup["ranks"]],
                 "start_s": started, "total_s": time.monotonic() - start,
             })
         finally:
