@@ -159,12 +159,12 @@ class GrammarCompiler:
         # A tokenizer may hold more tokens than the model has logits (one built from a GGUF
         # adds its end-of-text token when the vocabulary lacks it): the masks then cover
         # the tokenizer's ids, and the sampler reads the first vocab_size bits of a row.
-        self.mask_vocab = max(vocab_size, len(hf_tokenizer))
+        mask_vocab = max(vocab_size, len(hf_tokenizer))
         # Building the token trie reads the whole vocabulary: ~1 s, once per process.
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=self.mask_vocab,
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=mask_vocab,
                                                       eos_token=eos)
         self.vocab_size = vocab_size
-        self.bitmask_words = bitmask_width(self.mask_vocab)  # int32 words per mask row
+        self.bitmask_words = bitmask_width(mask_vocab)  # int32 words per mask row
         self.eos_token_ids = tuple(eos or ())
         self._executor = llguidance.LLExecutor()
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()

@@ -70,6 +70,16 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
+def _one_worker(model: str, max_tokens: int) -> list[list[int]]:
+    llm = LLM(model, **{**COMMON, "max_num_batched_tokens": 32})
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
 def _reference(model: str, max_tokens: int) -> list[list[int]]:
     """Transformers' greedy tokens (fp32), which one in-process worker also gives."""
     from tests.helpers.tiny_models import load_hf
@@ -79,14 +89,7 @@ def _reference(model: str, max_tokens: int) -> list[list[int]]:
         want = [hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
                 for p in _prompts()]
-    llm = LLM(model, **{**COMMON, "max_num_batched_tokens": 32})
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params,
-                            use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == want
-    finally:
-        llm.shutdown()
+    assert _one_worker(model, max_tokens) == want
     return want
 
 
@@ -124,16 +127,6 @@ def gguf_model(cluster, model) -> str:
     from tests.helpers.tiny_gguf import write_gguf
 
     return str(write_gguf(model, cluster.shared / "gqa4-Q4_1.gguf", quant={"*": "Q4_1"}))
-
-
-def _one_worker(model: str, max_tokens: int) -> list[list[int]]:
-    llm = LLM(model, **{**COMMON, "max_num_batched_tokens": 32})
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return [o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)]
-    finally:
-        llm.shutdown()
 
 
 def test_tp_pp_across_nodes_match_one_worker(cluster, model, moe_model, gguf_model):

@@ -106,12 +106,8 @@ class Worker:
         (tensors, bytes, kinds; zeros for a dense model)."""
         from kvray.kernels import cpu_ops
 
-        quant = self.runner.quantized
-        held = {"tensors": quant.layers, "bytes": quant.bytes_held,
-                "kinds": dict(quant.sources), "dequantized": quant.dequantized} \
-            if quant is not None else {"tensors": 0, "bytes": 0, "kinds": {}, "dequantized": 0}
         return {"load_s": round(self.load_s, 3), "kernels": cpu_ops.build_report(),
-                "quantized": held}
+                "quantized": self.runner.quantized.report()}
 
     def model_info(self) -> tuple[ModelSpec, int]:
         """(spec, max_model_len) for the engine, which holds no model itself."""

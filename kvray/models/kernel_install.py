@@ -5,7 +5,7 @@ layer, in that order (huge pages once every copy the kernels read exists)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -41,12 +41,11 @@ class InstalledKernels:
     released: int = 0  # plain weights nothing reads any more
     onednn: int | None = None  # oneDNN's bf16 layout (None: not used)
     huge_pages: int = 0  # weights moved onto huge pages
-    quantized: QuantInstall | None = None
+    quantized: QuantInstall = field(default_factory=QuantInstall)
 
     def log(self) -> None:
         """The lines a target model's install logs (on one rank)."""
-        if self.quantized is not None:
-            self.quantized.log()
+        self.quantized.log()
         if self.bf16_copies:
             logger.info("kvray: bf16 copies of the weights for decode steps: %.0f MiB",
                         self.bf16_copies / 2**20)

@@ -117,6 +117,12 @@ class QuantInstall:
     dequantized: int = 0  # layers whose kind no kernel here reads
     sources: Counter = field(default_factory=Counter)
 
+    def report(self) -> dict:
+        """Tensors held quantized, their bytes, their kinds (counts), and how many were
+        dequantized (no kernel here reads their kind): zeros for a dense model."""
+        return {"tensors": self.layers, "bytes": self.bytes_held,
+                "kinds": dict(self.sources), "dequantized": self.dequantized}
+
     def log(self) -> None:
         if not self.layers:
             return
