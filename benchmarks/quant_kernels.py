@@ -4,14 +4,17 @@ Every linear of one decode step of the built-in model (SmolLM2-135M: hidden 576,
 intermediate 1536, 9 heads x 64, 3 KV heads, 30 layers; random codes of its shapes, each
 layer's weights distinct so that a step streams them from memory as a real one does) at
 M = 1, 4, 16 rows and a prefill chunk of 256, for Q4_1 (U4, groups of 32, fp16 scales and
-mins) and Q8_0 (S8, groups of 32, fp16 scales). For each: the time of the step's linears,
-the GB/s of the bytes actually read (codes, scales, mins), that as a % of the read bandwidth
-measured in the same run (``torch.sum`` over 512 MiB with the same threads), and the step
-time over the read floor (bytes / bandwidth); at M = 256 GFLOP/s against the fp32 path
-(``cpu_ops.linear_packed`` on packed fp32 weights of the same shapes). Formats and paths
+mins) and Q8_0 (S8, groups of 32, fp16 scales), and with ``--formats`` the other GGUF
+layouts: Q4_0 (U4, code offset 8), Q5_0 (U5, offset 16), Q4_K (U4, two-level u8 x fp16
+scales and mins), Q6_K (U6, groups of 16, offset 32, two-level i8 x fp16). For each: the
+time of the step's linears, the GB/s of the bytes actually read (codes, scales, mins), that
+as a % of the read bandwidth measured in the same run (``torch.sum`` over 512 MiB with the
+same threads), and the step time over the read floor (bytes / bandwidth); at M = 256
+GFLOP/s against the fp32 path (``cpu_ops.linear_packed`` on packed fp32 weights of the same
+shapes). Formats and paths
 are timed alternating in one process (median of the rounds).
 
-    python benchmarks/quant_kernels.py [--rounds 7] [--threads N]
+    python benchmarks/quant_kernels.py [--rounds 7] [--threads N] [--formats Q4_1,Q8_0,...]
 """
 
 from __future__ import annotations
@@ -35,13 +38,37 @@ ROWS = (1, 4, 16, 256)
 
 
 def _quantized(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantTensor:
+    """Random codes of ``fmt``'s layout (scales of a sane size; a K-quant's super-blocks of
+    256 may end partway along K = 576: the kernel reads them the same way)."""
     scales = (torch.rand(n, k // 32, generator=gen) * 0.01).half()
-    if fmt == "Q4_1":
+    if fmt in ("Q4_1", "Q4_0"):
         codes = pack_u4(torch.randint(0, 16, (n, k), generator=gen))
-        mins = (torch.randn(n, k // 32, generator=gen) * 0.05).half()
-        return QuantTensor((n, k), (QuantSegment(QuantKind.U4, 32, codes, scales, mins),))
-    codes = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
-    return QuantTensor((n, k), (QuantSegment(QuantKind.S8, 32, codes, scales),))
+        if fmt == "Q4_0":
+            seg = QuantSegment(QuantKind.U4, 32, codes, scales, zero=8)
+        else:
+            mins = (torch.randn(n, k // 32, generator=gen) * 0.05).half()
+            seg = QuantSegment(QuantKind.U4, 32, codes, scales, mins)
+    elif fmt == "Q5_0":
+        codes = torch.randint(0, 32, (n, k), generator=gen).to(torch.uint8)
+        seg = QuantSegment(QuantKind.U5, 32, codes, scales, zero=16)
+    elif fmt == "Q4_K":
+        codes = pack_u4(torch.randint(0, 16, (n, k), generator=gen))
+        sub = torch.randint(0, 64, (n, k // 32), generator=gen).to(torch.uint8)
+        sup = (torch.rand(n, -(-k // 256), generator=gen) * 1e-3).half()
+        seg = QuantSegment(QuantKind.U4, 32, codes, sub, sub.flip(1), 0, 8, sup, -sup)
+    elif fmt == "Q6_K":
+        codes = torch.randint(0, 64, (n, k), generator=gen).to(torch.uint8)
+        sub = torch.randint(-64, 64, (n, k // 16), generator=gen).to(torch.int8)
+        sup = (torch.rand(n, -(-k // 256), generator=gen) * 1e-4).half()
+        seg = QuantSegment(QuantKind.U6, 16, codes, sub, zero=32, super_group=16,
+                           super_scales=sup)
+    elif fmt == "Q8_0":
+        codes = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
+        seg = QuantSegment(QuantKind.S8, 32, codes, scales)
+    else:
+        raise SystemExit(f"--formats: unknown format {fmt!r} (Q4_1, Q8_0, Q4_0, Q5_0, Q4_K, "
+                         "Q6_K)")
+    return QuantTensor((n, k), (seg,))
 
 
 def read_bandwidth(repeats: int = 5) -> float:
@@ -65,6 +92,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--formats", default="Q4_1,Q8_0",
+                        help="comma-separated: Q4_1, Q8_0, Q4_0, Q5_0, Q4_K, Q6_K")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     assert cpu_ops.load_ops() is not None, "the CPU kernels do not build here"
@@ -74,10 +103,11 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(n, k) for _ in range(LAYERS) for _, n, k in LINEARS]
-    mats = {fmt: [_quantized(fmt, n, k, gen) for n, k in shapes] for fmt in ("Q4_1", "Q8_0")}
+    formats = [f for f in args.formats.split(",") if f]
+    mats = {fmt: [_quantized(fmt, n, k, gen) for n, k in shapes] for fmt in formats}
     blobs = {fmt: [m.to_blob() for m in ms] for fmt, ms in mats.items()}
     read = {fmt: sum(m.nbytes for m in ms) for fmt, ms in mats.items()}
-    packed = [cpu_ops.pack_linear_weight(m.dequantize()) for m in mats["Q4_1"]]
+    packed = [cpu_ops.pack_linear_weight(m.dequantize()) for m in mats[formats[0]]]
     xs = {m: {k: torch.randn(m, k, generator=gen) for k in (HIDDEN, INTER)} for m in ROWS}
 
     def step(fmt: str, m: int) -> Callable[[], None]:
@@ -106,8 +136,8 @@ def main() -> None:
     flops = {m: 2 * m * sum(n * k for n, k in shapes) for m in ROWS}
     print(f"read bandwidth: {bw:.1f} GB/s (torch.sum over 512 MiB, {args.threads} threads)")
     fp32_mb = 4 * sum(n * k for n, k in shapes) / 1e6
-    print(f"bytes read per step: Q4_1 {read['Q4_1'] / 1e6:.1f} MB, "
-          f"Q8_0 {read['Q8_0'] / 1e6:.1f} MB (fp32: {fp32_mb:.0f} MB)")
+    print("bytes read per step: " + ", ".join(f"{f} {read[f] / 1e6:.1f} MB" for f in formats)
+          + f" (fp32: {fp32_mb:.0f} MB)")
     print(f"{'format':7} {'M':>4} {'ms/step':>8} {'GB/s':>6} {'% bw':>5} {'x floor':>7} "
           f"{'GFLOP/s':>8}")
     for (fmt, m), ts in times.items():

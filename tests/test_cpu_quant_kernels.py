@@ -1,7 +1,8 @@
 """The CPU kernels on quantized weights read in place (``cpu_ops`` ``linear_q``,
 ``embedding_q``, ``dequantize_q``) agree with the plain reference, ``QuantTensor.dequantize()``
-and a float64 matmul: on odd shapes, every kind (U4 with and without mins, S8), group 16 to
-128, fp16 and fp32 scales, multi-segment blobs, strided inputs. ``linear_q`` quantizes the
+and a float64 matmul: on odd shapes, every kind (U4, U5, U6 with and without mins or a code
+offset, S8), group 16 to 128, fp16, fp32 and two-level scales, multi-segment blobs, strided
+inputs. ``linear_q`` quantizes the
 activations per block of 32 to int8, so its error is held to that quantization's bound (and
 is exactly zero where the activations are whole numbers its grid holds); malformed blobs
 raise; the fused decode layer runs quantized weights as it runs their dequantized values."""
@@ -17,28 +18,54 @@ from kvray.quant.tensor import QuantKind, QuantSegment, QuantTensor, pack_u4, ro
 
 pytestmark = pytest.mark.unit
 
-# (kind, group, scale dtype, mins): the layouts GGUF, AWQ/GPTQ and int8 checkpoints become
+# (kind, group, scale dtype, mins, zero): the layouts GGUF, AWQ/GPTQ and int8 checkpoints
+# become; uint8 / int8 scales are two-level (times an fp16 per super-group of 256 columns)
 LAYOUTS = {
-    "u4_g32_fp16_mins": (QuantKind.U4, 32, torch.float16, True),   # Q4_1 / Q4_K
-    "u4_g32_fp16": (QuantKind.U4, 32, torch.float16, False),       # Q4_0
-    "u4_g16_fp32_mins": (QuantKind.U4, 16, torch.float32, True),   # Q2_K-like halves
-    "u4_g128_fp16_mins": (QuantKind.U4, 128, torch.float16, True),  # AWQ / GPTQ
-    "s8_g32_fp16": (QuantKind.S8, 32, torch.float16, False),       # Q8_0
-    "s8_g16_fp32": (QuantKind.S8, 16, torch.float32, False),       # Q6_K
-    "s8_g64_fp32": (QuantKind.S8, 64, torch.float32, False),
+    "u4_g32_fp16_mins": (QuantKind.U4, 32, torch.float16, True, 0),    # Q4_1
+    "u4_g32_fp16_zero": (QuantKind.U4, 32, torch.float16, False, 8),   # Q4_0
+    "u4_g32_fp16": (QuantKind.U4, 32, torch.float16, False, 0),
+    "u4_g16_fp32_mins": (QuantKind.U4, 16, torch.float32, True, 0),    # Q2_K-like halves
+    "u4_g128_fp16_mins": (QuantKind.U4, 128, torch.float16, True, 0),  # AWQ / GPTQ
+    "u4_g32_u8_mins": (QuantKind.U4, 32, torch.uint8, True, 0),        # Q4_K
+    "u5_g32_fp16_zero": (QuantKind.U5, 32, torch.float16, False, 16),  # Q5_0
+    "u5_g32_fp16_mins": (QuantKind.U5, 32, torch.float16, True, 0),    # Q5_1
+    "u6_g16_s8_zero": (QuantKind.U6, 16, torch.int8, False, 32),       # Q6_K
+    "u6_g64_fp32_mins": (QuantKind.U6, 64, torch.float32, True, 0),
+    "s8_g32_fp16": (QuantKind.S8, 32, torch.float16, False, 0),        # Q8_0
+    "s8_g16_fp32": (QuantKind.S8, 16, torch.float32, False, 0),
+    "s8_g64_fp32": (QuantKind.S8, 64, torch.float32, False, 0),
+    "s8_g32_s8": (QuantKind.S8, 32, torch.int8, False, 0),
 }
+BITS = {QuantKind.U4: 4, QuantKind.U5: 5, QuantKind.U6: 6}
+
+
+def _codes(kind: QuantKind, rows: int, k_padded: int, gen: torch.Generator) -> torch.Tensor:
+    if kind in BITS:
+        codes = torch.randint(0, 2 ** BITS[kind], (rows, k_padded), generator=gen)
+        return pack_u4(codes) if kind == QuantKind.U4 else codes.to(torch.uint8)
+    return torch.randint(-128, 128, (rows, k_padded), generator=gen).to(torch.int8)
 
 
 def _segment(kind: QuantKind, rows: int, k_padded: int, group: int, scale_dtype: torch.dtype,
-             with_mins: bool, gen: torch.Generator) -> QuantSegment:
+             with_mins: bool, zero: int, gen: torch.Generator) -> QuantSegment:
+    """Random codes; scales giving outputs of a sane size; two-level ones as the K-quants
+    store them (6-bit values times an fp16 per 256 columns)."""
     ng = k_padded // group
-    scales = (torch.rand(rows, ng, generator=gen) * 0.02 + 0.002).to(scale_dtype)
+    codes = _codes(kind, rows, k_padded, gen)
+    size = 0.01 / 2 ** (BITS.get(kind, 8) - 4)  # a step for codes of this width
+    if scale_dtype in (torch.uint8, torch.int8):
+        sg = 256 // group
+        low = -63 if scale_dtype == torch.int8 else 1
+        scales = torch.randint(low, 64, (rows, ng), generator=gen).to(scale_dtype)
+        sup = (torch.rand(rows, -(-ng // sg), generator=gen) * size / 16).half()
+        mins = smin = None
+        if with_mins:
+            mins = torch.randint(0, 64, (rows, ng), generator=gen).to(scale_dtype)
+            smin = (-torch.rand(rows, -(-ng // sg), generator=gen) * 0.002).half()
+        return QuantSegment(kind, group, codes, scales, mins, zero, sg, sup, smin)
+    scales = (torch.rand(rows, ng, generator=gen) * size * 2 + size / 5).to(scale_dtype)
     mins = (torch.randn(rows, ng, generator=gen) * 0.05).to(scale_dtype) if with_mins else None
-    if kind == QuantKind.U4:
-        codes = pack_u4(torch.randint(0, 16, (rows, k_padded), generator=gen))
-    else:
-        codes = torch.randint(-128, 128, (rows, k_padded), generator=gen).to(torch.int8)
-    return QuantSegment(kind, group, codes, scales, mins)
+    return QuantSegment(kind, group, codes, scales, mins, zero)
 
 
 def _matrix(layouts: list[str], n: int, k: int, seed: int) -> QuantTensor:
@@ -87,7 +114,7 @@ def test_linear_q_is_within_the_activation_quantization_bound(ops, k, n, m):
     gen = torch.Generator().manual_seed(k * 1000 + n + m)
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen) if m % 2 else None
-    fitting = [name for name, (_, group, _, _) in LAYOUTS.items() if round_up(k, 32) % group == 0]
+    fitting = [name for name, (_, group, *_) in LAYOUTS.items() if round_up(k, 32) % group == 0]
     cases = [[name] for name in fitting] + [fitting]
     for i, layouts in enumerate(cases):
         qt = _matrix(layouts, n, k, seed=i)
@@ -108,17 +135,27 @@ def test_linear_q_is_exact_on_whole_numbers_its_int8_grid_holds(ops, m, layout):
     """Activations that are whole numbers with a 127 in every block of 32 (so the int8 step
     is exactly 1) and scales/mins that are powers of two: every product and sum is exact in
     fp32, so any indexing, nibble-order or scale-placement mistake shows as a difference."""
-    kind, group, scale_dtype, with_mins = LAYOUTS[layout]
+    kind, group, scale_dtype, with_mins, zero = LAYOUTS[layout]
     k, n = 640, 37  # sums stay far below 2^24 halves: exact in fp32
     gen = torch.Generator().manual_seed(m)
     x = torch.randint(-127, 128, (m, k), generator=gen).float()
     x[:, ::32] = 127.0 * torch.sign(torch.randn(m, k // 32 + (k % 32 > 0), generator=gen))
-    seg = _segment(kind, n, k, group, scale_dtype, with_mins, gen)
+    seg = _segment(kind, n, k, group, scale_dtype, with_mins, zero, gen)
     pow2 = 2.0 ** torch.randint(-1, 1, seg.scales.shape, generator=gen)
-    mins = None if seg.mins is None else (torch.randint(-2, 3, seg.scales.shape,
-                                                        generator=gen) / 2).to(scale_dtype)
-    qt = QuantTensor((n, k), (QuantSegment(kind, group, seg.codes, pow2.to(scale_dtype),
-                                           mins),))
+    mins = None if seg.mins is None else torch.randint(-2, 3, seg.scales.shape, generator=gen)
+    if seg.two_level:  # small integers times powers of two
+        signs = torch.tensor([-1, 1])[torch.randint(0, 2, seg.scales.shape, generator=gen)]
+        scales = (torch.randint(1, 4, seg.scales.shape, generator=gen)
+                  * (signs if scale_dtype == torch.int8 else 1)).to(scale_dtype)
+        pow2_super = (2.0 ** torch.randint(-2, 0, seg.super_scales.shape, generator=gen)).half()
+        half = None if mins is None else torch.full_like(seg.super_mins, 0.5)
+        seg = QuantSegment(kind, group, seg.codes, scales,
+                           None if mins is None else mins.abs().to(scale_dtype), zero,
+                           seg.super_group, pow2_super, half)
+    else:
+        seg = QuantSegment(kind, group, seg.codes, pow2.to(scale_dtype),
+                           None if mins is None else (mins / 2).to(scale_dtype), zero)
+    qt = QuantTensor((n, k), (seg,))
     bias = torch.randint(-8, 8, (n,), generator=gen).float()
     got = ops.linear_q(x, qt.to_blob(), bias)
     assert torch.equal(got.double(), _reference(x, qt, bias))
@@ -142,8 +179,7 @@ def test_linear_q_reads_strided_and_empty_inputs(ops):
 
 def test_dequantize_q_and_embedding_q_equal_the_reference_exactly(ops):
     gen = torch.Generator().manual_seed(5)
-    segs = [_segment(kind, 9, 128, group, sdt, mins, gen)
-            for kind, group, sdt, mins in LAYOUTS.values()]
+    segs = [_segment(*layout[:1], 9, 128, *layout[1:], gen) for layout in LAYOUTS.values()]
     fp8 = torch.randn(5, 128, generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)
     segs.append(QuantSegment(QuantKind.F8, 32, fp8, torch.rand(5, 4, generator=gen), None))
     qt = QuantTensor((9 * len(LAYOUTS) + 5, 100), tuple(segs))  # K padded 100 -> 128
@@ -177,6 +213,9 @@ def test_malformed_blobs_raise_clear_errors(ops):
         (_with(blob, 64 + 40, "<q", 65), "do not fit in the blob"),      # unaligned scales
         (_with(blob, 64 + 4, "<i", 48), "corrupt entry"),          # group 48
         (_with(blob, 64 + 24, "<q", 41), "holds rows"),            # more rows than N
+        (_with(blob, 64 + 56, "<i", 65), "corrupt entry"),         # code offset past 64
+        (_with(blob, 64 + 128 + 56, "<i", 1), "corrupt entry"),    # a code offset on S8
+        (_with(blob, 64 + 8, "<i", 2), "corrupt entry"),           # 8-bit scales, no super
         (blob.view(torch.int8), "contiguous 1-D uint8"),
     ]
     for bad, message in cases:

@@ -1,4 +1,4 @@
-"""GGUF block formats kept quantized: Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors become
+"""GGUF block formats kept quantized: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K tensors become
 QuantTensors that dequantize exactly as the ``gguf`` package does, through every split and
 fusion a loader applies; the test GGUF writer's quantized files read back as written."""
 
@@ -23,7 +23,7 @@ from tests.helpers.tiny_gguf import (
 )
 from tests.helpers.tiny_models import VOCAB_SIZE, make_tiny_model
 
-BLOCK_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1)
+BLOCK_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
 K_QUANTS = {T.Q4_K: 144, T.Q6_K: 210}  # type -> bytes per super-block of 256
 
 
@@ -95,37 +95,42 @@ def test_k_quants_of_real_looking_weights_convert_exactly_and_approximate_them(q
 
 
 @pytest.mark.unit
-def test_segments_use_the_documented_kinds_groups_and_scale_dtypes():
+def test_segments_use_the_documented_layouts_and_hold_about_the_file_bytes():
     rng = np.random.default_rng(2)
     w = _real_looking(3, 256, rng)
-    layouts = {  # type -> kind, group, scale dtype, mins, bytes held per 256 values
-        T.Q8_0: (QuantKind.S8, 32, torch.float16, False, 256 + 8 * 2),  # as in the file
-        T.Q4_0: (QuantKind.U4, 32, torch.float16, True, 128 + 8 * 4),  # file: 144
-        T.Q4_1: (QuantKind.U4, 32, torch.float16, True, 128 + 8 * 4),  # as in the file
-        T.Q4_K: (QuantKind.U4, 32, torch.float32, True, 128 + 8 * 8),  # file: 144
-        T.Q6_K: (QuantKind.S8, 16, torch.float32, False, 256 + 16 * 4),  # file: 210
+    layouts = {  # type -> kind, group, scale dtype, mins, zero, bytes held per 256 values
+        T.Q8_0: (QuantKind.S8, 32, torch.float16, False, 0, 256 + 8 * 2),  # file: 272
+        T.Q4_0: (QuantKind.U4, 32, torch.float16, False, 8, 128 + 8 * 2),  # file: 144
+        T.Q4_1: (QuantKind.U4, 32, torch.float16, True, 0, 128 + 8 * 4),  # file: 160
+        T.Q5_0: (QuantKind.U5, 32, torch.float16, False, 16, 160 + 8 * 2),  # file: 176
+        T.Q5_1: (QuantKind.U5, 32, torch.float16, True, 0, 160 + 8 * 4),  # file: 192
+        # two-level: 8-bit sub-block scales (and mins) times an fp16 per super-block
+        T.Q4_K: (QuantKind.U4, 32, torch.uint8, True, 0, 128 + 8 + 8 + 2 + 2),  # file: 144
+        T.Q6_K: (QuantKind.U6, 16, torch.int8, False, 32, 192 + 16 + 2),  # file: 210
     }
-    for qtype, (kind, group, sdtype, has_min, held) in layouts.items():
+    for qtype, (kind, group, sdtype, has_min, zero, held) in layouts.items():
         raw = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}.get(
             qtype, lambda x, q=qtype: gguf_quants.quantize(x, q))(w)
         qt = _converted(raw, qtype, w.shape)
         (seg,) = qt.segments
-        assert (seg.kind, seg.group, seg.scales.dtype, seg.mins is not None) == (
-            kind, group, sdtype, has_min), qtype.name
+        assert (seg.kind, seg.group, seg.scales.dtype, seg.mins is not None, seg.zero) == (
+            kind, group, sdtype, has_min, zero), qtype.name
         assert qt.source == f"GGUF {qtype.name}"
         assert qt.nbytes == held * w.size // 256  # no hidden copy
+        assert qt.nbytes <= 1.03 * raw.nbytes
+        # the blob adds its header and the alignment of each array, nothing per value
+        assert qt.to_blob().numel() <= qt.nbytes + 64 + 128 + 5 * 64 + 8 * 512
 
 
 @pytest.mark.unit
-def test_q4_0_falls_back_to_fp32_scales_only_where_minus_8d_overflows_fp16():
+def test_q4_0_of_any_scale_converts_exactly_with_its_code_offset():
     rng = np.random.default_rng(3)
-    small = gguf_quants.quantize(_real_looking(2, 64, rng), T.Q4_0)
-    assert _converted(small, T.Q4_0, (2, 64)).segments[0].scales.dtype == torch.float16
-    huge = small.copy()
-    huge[1, 0:2] = np.array([10000.0], dtype=np.float16).view(np.uint8)  # -8 d < -65504
-    qt = _converted(huge, T.Q4_0, (2, 64))
-    assert qt.segments[0].scales.dtype == torch.float32
-    _assert_exact(qt.dequantize(), _reference(huge, T.Q4_0, (2, 64)))
+    raw = gguf_quants.quantize(_real_looking(2, 64, rng), T.Q4_0)
+    raw[1, 0:2] = np.array([10000.0], dtype=np.float16).view(np.uint8)  # -8 d < -65504
+    qt = _converted(raw, T.Q4_0, (2, 64))
+    assert qt.segments[0].scales.dtype == torch.float16 and qt.segments[0].mins is None
+    _assert_exact(qt.dequantize(), _reference(raw, T.Q4_0, (2, 64)))
+    _assert_exact(qt.basic().dequantize(), _reference(raw, T.Q4_0, (2, 64)))
 
 
 def _any_type_raw(qtype: T, shape: tuple[int, int], seed: int) -> np.ndarray:
@@ -148,6 +153,23 @@ def test_narrow_permute_and_blob_keep_the_conversion_exact(qtype):
     _assert_exact(qt.permute_rows(perm).dequantize(), want[perm])
     back = QuantTensor.from_blob(qt.to_blob())
     _assert_exact(back.dequantize(), want)
+    _assert_exact(qt.basic().dequantize(), want)  # the Triton kernels' layouts
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("qtype", list(K_QUANTS), ids=lambda t: t.name)
+def test_a_k_quant_split_inside_a_super_block_multiplies_its_scales_out_exactly(qtype):
+    shape = (9, 768)
+    raw = _any_type_raw(qtype, shape, 6)
+    qt, want = _converted(raw, qtype, shape), _reference(raw, qtype, shape)
+    whole = qt.narrow(1, 256, 512).segments[0]  # on super-block boundaries: still two-level
+    assert whole.two_level and whole.nbytes == qt.segments[0].nbytes * 2 // 3
+    for start, length in ((0, 384), (384, 384), (128, 640)):  # TP=2 of 768, an odd split
+        part = qt.narrow(1, start, length)
+        assert not part.segments[0].two_level
+        _assert_exact(part.dequantize(), want[:, start:start + length])
+        _assert_exact(QuantTensor.from_blob(part.to_blob()).dequantize(),
+                      want[:, start:start + length])
 
 
 @pytest.mark.unit
@@ -158,7 +180,7 @@ def test_q4_k_m_fused_qkv_with_q6_k_values_dequantizes_to_the_concatenation():
     pieces = [(q_raw, T.Q4_K, (16, k)), (k_raw, T.Q4_K, (8, k)), (v_raw, T.Q6_K, (8, k))]
     fused = QuantTensor.cat_rows([_converted(*p) for p in pieces])
     want = torch.cat([_reference(*p) for p in pieces])
-    assert fused.kinds == (QuantKind.U4, QuantKind.S8)  # Q and K share one segment
+    assert fused.kinds == (QuantKind.U4, QuantKind.U6)  # Q and K share one segment
     _assert_exact(fused.dequantize(), want)
     _assert_exact(fused.narrow(0, 12, 10).dequantize(), want[12:22])  # across the seam
     _assert_exact(fused.narrow(1, 0, 256).dequantize(), want[:, :256])
@@ -166,8 +188,8 @@ def test_q4_k_m_fused_qkv_with_q6_k_values_dequantizes_to_the_concatenation():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K,
-                                   T.Q5_K, T.IQ4_NL, T.IQ4_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q2_K, T.Q3_K, T.Q5_K, T.IQ4_NL,
+                                   T.IQ4_XS], ids=lambda t: t.name)
 def test_types_without_an_exact_kind_are_left_to_the_dequantizing_loader(qtype):
     assert qtype not in KEPT_QUANTIZED
     assert to_quant_tensor(np.zeros(4096, np.uint8), qtype, (4, 256)) is None
@@ -205,11 +227,11 @@ def test_written_gguf_holds_the_chosen_types_and_its_tensors_convert_exactly(
     assert types["blk.1.attn_q.weight"] == types["token_embd.weight"] == T.Q4_K
     assert types["blk.1.attn_v.weight"] == types["blk.2.ffn_down.weight"] == T.Q6_K
     assert types["output.weight"] == T.Q6_K
-    # K = 64 cannot hold a super-block of 256: llama.cpp's fallback is Q8_0.
+    # K = 64 cannot hold a super-block of 256: llama.cpp's fallback for Q4_K is Q5_0.
     small = GGUFReader(str(write_gguf(tiny_model_dir("qwen2_bias"), tmp_path / "s.gguf",
                                       quant={"*": "Q4_K"})))
     small_types = {t.name: t.tensor_type for t in small.tensors}
-    assert small_types["blk.0.attn_q.weight"] == T.Q8_0
+    assert small_types["blk.0.attn_q.weight"] == T.Q5_0
     assert small_types["blk.0.attn_q.bias"] == T.F32
 
 

@@ -6,8 +6,10 @@ materialising ``W`` in the activation dtype.
   dequantizes them in registers (``scale * q (+ min)``, any group, fp16/fp32 scales). A U4
   byte holds code ``j`` and ``j + 16`` of its 32-code block, so a tile of bytes is two
   half-tiles of codes; each is multiplied with the matching (gathered) columns of ``x`` —
-  no nibble shuffling. F8 codes are decoded with integer ops (an e4m3 byte shifted into an
-  fp16 is that value times 2^-8), which every GPU and the interpreter run alike.
+  no nibble shuffling. Other layouts (U5/U6 codes, code offsets, two-level scales) come
+  here as :meth:`~kvray.quant.tensor.QuantTensor.basic` converts them, exactly. F8 codes
+  are decoded with integer ops (an e4m3 byte shifted into an fp16 is that value times
+  2^-8), which every GPU and the interpreter run alike.
 - Fixed tile configs (no autotuning, so a CUDA graph capture never benchmarks): for
   ``M <= 16`` (decode) narrow N tiles and split-K over enough programs to fill the device;
   for larger M a GEMM tile.
@@ -238,6 +240,7 @@ def linear_quant(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = N
         return y
     row0 = 0
     for seg in qt.segments:
+        seg = seg.basic()  # a no-op for what install_quantized prepared
         y_seg = y.narrow(1, row0, seg.rows)
         b_seg = None if bias is None else bias.narrow(0, row0, seg.rows)
         if scaled_mm_supported(seg, x):

@@ -27,7 +27,7 @@ from kvray.quant.tensor import QuantKind, QuantTensor
 logger = logging.getLogger("kvray")
 
 QUANTIZATION_METHODS = ("none", "int8", "fp8")
-_CPU_KINDS = {QuantKind.U4, QuantKind.S8}
+_CPU_KINDS = {QuantKind.U4, QuantKind.U5, QuantKind.U6, QuantKind.S8}
 
 
 def quantized_modules(model: nn.Module) -> list[nn.Module]:
@@ -148,8 +148,10 @@ def install_quantized(model: nn.Module, plan: KernelPlan) -> QuantInstall:
             done.sources[qt.source or "quantized"] += 1
             if seen[key][0] == "dense":
                 done.dequantized += 1
+            elif seen[key][0] == "blob":
+                done.bytes_held += seen[key][1][0].numel()
             else:
-                done.bytes_held += qt.nbytes
+                done.bytes_held += seen[key][1].nbytes
         kind, payload = seen[key]
         if kind == "dense":
             module.quant = None
@@ -167,8 +169,8 @@ def _prepare(qt: QuantTensor, plan: KernelPlan, weight: nn.Parameter) -> tuple:
     backend = plan.quant_backend
     if backend == "cpu" and set(qt.kinds) <= _CPU_KINDS:
         return "blob", (qt.to_blob(), qt.input_perm)
-    if backend == "triton":
-        return "segments", qt.to(plan.device_type)
+    if backend == "triton":  # U5/U6, code offsets and two-level scales as the kernels read
+        return "segments", qt.basic().to(plan.device_type)
     dense = qt.dequantize(plan.dtype).to(plan.device_type)
     return "dense", nn.Parameter(dense, requires_grad=False)
 

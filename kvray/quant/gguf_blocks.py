@@ -8,19 +8,27 @@ per-group arrays, so the kernels stream one layout whatever the file's type:
 GGUF     block (bytes)                                kvray segment
 =======  ===========================================  ==========================================
 Q8_0     fp16 d, 32 int8 q; ``d * q``                 S8, group 32, fp16 scale d
-Q4_0     fp16 d, 16 B nibbles; ``d * (q - 8)``        U4, group 32, fp16 scale d, min ``-8 d``
+Q4_0     fp16 d, 16 B nibbles; ``d * (q - 8)``        U4, group 32, fp16 scale d, zero 8
 Q4_1     fp16 d, fp16 m, 16 B nibbles; ``d * q + m``  U4, group 32, fp16 scale d, min m
-Q4_K     super-block of 256: fp16 d, fp16 dmin,       U4, group 32, fp32 scale ``d * sc_j``,
-         12 B of 6-bit sc/m for 8 sub-blocks of 32,   fp32 min ``-dmin * m_j``
-         128 B nibbles; ``d sc_j q - dmin m_j``
-Q6_K     super-block of 256: 128 B low nibbles,       S8, group 16, codes ``q - 32``,
-         64 B high 2 bits, 16 int8 sc, fp16 d;        fp32 scale ``d * sc_j``
+Q5_0     fp16 d, 4 B 5th bits, 16 B nibbles;          U5, group 32, fp16 scale d, zero 16
+         ``d * (q - 16)``
+Q5_1     fp16 d, fp16 m, 4 B 5th bits, 16 B nibbles;  U5, group 32, fp16 scale d, min m
+         ``d * q + m``
+Q4_K     super-block of 256: fp16 d, fp16 dmin,       U4, group 32, two-level: uint8 scales
+         12 B of 6-bit sc/m for 8 sub-blocks of 32,   ``sc_j`` x fp16 ``d``, uint8 mins ``m_j``
+         128 B nibbles; ``d sc_j q - dmin m_j``       x fp16 ``-dmin`` per 8 groups
+Q6_K     super-block of 256: 128 B low nibbles,       U6, group 16, zero 32, two-level: int8
+         64 B high 2 bits, 16 int8 sc, fp16 d;        scales ``sc_j`` x fp16 ``d`` per 16 groups
          ``d sc_j (q - 32)``
 =======  ===========================================  ==========================================
 
+Each takes about its file's bytes (Q4_K 148 per 144; the others their own size), whatever
+the row split over tensor-parallel ranks (a split inside a K-quant super-block multiplies
+its scales out into fp32: exact, bigger).
+
 Every conversion is exact: :meth:`QuantTensor.dequantize` equals ``gguf.quants.dequantize``
 bit for bit in fp32 (products of an fp16 by a 6- or 8-bit integer fit fp32's mantissa, and
-so do the sums). Other types (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ*, TQ*, and the float types)
+so do the sums). Other types (Q2_K, Q3_K, Q5_K, IQ*, TQ*, and the float types)
 have no exact kind here: :func:`to_quant_tensor` returns None and the loader dequantizes them.
 """
 
@@ -31,8 +39,6 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvray.quant.tensor import QuantKind, QuantSegment, QuantTensor
-
-_FP16_MAX = float(np.finfo(np.float16).max)
 
 
 def _blocks(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> np.ndarray:
@@ -67,12 +73,7 @@ def _q8_0(b: np.ndarray, n: int) -> QuantSegment:
 
 
 def _q4_0(b: np.ndarray, n: int) -> QuantSegment:
-    d = _f16(b, 0)
-    # -8 d is exact in fp16 (a power-of-two multiple) unless it overflows.
-    dtype = np.float16 if np.all(np.abs(d.astype(np.float32)) * 8 <= _FP16_MAX) else np.float32
-    scale = d.astype(dtype)
-    return QuantSegment(QuantKind.U4, 32, _tensor(b[:, 2:], n), _tensor(scale, n),
-                        _tensor(scale * dtype(-8), n))
+    return QuantSegment(QuantKind.U4, 32, _tensor(b[:, 2:], n), _tensor(_f16(b, 0), n), zero=8)
 
 
 def _q4_1(b: np.ndarray, n: int) -> QuantSegment:
@@ -91,18 +92,39 @@ def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _q5(b: np.ndarray, n: int, with_min: bool) -> QuantSegment:
+    """Q5_0 / Q5_1: code j = its nibble (byte j of 16: low nibble, j - 16: high) | bit j of
+    the 32-bit ``qh`` << 4."""
+    at = 4 if with_min else 2
+    qh = np.ascontiguousarray(b[:, at: at + 4]).view("<u4").reshape(-1, 1)
+    qs = b[:, at + 4:]
+    nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    codes = _tensor(nibbles | (high << 4), n)
+    if with_min:
+        return QuantSegment(QuantKind.U5, 32, codes, _tensor(_f16(b, 0), n),
+                            _tensor(_f16(b, 2), n))
+    return QuantSegment(QuantKind.U5, 32, codes, _tensor(_f16(b, 0), n), zero=16)
+
+
+def _q5_0(b: np.ndarray, n: int) -> QuantSegment:
+    return _q5(b, n, with_min=False)
+
+
+def _q5_1(b: np.ndarray, n: int) -> QuantSegment:
+    return _q5(b, n, with_min=True)
+
+
 def _q4_k(b: np.ndarray, n: int) -> QuantSegment:
-    d, dmin = _f16(b, 0).astype(np.float32), _f16(b, 2).astype(np.float32)
     sc, mn = _k_scales_mins(b[:, 4:16])
-    scales = d[:, None] * sc.astype(np.float32)
-    mins = -(dmin[:, None] * mn.astype(np.float32))
     # llama.cpp's order: 32 bytes hold sub-block 2i in their low nibbles and sub-block
     # 2i + 1 in their high nibbles. U4 wants code j | code j + 16 << 4 per sub-block.
     q = b[:, 16:].reshape(-1, 4, 2, 16)
     first, second = q[:, :, 0], q[:, :, 1]  # codes 0-15 and 16-31 of both sub-blocks
     codes = np.stack([(first & 0x0F) | (second << 4), (first >> 4) | (second & 0xF0)], axis=2)
-    return QuantSegment(QuantKind.U4, 32, _tensor(codes, n), _tensor(scales, n),
-                        _tensor(mins, n))
+    return QuantSegment(QuantKind.U4, 32, _tensor(codes, n), _tensor(sc, n), _tensor(mn, n),
+                        super_group=8, super_scales=_tensor(_f16(b, 0), n),
+                        super_mins=_tensor(-_f16(b, 2), n))  # fp16 negation: exact
 
 
 def _q6_k(b: np.ndarray, n: int) -> QuantSegment:
@@ -113,17 +135,18 @@ def _q6_k(b: np.ndarray, n: int) -> QuantSegment:
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 2, 128)
     high = np.concatenate([(qh << 4) & 0x30, (qh << 2) & 0x30, qh & 0x30, (qh >> 2) & 0x30],
                           axis=2).reshape(-1, 2, 128)
-    codes = ((low | high).view(np.int8) - np.int8(32)).reshape(-1, 256)
-    sc = b[:, 192:208].view(np.int8).astype(np.float32)
-    scales = _f16(b, 208).astype(np.float32)[:, None] * sc
-    return QuantSegment(QuantKind.S8, 16, _tensor(codes, n).view(torch.int8),
-                        _tensor(scales, n))
+    codes = (low | high).reshape(-1, 256)
+    return QuantSegment(QuantKind.U6, 16, _tensor(codes, n),
+                        _tensor(b[:, 192:208], n).view(torch.int8), zero=32, super_group=16,
+                        super_scales=_tensor(_f16(b, 208), n))
 
 
 _CONVERTERS = {
     GGMLQuantizationType.Q8_0: _q8_0,
     GGMLQuantizationType.Q4_0: _q4_0,
     GGMLQuantizationType.Q4_1: _q4_1,
+    GGMLQuantizationType.Q5_0: _q5_0,
+    GGMLQuantizationType.Q5_1: _q5_1,
     GGMLQuantizationType.Q4_K: _q4_k,
     GGMLQuantizationType.Q6_K: _q6_k,
 }
@@ -142,7 +165,7 @@ def to_quant_tensor(raw: np.ndarray, qtype: GGMLQuantizationType,
             reverse of GGUF's ``ReaderTensor.shape``.
     Returns:
         A one-segment :class:`QuantTensor` whose ``dequantize()`` equals
-        ``gguf.quants.dequantize`` exactly, or None (Q5_*, Q2_K, Q3_K, IQ*, float types...).
+        ``gguf.quants.dequantize`` exactly, or None (Q2_K, Q3_K, Q5_K, IQ*, float types...).
     """
     convert = _CONVERTERS.get(qtype)
     if convert is None:

@@ -4,13 +4,21 @@ Every quantized weight kvray loads — a GGUF block format, an AWQ/GPTQ int4 che
 an int8 weight quantized online — is converted at load time, exactly, into one of a few
 *kinds* of row-major integer codes with per-group scales (and, for affine codes, mins):
 
-    value[n, k] = scale[n, k // group] * q[n, k] (+ min[n, k // group])
+    value[n, k] = scale[n, k // group] * (q[n, k] - zero) (+ min[n, k // group])
 
 - ``U4``: unsigned 4-bit codes 0..15, two per byte. Within each block of 32 codes along K,
   byte j holds code j in its low nibble and code j + 16 in its high nibble (GGUF's Q4_0
   order, which unpacks into two 16-byte halves with one mask and one shift).
+- ``U5`` / ``U6``: unsigned 5- and 6-bit codes (GGUF's Q5_0/Q5_1 and Q6_K), held here one
+  per byte and packed by the blob into U4's nibbles plus one or two planes of high bits.
 - ``S8``: signed 8-bit codes, one per byte.
 - ``F8``: float8 e4m3fn codes (GPU FP8 checkpoints; a CPU run dequantizes them).
+
+``zero`` is a code offset shared by a whole segment (16 for Q5_0, 32 for Q6_K; unsigned
+kinds only), so that such formats need no stored mins. Scales (and mins) are fp32 or fp16
+per group, or *two-level* as the K-quants store them: an 8-bit integer per group (``uint8``
+or ``int8``) times an fp16 per ``super_group`` groups (``super_scales``, ``super_mins``),
+whose product is exact in fp32 — a Q4_K or Q6_K matrix then takes about its file's bytes.
 
 A matrix may hold several *segments* of rows in different kinds (a Q4_K_M GGUF stores a
 fused QKV's V rows as Q6_K, the Q and K rows as Q4_K). ``group`` is 16 or a multiple of 32;
@@ -30,51 +38,64 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-BLOB_MAGIC = b"KVQ2"
+BLOB_MAGIC = b"KVQ3"
 HEADER_BYTES = 64
-SEGMENT_BYTES = 64
+SEGMENT_BYTES = 128
 ALIGN = 64
 BLOCK = 32  # codes per activation block (and the K padding unit)
 TILE = 8  # weight rows interleaved in the blob: one 8-lane vector holds one value per row
 
 BLOB_LAYOUT = """
 header (64 bytes, little-endian):
-  [0:4]   magic b"KVQ2"
+  [0:4]   magic b"KVQ3"
   [4:8]   int32 num_segments
   [8:16]  int64 N (rows)
   [16:24] int64 K (logical columns)
   [24:32] int64 k_padded (K rounded up to a multiple of 32)
   [32:64] zero
-segment table at byte 64, num_segments entries of 64 bytes, in row order:
-  [0:4]   int32 kind (1 = U4, 2 = S8, 3 = F8)
+segment table at byte 64, num_segments entries of 128 bytes, in row order:
+  [0:4]   int32 kind (1 = U4, 2 = S8, 3 = F8, 4 = U5, 5 = U6)
   [4:8]   int32 group (16 or a multiple of 32; divides k_padded)
-  [8:12]  int32 scale dtype (0 = fp32, 1 = fp16)
-  [12:16] int32 has_min (0/1)
+  [8:12]  int32 scale dtype (0 = fp32, 1 = fp16, 2 = uint8 and 3 = int8 two-level)
+  [12:16] int32 has_min (0/1; mins have the scales' dtype)
   [16:24] int64 row0 (first row)
   [24:32] int64 rows
   [32:40] int64 codes offset (bytes from the blob's start; 64-aligned)
   [40:48] int64 scales offset
   [48:56] int64 mins offset (0 without mins)
-  [56:64] zero
+  [56:60] int32 zero (code offset, 0..64)
+  [60:64] int32 super_group (groups per fp16 super-scale; 0 unless two-level)
+  [64:72] int64 super-scales offset (0 unless two-level)
+  [72:80] int64 super-mins offset (0 unless two-level with mins)
+  [80:128] zero
 A segment's rows are stored in tiles of 8 (the last one padded with zero rows), each tile
 as k_padded / 32 blocks of 32 columns:
 codes, per tile and block: U4 4 x 32 bytes, byte 4 r + e of part j holding row r's code of
-  column 8 j + e (low nibble) and 8 j + 4 + e (high nibble); S8 and F8 8 x 32 bytes, byte
-  4 r + e of part c holding row r's code of column 4 c + e
+  column 8 j + e (low nibble) and 8 j + 4 + e (high nibble); U5 and U6 the same nibbles
+  followed by planes of 32 bytes whose byte 4 r + e holds the high bits of those codes: U5
+  one plane, bit j the 5th bit of part j's low-nibble code, bit 4 + j of its high-nibble
+  code; U6 two planes (low-nibble codes, then high-nibble codes), bits 2 j and 2 j + 1 the
+  5th and 6th bits of part j's code; S8 and F8 8 x 32 bytes, byte 4 r + e of part c holding
+  row r's code of column 4 c + e
 scales, mins: per tile and group, the 8 rows' values of the scale dtype
+super-scales, super-mins: per tile and super-group, the 8 rows' fp16 values
 """
 class QuantKind(enum.IntEnum):
     U4 = 1
     S8 = 2
     F8 = 3
+    U5 = 4
+    U6 = 5
 
 
-_SCALE_DTYPES = {torch.float32: 0, torch.float16: 1}
+UNSIGNED_BITS = {QuantKind.U4: 4, QuantKind.U5: 5, QuantKind.U6: 6}
+_SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.uint8: 2, torch.int8: 3}
+_SUB_DTYPES = (torch.uint8, torch.int8)  # two-level: an 8-bit integer per group
 _SCALE_FROM_CODE = {v: k for k, v in _SCALE_DTYPES.items()}
 
 
@@ -84,21 +105,27 @@ def round_up(n: int, to: int) -> int:
 
 @dataclass(frozen=True)
 class QuantSegment:
-    """Rows of one kind: ``codes`` [rows, code bytes per row] uint8 (int8 for S8, uint8
-    holding float8 bits for F8), ``scales`` and ``mins`` [rows, k_padded // group]."""
+    """Rows of one kind: ``codes`` [rows, code bytes per row] (U4: two codes per byte; U5,
+    U6: one code per byte; int8 for S8; uint8 holding float8 bits for F8), ``scales`` and
+    ``mins`` [rows, k_padded // group] (fp32/fp16, or 8-bit integers times ``super_scales``
+    / ``super_mins`` [rows, groups // super_group] fp16)."""
 
     kind: QuantKind
     group: int
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None = None
+    zero: int = 0
+    super_group: int = 0
+    super_scales: torch.Tensor | None = None
+    super_mins: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         rows = self.codes.shape[0]
         if self.group != 16 and self.group % BLOCK:
             raise ValueError(f"quantization group {self.group}: must be 16 or a multiple of 32")
         if self.scales.dtype not in _SCALE_DTYPES:
-            raise ValueError(f"scales must be fp32 or fp16, not {self.scales.dtype}")
+            raise ValueError(f"scales must be fp32, fp16, uint8 or int8, not {self.scales.dtype}")
         if self.scales.dim() != 2 or self.scales.shape[0] != rows:
             raise ValueError(f"scales {tuple(self.scales.shape)} for {rows} rows")
         if self.mins is not None and (self.mins.shape != self.scales.shape
@@ -110,6 +137,23 @@ class QuantSegment:
         if self.scales.shape[1] * self.group != self.k_padded:
             raise ValueError(f"{self.scales.shape[1]} scales per row for {self.k_padded} codes "
                              f"in groups of {self.group}")
+        if self.zero and (self.kind not in UNSIGNED_BITS or not 0 < self.zero <= 64):
+            raise ValueError(f"code offset {self.zero}: only 1..64, on unsigned kinds")
+        two_level = self.scales.dtype in _SUB_DTYPES
+        if two_level != (self.super_group > 0):
+            raise ValueError("8-bit scales need a super_group (and fp16 super_scales); "
+                             "fp32/fp16 scales take none")
+        if two_level:
+            ns = -(-self.scales.shape[1] // self.super_group)  # the last one may be partial
+            for name, sup, sub in (("super_scales", self.super_scales, self.scales),
+                                   ("super_mins", self.super_mins, self.mins)):
+                if (sup is None) != (sub is None):
+                    raise ValueError(f"{name}: given with the 8-bit values, and only then")
+                if sup is not None and (sup.dtype != torch.float16
+                                        or tuple(sup.shape) != (rows, ns)):
+                    raise ValueError(f"{name} must be fp16 [{rows}, {ns}]")
+        elif self.super_scales is not None or self.super_mins is not None:
+            raise ValueError("super_scales / super_mins without 8-bit scales")
 
     @property
     def rows(self) -> int:
@@ -119,54 +163,132 @@ class QuantSegment:
     def k_padded(self) -> int:
         return self.codes.shape[1] * (2 if self.kind == QuantKind.U4 else 1)
 
+    @property
+    def two_level(self) -> bool:
+        return self.super_group > 0
+
     def int_codes(self) -> torch.Tensor:
-        """The codes as int32 [rows, k_padded] (U4: 0..15; S8: -128..127; F8: not ints)."""
+        """The codes as int32 [rows, k_padded] (U4: 0..15; U5, U6: 0..31, 0..63; S8:
+        -128..127; F8: not ints), before ``zero`` is taken off."""
         if self.kind == QuantKind.U4:
             b = self.codes.view(torch.uint8).reshape(self.rows, -1, BLOCK // 2).to(torch.int32)
             return torch.cat([b & 0xF, b >> 4], dim=2).reshape(self.rows, self.k_padded)
+        if self.kind in UNSIGNED_BITS:
+            return self.codes.view(torch.uint8).to(torch.int32)
         if self.kind == QuantKind.S8:
             return self.codes.view(torch.int8).to(torch.int32)
         raise ValueError("F8 codes are floats")
+
+    def _level(self, sub: torch.Tensor, sup: torch.Tensor | None) -> torch.Tensor:
+        """Per-group fp32 values [rows, groups]: two-level ones multiplied out (exact)."""
+        if sup is None:
+            return sub.to(torch.float32)
+        per = sup.to(torch.float32).repeat_interleave(self.super_group, dim=1)
+        return sub.to(torch.float32) * per[:, : sub.shape[1]]
+
+    def group_scales(self) -> torch.Tensor:
+        return self._level(self.scales, self.super_scales)
+
+    def group_mins(self) -> torch.Tensor | None:
+        return None if self.mins is None else self._level(self.mins, self.super_mins)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows, k_padded]: the plain reference every kernel is tested against."""
         if self.kind == QuantKind.F8:
             q = self.codes.view(torch.float8_e4m3fn).to(torch.float32)
         else:
-            q = self.int_codes().to(torch.float32)
-        s = self.scales.to(torch.float32).repeat_interleave(self.group, dim=1)
-        w = q * s
-        if self.mins is not None:
-            w = w + self.mins.to(torch.float32).repeat_interleave(self.group, dim=1)
+            q = (self.int_codes() - self.zero).to(torch.float32)
+        w = q * self.group_scales().repeat_interleave(self.group, dim=1)
+        mins = self.group_mins()
+        if mins is not None:
+            w = w + mins.repeat_interleave(self.group, dim=1)
         return w
 
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantSegment:
+        """The segment with ``fn`` applied to each of its per-row tensors (a row selection,
+        a move to another device)."""
+        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+        return replace(self, codes=fn(self.codes), scales=fn(self.scales), mins=opt(self.mins),
+                       super_scales=opt(self.super_scales), super_mins=opt(self.super_mins))
+
     def narrow_rows(self, start: int, length: int) -> QuantSegment:
-        mins = None if self.mins is None else self.mins.narrow(0, start, length)
-        return replace(self, codes=self.codes.narrow(0, start, length),
-                       scales=self.scales.narrow(0, start, length), mins=mins)
+        return self.map_rows(lambda t: t.narrow(0, start, length))
+
+    def one_level(self) -> QuantSegment:
+        """The same values with fp32 scales and mins (two-level ones multiplied out)."""
+        if not self.two_level:
+            return self
+        return replace(self, scales=self.group_scales(), mins=self.group_mins(),
+                       super_group=0, super_scales=None, super_mins=None)
+
+    def basic(self) -> QuantSegment:
+        """The same values as U4, S8 or F8 codes with fp32/fp16 scales and no code offset
+        (exact): what the Triton kernels read."""
+        seg = self.one_level()
+        if seg.kind == QuantKind.U4 and seg.zero and seg.mins is None:
+            scales = seg.scales.to(torch.float32)  # - zero * scale: exact in fp32
+            return replace(seg, scales=scales, mins=scales * -seg.zero, zero=0)
+        if seg.kind in (QuantKind.U5, QuantKind.U6) or seg.zero:
+            codes = (seg.int_codes() - seg.zero).to(torch.int8)  # within -64..63
+            seg = replace(seg, kind=QuantKind.S8, codes=codes, zero=0)
+        return seg
 
     def narrow_cols(self, start: int, length: int) -> QuantSegment:
-        """Columns [start, start + length) of codes on group and block boundaries."""
-        if self.group == self.k_padded and start % BLOCK == 0:
+        """Columns [start, start + length) of codes on group and block boundaries (and on
+        super-group boundaries, else the scales are multiplied out to one level first)."""
+        per_byte = 2 if self.kind == QuantKind.U4 else 1
+        if self.group == self.k_padded and start % BLOCK == 0 and not self.two_level:
             # One scale per row (per-channel FP8, GPTQ group -1): any block boundary splits it.
-            per_byte = 2 if self.kind == QuantKind.U4 else 1
             codes = self.codes.narrow(1, start // per_byte, round_up(length, BLOCK) // per_byte)
             return replace(self, group=round_up(length, BLOCK), codes=codes)
         unit = max(self.group, BLOCK)
         if start % unit or (length % unit and start + length != self.k_padded):
             raise ValueError(f"columns {start}..{start + length} do not fall on the "
                              f"quantization groups of {unit}")
-        per_byte = 2 if self.kind == QuantKind.U4 else 1
+        if self.two_level:
+            span = self.group * self.super_group
+            if start % span or (length % span and start + length != self.k_padded):
+                return self.one_level().narrow_cols(start, length)
         g0, glen = start // self.group, -(-length // self.group)
-        mins = None if self.mins is None else self.mins.narrow(1, g0, glen)
         codes = self.codes.narrow(1, start // per_byte, round_up(length, BLOCK) // per_byte)
-        return replace(self, codes=codes, scales=self.scales.narrow(1, g0, glen), mins=mins)
+        sup = {}
+        if self.two_level:
+            s0, slen = g0 // self.super_group, -(-glen // self.super_group)
+            sup = {"super_scales": self.super_scales.narrow(1, s0, slen),
+                   "super_mins": None if self.super_mins is None
+                   else self.super_mins.narrow(1, s0, slen)}
+        return replace(self, codes=codes, scales=self.scales.narrow(1, g0, glen),
+                       mins=None if self.mins is None else self.mins.narrow(1, g0, glen), **sup)
 
     @property
     def nbytes(self) -> int:
-        n = self.codes.numel() * self.codes.element_size()
-        n += self.scales.numel() * self.scales.element_size()
-        return n if self.mins is None else n + self.mins.numel() * self.mins.element_size()
+        """Bytes as the kernels hold the segment (U5 / U6 codes packed to 5 / 6 bits)."""
+        bits = UNSIGNED_BITS.get(self.kind, 8)
+        n = self.rows * self.k_padded * bits // 8
+        for t in (self.scales, self.mins, self.super_scales, self.super_mins):
+            if t is not None:
+                n += t.numel() * t.element_size()
+        return n
+
+    def same_layout(self, other: QuantSegment) -> bool:
+        """Whether ``other``'s rows can be stacked under this segment's (one kind, group,
+        offset and scale layout)."""
+        return (self.kind == other.kind and self.group == other.group
+                and self.scales.dtype == other.scales.dtype and self.zero == other.zero
+                and self.super_group == other.super_group
+                and (self.mins is None) == (other.mins is None))
+
+    @staticmethod
+    def stack(parts: Sequence[QuantSegment]) -> QuantSegment:
+        """Segments of one layout stacked by rows."""
+        first = parts[0]
+
+        def cat(name: str) -> torch.Tensor | None:
+            ts = [getattr(p, name) for p in parts]
+            return None if ts[0] is None else torch.cat(ts)
+        return replace(first, codes=cat("codes"), scales=cat("scales"), mins=cat("mins"),
+                       super_scales=cat("super_scales"), super_mins=cat("super_mins"))
 
 
 @dataclass(frozen=True)
@@ -263,8 +385,7 @@ class QuantTensor:
             here = (ids >= row0) & (ids < row0 + s.rows)
             if here.any():
                 local = ids[here] - row0
-                mins = None if s.mins is None else s.mins[local]
-                part = replace(s, codes=s.codes[local], scales=s.scales[local], mins=mins)
+                part = s.map_rows(lambda t, local=local: t[local])
                 out[here] = part.dequantize()[:, : self.shape[1]].to(out.device)
             row0 += s.rows
         if self.input_perm is not None:
@@ -275,11 +396,14 @@ class QuantTensor:
 
     def to(self, device: torch.device | str) -> QuantTensor:
         """The same matrix with every tensor on ``device``."""
-        segs = tuple(replace(s, codes=s.codes.to(device), scales=s.scales.to(device),
-                             mins=None if s.mins is None else s.mins.to(device))
-                     for s in self.segments)
+        segs = tuple(s.map_rows(lambda t: t.to(device)) for s in self.segments)
         perm = None if self.input_perm is None else self.input_perm.to(device)
         return replace(self, segments=segs, input_perm=perm)
+
+    def basic(self) -> QuantTensor:
+        """The same matrix in U4 / S8 / F8 segments with fp32/fp16 scales (exact; see
+        :meth:`QuantSegment.basic`)."""
+        return replace(self, segments=tuple(s.basic() for s in self.segments))
 
     @staticmethod
     def cat_rows(parts: Sequence[QuantTensor]) -> QuantTensor:
@@ -292,13 +416,8 @@ class QuantTensor:
             raise ValueError("fused pieces with different act-order permutations")
         segs: list[QuantSegment] = []
         for seg in (s for p in parts for s in p.segments):
-            prev = segs[-1] if segs else None
-            if (prev is not None and prev.kind == seg.kind and prev.group == seg.group
-                    and prev.scales.dtype == seg.scales.dtype
-                    and (prev.mins is None) == (seg.mins is None)):
-                mins = None if seg.mins is None else torch.cat([prev.mins, seg.mins])
-                segs[-1] = QuantSegment(seg.kind, seg.group, torch.cat([prev.codes, seg.codes]),
-                                        torch.cat([prev.scales, seg.scales]), mins)
+            if segs and segs[-1].same_layout(seg):
+                segs[-1] = QuantSegment.stack([segs[-1], seg])
             else:
                 segs.append(seg)
         sources = sorted({p.source for p in parts if p.source})
@@ -309,10 +428,7 @@ class QuantTensor:
         """Rows reordered by ``perm`` (one segment only: GGUF's Q/K un-interleaving)."""
         if len(self.segments) != 1:
             raise ValueError("permuting the rows of a multi-segment matrix")
-        s = self.segments[0]
-        mins = None if s.mins is None else s.mins[perm]
-        seg = replace(s, codes=s.codes[perm], scales=s.scales[perm], mins=mins)
-        return replace(self, segments=(seg,))
+        return replace(self, segments=(self.segments[0].map_rows(lambda t: t[perm]),))
 
     # ---- the blob -------------------------------------------------------------------
     def to_blob(self) -> torch.Tensor:
@@ -322,18 +438,22 @@ class QuantTensor:
                                                  * len(self.segments), ALIGN)
         row0 = 0
         for s in self.segments:
-            arrays = [_tile_codes(s), _tile_rows(s.scales)]
-            if s.mins is not None:
-                arrays.append(_tile_rows(s.mins))
+            arrays = [_tile_codes(s), _tile_rows(s.scales),
+                      None if s.mins is None else _tile_rows(s.mins),
+                      None if s.super_scales is None else _tile_rows(s.super_scales),
+                      None if s.super_mins is None else _tile_rows(s.super_mins)]
             offsets = []
             for a in arrays:
+                if a is None:
+                    offsets.append(0)
+                    continue
                 offsets.append(offset)
                 chunks.append((offset, a))
                 offset = round_up(offset + a.numel(), ALIGN)
-            mins_off = offsets[2] if s.mins is not None else 0
-            table.append(struct.pack("<iiiiqqqqq8x", int(s.kind), s.group,
+            table.append(struct.pack(_SEGMENT_FORMAT, int(s.kind), s.group,
                                      _SCALE_DTYPES[s.scales.dtype], int(s.mins is not None),
-                                     row0, s.rows, offsets[0], offsets[1], mins_off))
+                                     row0, s.rows, offsets[0], offsets[1], offsets[2], s.zero,
+                                     s.super_group, offsets[3], offsets[4]))
             row0 += s.rows
         blob = torch.zeros(offset, dtype=torch.uint8)
         head = struct.pack("<4siqqq32x", BLOB_MAGIC, len(self.segments), n, k, self.k_padded)
@@ -356,20 +476,32 @@ class QuantTensor:
         table = bytes(blob[HEADER_BYTES: HEADER_BYTES + SEGMENT_BYTES * nseg].cpu().numpy())
         segs = []
         for i in range(nseg):
-            kind, group, sdt, has_min, _row0, rows, c_off, s_off, m_off = struct.unpack(
-                "<iiiiqqqqq8x", table[i * SEGMENT_BYTES:(i + 1) * SEGMENT_BYTES])
+            (kind, group, sdt, has_min, _row0, rows, c_off, s_off, m_off, zero, super_group,
+             ss_off, sm_off) = struct.unpack(
+                _SEGMENT_FORMAT, table[i * SEGMENT_BYTES:(i + 1) * SEGMENT_BYTES])
             kind = QuantKind(kind)
             tiles = -(-rows // TILE)
-            width = kp // 2 if kind == QuantKind.U4 else kp
-            codes = _untile_codes(kind, blob[c_off: c_off + tiles * TILE * width], rows, kp)
-            sdtype = _SCALE_FROM_CODE[sdt]
-            ng = kp // group
-            nb = tiles * TILE * ng * torch.finfo(sdtype).bits // 8
-            scales = _untile_rows(blob[s_off: s_off + nb].view(sdtype), rows, ng)
-            mins = _untile_rows(blob[m_off: m_off + nb].view(sdtype), rows, ng) if has_min \
-                else None
-            segs.append(QuantSegment(kind, group, codes, scales, mins))
+            codes = _untile_codes(kind, blob[c_off: c_off + tiles * TILE * _row_bytes(kind, kp)],
+                                  rows, kp)
+            sdtype, ng = _SCALE_FROM_CODE[sdt], kp // group
+            scales = _rows_at(blob, s_off, rows, ng, sdtype)
+            mins = _rows_at(blob, m_off, rows, ng, sdtype) if has_min else None
+            sup = smin = None
+            if super_group:
+                ns = -(-ng // super_group)
+                sup = _rows_at(blob, ss_off, rows, ns, torch.float16)
+                smin = _rows_at(blob, sm_off, rows, ns, torch.float16) if has_min else None
+            segs.append(QuantSegment(kind, group, codes, scales, mins, zero, super_group, sup,
+                                     smin))
         return QuantTensor((n, k), tuple(segs), source)
+
+
+_SEGMENT_FORMAT = "<iiiiqqqqqiiqq48x"
+
+
+def _row_bytes(kind: QuantKind, kp: int) -> int:
+    """Bytes of one row's codes in the blob."""
+    return kp * UNSIGNED_BITS.get(kind, 8) // 8
 
 
 def _tile_rows(values: torch.Tensor) -> torch.Tensor:
@@ -387,32 +519,63 @@ def _untile_rows(data: torch.Tensor, rows: int, n: int) -> torch.Tensor:
     return data.view(tiles, n, TILE).transpose(1, 2).reshape(tiles * TILE, n)[:rows].clone()
 
 
+def _rows_at(blob: torch.Tensor, offset: int, rows: int, n: int, dtype: torch.dtype
+             ) -> torch.Tensor:
+    """[rows, n] values of ``dtype`` tiled at ``offset`` of the blob."""
+    size = -(-rows // TILE) * TILE * n * torch.empty(0, dtype=dtype).element_size()
+    return _untile_rows(blob[offset: offset + size].view(dtype), rows, n)
+
+
 def _tile_codes(s: QuantSegment) -> torch.Tensor:
     """A segment's codes in the blob's order (:data:`BLOB_LAYOUT`): per tile of 8 rows and
-    block of 32 columns, parts of 32 bytes holding 4 consecutive codes of each row."""
+    block of 32 columns, parts of 32 bytes holding 4 consecutive codes of each row (U5 / U6:
+    then their planes of high bits)."""
     kp, nb, tiles = s.k_padded, s.k_padded // BLOCK, -(-s.rows // TILE)
-    if s.kind == QuantKind.U4:
+    if s.kind in UNSIGNED_BITS:
         codes = s.int_codes().to(torch.uint8)
     else:
         codes = s.codes.contiguous().view(torch.uint8)
     padded = codes.new_zeros(tiles * TILE, kp)
     padded[: s.rows] = codes
-    if s.kind == QuantKind.U4:  # [tile, row, block, part, nibble, e] -> [.., block, part, row, e]
-        c = padded.view(tiles, TILE, nb, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
-        return (c[..., 0] | (c[..., 1] << 4)).contiguous().view(-1)
-    return padded.view(tiles, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(-1)
+    if s.kind not in UNSIGNED_BITS:
+        return padded.view(tiles, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(-1)
+    # [tile, row, block, part, nibble, e] -> [tile, block, part, row, e, nibble]
+    c = padded.view(tiles, TILE, nb, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    nibbles = ((c[..., 0] & 0xF) | ((c[..., 1] & 0xF) << 4)).reshape(tiles, nb, 128)
+    if s.kind == QuantKind.U4:
+        return nibbles.contiguous().view(-1)
+    high = (c >> 4).to(torch.int32)  # [tile, block, part, row, e, nibble]
+    shift = torch.arange(4, dtype=torch.int32).view(1, 1, 4, 1, 1)
+    if s.kind == QuantKind.U5:
+        plane = ((high[..., 0] << shift) | (high[..., 1] << (shift + 4))).sum(2)
+        planes = plane.reshape(tiles, nb, 32)
+    else:
+        planes = torch.cat([(high[..., j] << (2 * shift)).sum(2).reshape(tiles, nb, 32)
+                            for j in (0, 1)], dim=2)
+    return torch.cat([nibbles, planes.to(torch.uint8)], dim=2).contiguous().view(-1)
 
 
 def _untile_codes(kind: QuantKind, data: torch.Tensor, rows: int, kp: int) -> torch.Tensor:
     nb, tiles = kp // BLOCK, -(-rows // TILE)
-    if kind == QuantKind.U4:
-        b = data.view(tiles, nb, 4, TILE, 4)
-        c = torch.stack([b & 0xF, b >> 4], dim=-1)  # [tile, block, part, row, e, nibble]
-        c = c.permute(0, 3, 1, 2, 5, 4).reshape(tiles * TILE, kp)[:rows]
-        return pack_u4(c)
-    c = data.view(tiles, nb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, kp)
-    c = c[:rows].contiguous()
-    return c.view(torch.int8) if kind == QuantKind.S8 else c
+    if kind not in UNSIGNED_BITS:
+        c = data.view(tiles, nb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, kp)
+        c = c[:rows].contiguous()
+        return c.view(torch.int8) if kind == QuantKind.S8 else c
+    per_block = TILE * BLOCK * UNSIGNED_BITS[kind] // 8
+    d = data.view(tiles, nb, per_block)
+    b = d[..., :128].reshape(tiles, nb, 4, TILE, 4)
+    c = torch.stack([b & 0xF, b >> 4], dim=-1).to(torch.int32)  # [tile, block, part, row, e, nib]
+    shift = torch.arange(4, dtype=torch.int32).view(1, 1, 4, 1, 1)
+    if kind == QuantKind.U5:
+        plane = d[..., 128:160].reshape(tiles, nb, 1, TILE, 4).to(torch.int32)
+        c[..., 0] |= ((plane >> shift) & 1) << 4
+        c[..., 1] |= ((plane >> (shift + 4)) & 1) << 4
+    elif kind == QuantKind.U6:
+        for j in (0, 1):
+            plane = d[..., 128 + 32 * j: 160 + 32 * j].reshape(tiles, nb, 1, TILE, 4)
+            c[..., j] |= ((plane.to(torch.int32) >> (2 * shift)) & 3) << 4
+    c = c.permute(0, 3, 1, 2, 5, 4).reshape(tiles * TILE, kp)[:rows]
+    return pack_u4(c) if kind == QuantKind.U4 else c.to(torch.uint8).contiguous()
 
 
 def pack_u4(codes: torch.Tensor) -> torch.Tensor:

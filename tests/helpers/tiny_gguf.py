@@ -1,6 +1,6 @@
 """Write a tiny Hugging Face model as a GGUF file the way llama.cpp's converter does
 (llama.cpp names, Q/K rows interleaved for the Llama architecture), in F32 or with chosen
-tensors quantized: Q8_0/Q4_0/Q4_1 by the ``gguf`` package, Q4_K/Q6_K by the simple K-quant
+tensors quantized: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 by the ``gguf`` package, Q4_K/Q6_K by the simple K-quant
 quantizers here (``gguf`` only reads K-quants), built block by block in llama.cpp's layout."""
 
 from __future__ import annotations
@@ -114,10 +114,11 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
 def quantize(x: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[
         np.ndarray, gguf.GGMLQuantizationType]:
     """``x`` [N, K] as ``qtype`` bytes, following llama.cpp's fallbacks: a K-quant needs
-    K % 256 == 0 (else Q8_0), a 32-block type K % 32 == 0 (else F32)."""
+    K % 256 == 0 (else Q4_K becomes Q5_0 and Q6_K Q8_0), a 32-block type K % 32 == 0 (else
+    F32)."""
     types = gguf.GGMLQuantizationType
     if qtype in (types.Q4_K, types.Q6_K) and x.shape[1] % QK_K:
-        qtype = types.Q8_0
+        qtype = types.Q5_0 if qtype == types.Q4_K else types.Q8_0
     if qtype == types.F32 or x.shape[1] % 32:
         return np.ascontiguousarray(x, dtype=np.float32), types.F32
     if qtype == types.Q4_K:

@@ -1,9 +1,12 @@
 // Linear layers and embeddings on quantized weights read in place (built by
 // kvray/kernels/cpu_ops.py). The weight is one uint8 blob: kvray/quant/tensor.py's
-// BLOB_LAYOUT, mirrored by parse_blob below; rows in segments of one kind each (U4, S8, F8)
-// with per-group scales (fp32/fp16) and optional mins: w[n, k] = s[n, g] * q[n, k] (+ m[n, g]).
-// A segment's rows are interleaved in tiles of 8, so that a vector's 8 lanes are 8 weight
-// rows: 32 bytes hold 4 consecutive codes of each of the 8 rows.
+// BLOB_LAYOUT, mirrored by parse_blob below; rows in segments of one kind each (U4, U5, U6,
+// S8, F8) with per-group scales and optional mins:
+// w[n, k] = s[n, g] * (q[n, k] - zero) (+ m[n, g]), where s and m are fp32, fp16, or 8-bit
+// integers times an fp16 per super-group (the K-quants' two levels, multiplied in fp32:
+// exact). A segment's rows are interleaved in tiles of 8, so that a vector's 8 lanes are 8
+// weight rows: 32 bytes hold 4 consecutive codes of each of the 8 rows (U5 / U6: their low
+// nibbles, the high bits in planes after the block's nibbles).
 //
 // The activations are quantized per block of 32 to int8 (dx = amax / 127), as llama.cpp
 // does. Per tile and block, each x row's 4 codes at a time are broadcast against the tile's
@@ -39,26 +42,42 @@
 
 namespace {
 
-enum Kind : int32_t { kU4 = 1, kS8 = 2, kF8 = 3 };
+enum Kind : int32_t { kU4 = 1, kS8 = 2, kF8 = 3, kU5 = 4, kU6 = 5 };
+// scale dtypes: fp32, fp16, and the two-level 8-bit integers (times an fp16 per super-group)
+enum ScaleType : int32_t { kF32 = 0, kF16 = 1, kSubU8 = 2, kSubS8 = 3 };
+// which form of the scales a kernel is built for: fp32, fp16, two-level
+enum ScaleForm : int { kFormF32 = 0, kFormF16 = 1, kFormSub = 2 };
+
+constexpr bool nibble_kind(int32_t kind) { return kind == kU4 || kind == kU5 || kind == kU6; }
+// bits per code as the blob stores it
+constexpr int64_t code_bits(int32_t kind) {
+  return kind == kU4 ? 4 : kind == kU5 ? 5 : kind == kU6 ? 6 : 8;
+}
 constexpr int64_t kBlock = 32;  // codes per activation block (and the K padding unit)
 constexpr int64_t kTile = 8;    // weight rows interleaved per tile (one per vector lane)
-constexpr int64_t kHeaderBytes = 64, kSegmentBytes = 64, kMaxSegments = 1 << 16;
+constexpr int64_t kHeaderBytes = 64, kSegmentBytes = 128, kMaxSegments = 1 << 16;
 
 // One segment of rows as parse_blob found it: pointers into the blob.
 struct Segment {
-  int32_t kind = 0, group = 0;
-  bool half = false;  // fp16 scales/mins (else fp32)
+  int32_t kind = 0, group = 0, scale_type = kF32, zero = 0, super_group = 0;
   int64_t row0 = 0, rows = 0;
   const uint8_t* codes = nullptr;
   const uint8_t* scales = nullptr;
-  const uint8_t* mins = nullptr;  // null without mins
+  const uint8_t* mins = nullptr;        // null without mins
+  const uint8_t* super_scales = nullptr;  // two-level only
+  const uint8_t* super_mins = nullptr;    // two-level with mins only
+  int64_t scale_bytes() const { return scale_type == kF32 ? 4 : scale_type == kF16 ? 2 : 1; }
+  int form() const { return scale_type >= kSubU8 ? kFormSub : scale_type; }
 };
 
 struct Blob {
   int64_t N = 0, K = 0, Kp = 0;
   std::vector<Segment> segs;
-  int64_t row_bytes(const Segment& s) const { return s.kind == kU4 ? Kp / 2 : Kp; }
+  int64_t row_bytes(const Segment& s) const { return Kp * code_bits(s.kind) / 8; }
   int64_t groups(const Segment& s) const { return Kp / s.group; }
+  int64_t supers(const Segment& s) const {
+    return s.super_group ? (groups(s) + s.super_group - 1) / s.super_group : 0;
+  }
   static int64_t tiles(const Segment& s) { return (s.rows + kTile - 1) / kTile; }
 };
 
@@ -78,8 +97,8 @@ Blob parse_blob(const at::Tensor& t, const char* op) {
               "(QuantTensor.to_blob())");
   const int64_t size = t.numel();
   const uint8_t* base = t.data_ptr<uint8_t>();
-  TORCH_CHECK(size >= kHeaderBytes && std::memcmp(base, "KVQ2", 4) == 0, op,
-              ": not a kvray quantized blob (no KVQ2 magic, or shorter than its header)");
+  TORCH_CHECK(size >= kHeaderBytes && std::memcmp(base, "KVQ3", 4) == 0, op,
+              ": not a kvray quantized blob (no KVQ3 magic, or shorter than its header)");
   Blob b;
   const int32_t nseg = read<int32_t>(base + 4);
   b.N = read<int64_t>(base + 8), b.K = read<int64_t>(base + 16), b.Kp = read<int64_t>(base + 24);
@@ -95,25 +114,36 @@ Blob parse_blob(const at::Tensor& t, const char* op) {
     const uint8_t* e = base + kHeaderBytes + kSegmentBytes * i;
     Segment s;
     s.kind = read<int32_t>(e), s.group = read<int32_t>(e + 4);
-    const int32_t sdt = read<int32_t>(e + 8), has_min = read<int32_t>(e + 12);
+    s.scale_type = read<int32_t>(e + 8);
+    const int32_t has_min = read<int32_t>(e + 12);
     s.row0 = read<int64_t>(e + 16), s.rows = read<int64_t>(e + 24);
-    TORCH_CHECK(s.kind >= kU4 && s.kind <= kF8 && (sdt == 0 || sdt == 1) &&
-                    (has_min == 0 || has_min == 1) && s.group > 0 &&
-                    (s.group == 16 || s.group % 32 == 0) && b.Kp % s.group == 0,
+    s.zero = read<int32_t>(e + 56), s.super_group = read<int32_t>(e + 60);
+    const bool two_level = s.scale_type == kSubU8 || s.scale_type == kSubS8;
+    TORCH_CHECK(s.kind >= kU4 && s.kind <= kU6 && s.scale_type >= kF32 &&
+                    s.scale_type <= kSubS8 && (has_min == 0 || has_min == 1) && s.group > 0 &&
+                    (s.group == 16 || s.group % 32 == 0) && b.Kp % s.group == 0 &&
+                    s.zero >= 0 && s.zero <= 64 && (s.zero == 0 || nibble_kind(s.kind)) &&
+                    (two_level ? s.super_group > 0 && s.super_group <= (1 << 20)
+                               : s.super_group == 0),
                 op, ": segment ", i, ": corrupt entry (kind ", s.kind, ", group ", s.group,
-                ", scale dtype ", sdt, ", has_min ", has_min, ")");
+                ", scale dtype ", s.scale_type, ", has_min ", has_min, ", zero ", s.zero,
+                ", super_group ", s.super_group, ")");
     TORCH_CHECK(s.row0 == row && s.rows >= 0 && s.rows <= b.N - row, op, ": segment ", i,
                 " holds rows ", s.row0, "+", s.rows, " where row ", row, " of ", b.N,
                 " comes next");
-    s.half = sdt == 1;
     // bytes per tile of 8 rows
-    const int64_t scale_bytes = kTile * b.groups(s) * (s.half ? 2 : 4);
-    const int64_t bytes[3] = {kTile * b.row_bytes(s), scale_bytes, has_min ? scale_bytes : 0};
+    const int64_t scale_bytes = kTile * b.groups(s) * s.scale_bytes();
+    const int64_t super_bytes = kTile * b.supers(s) * 2;
+    const int64_t bytes[5] = {kTile * b.row_bytes(s), scale_bytes, scale_bytes, super_bytes,
+                              super_bytes};
+    const bool present[5] = {true, true, has_min == 1, two_level, two_level && has_min == 1};
+    static const int64_t field[5] = {32, 40, 48, 64, 72};
     const int64_t tiles = Blob::tiles(s);
-    const uint8_t** dst[3] = {&s.codes, &s.scales, &s.mins};
-    static const char* names[3] = {"codes", "scales", "mins"};
-    for (int j = 0; j < (has_min ? 3 : 2); ++j) {
-      const int64_t off = read<int64_t>(e + 32 + 8 * j);
+    const uint8_t** dst[5] = {&s.codes, &s.scales, &s.mins, &s.super_scales, &s.super_mins};
+    static const char* names[5] = {"codes", "scales", "mins", "super-scales", "super-mins"};
+    for (int j = 0; j < 5; ++j) {
+      if (!present[j]) continue;
+      const int64_t off = read<int64_t>(e + field[j]);
       // tiles * bytes <= size - off, written so that nothing overflows
       TORCH_CHECK(off >= data0 && off % 64 == 0 && off <= size &&
                       (tiles == 0 || bytes[j] <= (size - off) / tiles),
@@ -136,9 +166,14 @@ float half_to_float(uint16_t h) {
 #endif
 }
 
-// Scale or min i of a row (fp32 or fp16).
-inline float param(const uint8_t* p, bool half, int64_t i) {
-  return half ? half_to_float(read<uint16_t>(p + 2 * i)) : read<float>(p + 4 * i);
+// Scale or min i of a row as stored (fp32, fp16 or an 8-bit integer).
+inline float param(const uint8_t* p, int32_t type, int64_t i) {
+  switch (type) {
+    case kF32: return read<float>(p + 4 * i);
+    case kF16: return half_to_float(read<uint16_t>(p + 2 * i));
+    case kSubU8: return static_cast<float>(p[i]);
+    default: return static_cast<float>(static_cast<int8_t>(p[i]));
+  }
 }
 
 // v as stored in a register: keeps -ffast-math from fusing the product into the next add,
@@ -155,21 +190,31 @@ inline float rounded(float v) {
 // Row r of segment s dequantized into out[0:Kp] (the reference formula, every kind): lane
 // r % 8 of its tile.
 void dequant_row(const Blob& b, const Segment& s, int64_t r, float* out) {
-  const int64_t ng = b.groups(s), sbytes = s.half ? 2 : 4, lane = r % kTile;
-  const int64_t block_bytes = kTile * (s.kind == kU4 ? 16 : 32);
-  const uint8_t* codes = s.codes + r / kTile * (b.Kp / kBlock) * block_bytes + 4 * lane;
-  const uint8_t* sc = s.scales + r / kTile * ng * kTile * sbytes;
-  const uint8_t* mn = s.mins ? s.mins + r / kTile * ng * kTile * sbytes : nullptr;
+  const int64_t ng = b.groups(s), ns = b.supers(s), lane = r % kTile, tile = r / kTile;
+  const int64_t block_bytes = kTile * kBlock * code_bits(s.kind) / 8;
+  const uint8_t* codes = s.codes + tile * (b.Kp / kBlock) * block_bytes + 4 * lane;
+  const int64_t tile_params = ng * kTile * s.scale_bytes(), tile_supers = ns * kTile * 2;
+  // a group's scale or min: one level, or the 8-bit value times its super-group's fp16
+  auto value = [&](const uint8_t* p, const uint8_t* super, int64_t g) {
+    const float v = param(p + tile * tile_params, s.scale_type, g * kTile + lane);
+    if (!super) return v;
+    return v * param(super + tile * tile_supers, kF16, g / s.super_group * kTile + lane);
+  };
   for (int64_t g = 0; g < ng; ++g) {
-    const float scale = param(sc, s.half, g * kTile + lane);
-    const float min = mn ? param(mn, s.half, g * kTile + lane) : 0.f;
+    const float scale = value(s.scales, s.super_scales, g);
+    const float min = s.mins ? value(s.mins, s.super_mins, g) : 0.f;
     for (int64_t k = g * s.group; k < (g + 1) * s.group; ++k) {
       const uint8_t* block = codes + k / kBlock * block_bytes;
-      const int64_t j = k % kBlock;  // U4: part j / 8, nibble j / 4 % 2; else part j / 4
+      const int64_t j = k % kBlock;  // nibble kinds: part j / 8, nibble j / 4 % 2; else part j / 4
       float q;
-      if (s.kind == kU4) {
-        const uint8_t byte = block[32 * (j / 8) + j % 4];
-        q = static_cast<float>(j / 4 % 2 ? byte >> 4 : byte & 0xF);
+      if (nibble_kind(s.kind)) {
+        const int64_t part = j / 8, high = j / 4 % 2;
+        const uint8_t byte = block[32 * part + j % 4];
+        int32_t code = high ? byte >> 4 : byte & 0xF;
+        const uint8_t* planes = block + 128 + j % 4;  // this row's bytes of the planes
+        if (s.kind == kU5) code |= (planes[0] >> (4 * high + part) & 1) << 4;
+        if (s.kind == kU6) code |= (planes[32 * high] >> (2 * part) & 3) << 4;
+        q = static_cast<float>(code - s.zero);
       } else if (s.kind == kS8) {
         q = static_cast<float>(static_cast<int8_t>(block[32 * (j / 4) + j % 4]));
       } else {
@@ -285,7 +330,11 @@ struct SegView {
   const uint8_t* codes;
   const uint8_t* scales;
   const uint8_t* mins;  // null without mins
-  int64_t tile_bytes, scale_tile_bytes, group, rows;
+  const uint8_t* super_scales;
+  const uint8_t* super_mins;
+  int64_t tile_bytes, scale_tile_bytes, super_tile_bytes, group, super_group, rows;
+  int32_t zero;
+  bool signed_sub;  // two-level scales as int8 (else uint8)
 };
 // x rows m0.. of the quantized activations.
 struct XView {
@@ -298,14 +347,46 @@ struct XView {
   }
 };
 
-// The 8 rows' scales (or mins) of group g.
-template <bool Half>
-inline __m256 lanes_at(const uint8_t* p, int64_t g) {
-  if constexpr (Half)
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * g)));
-  else
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(p + 32 * g));
+inline __m256 cvt_half8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+
+// A tile's scales (or mins), the 8 rows' values group after group (groups are read in order):
+// fp32, fp16, or 8-bit integers times the fp16 of their super-group (exact in fp32).
+template <int Form>
+class GroupLanes {
+ public:
+  GroupLanes(const uint8_t* p, const uint8_t* super, int64_t super_group, bool sign)
+      : p_(p), super_(super), super_group_(super_group), sign_(sign) {}
+  __m256 next() {
+    if constexpr (Form == kFormF32) {
+      const __m256 v = _mm256_loadu_ps(reinterpret_cast<const float*>(p_));
+      p_ += 32;
+      return v;
+    } else if constexpr (Form == kFormF16) {
+      const __m256 v = cvt_half8(p_);
+      p_ += 16;
+      return v;
+    } else {
+      if (left_ == 0) {
+        super_v_ = cvt_half8(super_);
+        super_ += 16, left_ = super_group_;
+      }
+      --left_;
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p_));
+      p_ += 8;
+      const __m256i v = sign_ ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(v), super_v_);
+    }
+  }
+
+ private:
+  const uint8_t* p_;
+  const uint8_t* super_;
+  int64_t super_group_, left_ = 0;
+  bool sign_;
+  __m256 super_v_ = _mm256_setzero_ps();
+};
 
 // v as it stands, in a register: keeps the compiler from regrouping a chain of integer adds
 // into a tree over every product at once (measured: the 32 products of a block for 4 x rows
@@ -319,12 +400,29 @@ inline __m256i x4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// A U4 part's 32 bytes as their low and high nibbles: codes 4 j .. 4 j + 3 of each row.
-inline void unpack_u4(const uint8_t* part, __m256i& lo, __m256i& hi) {
+// Part p's codes of a nibble kind's block: codes 4 p .. 4 p + 3 of each row (lo) and
+// 4 p + 16 .. (hi), their high bits (U5, U6) taken from the planes after the nibbles.
+template <int KD>
+inline void unpack_part(const uint8_t* block, int p, __m256i& lo, __m256i& hi) {
   const __m256i mask = _mm256_set1_epi8(0xF);
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(part));
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * p));
   lo = _mm256_and_si256(v, mask);
   hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  // 16-bit shifts pull bits across bytes only into positions the masks drop
+  if constexpr (KD == kU5) {
+    const __m256i pl = _mm256_srli_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128)), p);
+    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(pl, _mm256_set1_epi8(1)), 4));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(pl, _mm256_set1_epi8(0x10)));
+  } else if constexpr (KD == kU6) {
+    const __m256i three = _mm256_set1_epi8(3);
+    const __m256i a = _mm256_srli_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128)), 2 * p);
+    const __m256i b = _mm256_srli_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 160)), 2 * p);
+    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(a, three), 4));
+    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(b, three), 4));
+  }
 }
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
@@ -340,9 +438,9 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 #endif
 
 // Per x row m, the int32 dot products [8 weight rows] of one tile's parts [P0, P1) of block
-// b (U4: parts of 64 codes; S8: of 32) with x's codes. With VNNI each part and x row is one
-// or two dpbusd into int32; else AVX2's maddubs into int16 (exact: see the bounds below),
-// widened by madd. Both give the same exact sums.
+// b (nibble kinds: parts of 64 codes; S8: of 32) with x's codes. With VNNI each part and x
+// row is one or two dpbusd into int32; else AVX2's maddubs into int16 (exact: see the
+// bounds below), widened by madd. Both give the same exact sums.
 template <int MR, int KD, int P0, int P1>
 inline void part_sums(const uint8_t* block, const XView& x, int64_t b, __m256i (&sum)[MR]) {
 #ifdef KVRAY_VNNI
@@ -350,11 +448,11 @@ inline void part_sums(const uint8_t* block, const XView& x, int64_t b, __m256i (
   __m256i other[MR];
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m) sum[m] = other[m] = _mm256_setzero_si256();
-  if constexpr (KD == kU4) {
+  if constexpr (nibble_kind(KD)) {
 #pragma GCC unroll 4
     for (int p = P0; p < P1; ++p) {
       __m256i lo, hi;
-      unpack_u4(block + 32 * p, lo, hi);
+      unpack_part<KD>(block, p, lo, hi);
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {
         const int8_t* xq = x.q + m * x.Kp + kBlock * b + 8 * p;
@@ -379,24 +477,34 @@ inline void part_sums(const uint8_t* block, const XView& x, int64_t b, __m256i (
   for (int m = 0; m < MR; ++m) sum[m] = _mm256_add_epi32(sum[m], other[m]);
 #else
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (KD == kU4) {
-    // maddubs of 15 x 127 pairs: |.| <= 3810 per int16 lane, 8 of them (one block) < 2^15
+  if constexpr (nibble_kind(KD)) {
+    // U4: maddubs of 15 x 127 pairs, |.| <= 3810 per int16 lane, 8 of them (one block) < 2^15,
+    // widened once; U5 / U6 (codes up to 63): a part's two maddubs reach 4 x 63 x 127 < 2^15,
+    // widened at once
     __m256i s16[MR];
 #pragma GCC unroll 4
     for (int p = P0; p < P1; ++p) {
       __m256i lo, hi;
-      unpack_u4(block + 32 * p, lo, hi);
+      unpack_part<KD>(block, p, lo, hi);
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {
         const int8_t* xq = x.q + m * x.Kp + kBlock * b + 8 * p;
         const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x4(xq)),
                                            _mm256_maddubs_epi16(hi, x4(xq + 4)));
-        s16[m] = p == P0 ? t : _mm256_add_epi16(s16[m], t);
-        keep(s16[m]);
+        if constexpr (KD == kU4) {
+          s16[m] = p == P0 ? t : _mm256_add_epi16(s16[m], t);
+          keep(s16[m]);
+        } else {
+          const __m256i t32 = _mm256_madd_epi16(t, ones);
+          sum[m] = p == P0 ? t32 : _mm256_add_epi32(sum[m], t32);
+          keep(sum[m]);
+        }
       }
     }
+    if constexpr (KD == kU4) {
 #pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m) sum[m] = _mm256_madd_epi16(s16[m], ones);
+      for (int m = 0; m < MR; ++m) sum[m] = _mm256_madd_epi16(s16[m], ones);
+    }
   } else {
     // |w| * x pairs reach 2 x 128 x 127: each part's int16 sums widen to int32 at once
 #pragma GCC unroll 8
@@ -416,8 +524,8 @@ inline void part_sums(const uint8_t* block, const XView& x, int64_t b, __m256i (
 #endif
 }
 
-// acc[m] += float(sum[m]) * scales(g) * dx[m, b], then (at a group's end) mins(g) * gs[m, g].
-template <int MR, bool Half>
+// acc[m] += float(sum[m]) * scales(g) * dx[m, b].
+template <int MR>
 inline void accumulate(const __m256i (&sum)[MR], __m256 sv, const XView& x, int64_t b,
                        __m256 (&acc)[MR]) {
 #pragma GCC unroll 4
@@ -425,6 +533,7 @@ inline void accumulate(const __m256i (&sum)[MR], __m256 sv, const XView& x, int6
     acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]),
                              _mm256_mul_ps(sv, _mm256_broadcast_ss(x.d + m * x.nb + b)), acc[m]);
 }
+// acc[m] += mv * gs[m, g]: a group's mins (and - zero * scale) times its sum of x.
 template <int MR>
 inline void add_mins(__m256 mv, const XView& x, int64_t g, __m256 (&acc)[MR]) {
 #pragma GCC unroll 4
@@ -445,40 +554,52 @@ inline void prefetch_ahead(const uint8_t* block) {
 }
 
 // Tile t of a segment against MR (1..4) rows of x: y[m * ldy + 8 t + lane] (+ bias), the
-// rows past the segment's end left out.
-template <int MR, int KD, bool G16, bool Half, bool Mins>
+// rows past the segment's end left out. Offset: mins and/or a code offset (zero).
+template <int MR, int KD, bool G16, int Form, bool Offset>
 void dot_tile(const SegView& s, const XView& x, int64_t t, float* y, int64_t ldy,
               const float* bias) {
-  constexpr int64_t kBlockBytes = kTile * (KD == kU4 ? 16 : 32);
-  constexpr int kParts = KD == kU4 ? 4 : 8;
+  constexpr int64_t kBlockBytes = kTile * kBlock * code_bits(KD) / 8;
+  constexpr int kParts = nibble_kind(KD) ? 4 : 8;
   const uint8_t* codes = s.codes + t * s.tile_bytes;
-  const uint8_t* sc = s.scales + t * s.scale_tile_bytes;
-  const uint8_t* mn = Mins ? s.mins + t * s.scale_tile_bytes : nullptr;
+  GroupLanes<Form> scales(s.scales + t * s.scale_tile_bytes,
+                          s.super_scales ? s.super_scales + t * s.super_tile_bytes : nullptr,
+                          s.super_group, s.signed_sub);
+  GroupLanes<Form> mins(s.mins ? s.mins + t * s.scale_tile_bytes : nullptr,
+                        s.super_mins ? s.super_mins + t * s.super_tile_bytes : nullptr,
+                        s.super_group, s.signed_sub);
+  const __m256 zero = _mm256_set1_ps(static_cast<float>(s.zero));
+  // a group's offset term: its mins, less zero times its scales
+  auto offset = [&](__m256 sv) {
+    const __m256 mv = s.mins ? mins.next() : _mm256_setzero_ps();
+    return s.zero ? _mm256_fnmadd_ps(sv, zero, mv) : mv;
+  };
   __m256 acc[MR];
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   __m256i sum[MR];
-  if constexpr (G16) {  // a scale (and min) per half block
+  if constexpr (G16) {  // a scale (and offset) per half block
     for (int64_t b = 0; b < x.nb; ++b) {
       const uint8_t* block = codes + b * kBlockBytes;
       prefetch_ahead<kBlockBytes>(block);
       part_sums<MR, KD, 0, kParts / 2>(block, x, b, sum);
-      accumulate<MR, Half>(sum, lanes_at<Half>(sc, 2 * b), x, b, acc);
-      if constexpr (Mins) add_mins<MR>(lanes_at<Half>(mn, 2 * b), x, 2 * b, acc);
+      const __m256 s0 = scales.next();
+      accumulate<MR>(sum, s0, x, b, acc);
+      if constexpr (Offset) add_mins<MR>(offset(s0), x, 2 * b, acc);
       part_sums<MR, KD, kParts / 2, kParts>(block, x, b, sum);
-      accumulate<MR, Half>(sum, lanes_at<Half>(sc, 2 * b + 1), x, b, acc);
-      if constexpr (Mins) add_mins<MR>(lanes_at<Half>(mn, 2 * b + 1), x, 2 * b + 1, acc);
+      const __m256 s1 = scales.next();
+      accumulate<MR>(sum, s1, x, b, acc);
+      if constexpr (Offset) add_mins<MR>(offset(s1), x, 2 * b + 1, acc);
     }
   } else {
     const int64_t per_group = s.group / kBlock;
     for (int64_t g = 0, b = 0; b < x.nb; ++g) {
-      const __m256 sv = lanes_at<Half>(sc, g);
+      const __m256 sv = scales.next();
       for (const int64_t end = b + per_group; b < end; ++b) {
         prefetch_ahead<kBlockBytes>(codes + b * kBlockBytes);
         part_sums<MR, KD, 0, kParts>(codes + b * kBlockBytes, x, b, sum);
-        accumulate<MR, Half>(sum, sv, x, b, acc);
+        accumulate<MR>(sum, sv, x, b, acc);
       }
-      if constexpr (Mins) add_mins<MR>(lanes_at<Half>(mn, g), x, g, acc);
+      if constexpr (Offset) add_mins<MR>(offset(sv), x, g, acc);
     }
   }
   const int64_t r0 = t * kTile, valid = std::min<int64_t>(kTile, s.rows - r0);
@@ -500,7 +621,7 @@ void dot_tile(const SegView& s, const XView& x, int64_t t, float* y, int64_t ldy
 
 // Tiles [t0, t1) of a segment against all M rows of x: stretches of tiles small enough to
 // stay in L2 while every pass of 4 x rows goes over them.
-template <int KD, bool G16, bool Half, bool Mins>
+template <int KD, bool G16, int Form, bool Offset>
 void dot_tiles(const SegView& s, const XView& x, int64_t M, int64_t t0, int64_t t1, float* y,
                int64_t ldy, const float* bias) {
   // the first kPrefetchBytes of this range, which no block's prefetch_ahead asks for
@@ -514,14 +635,14 @@ void dot_tiles(const SegView& s, const XView& x, int64_t M, int64_t t0, int64_t 
     int64_t m = 0;
     for (; m + 4 <= M; m += 4)
       for (int64_t t = a; t < e; ++t)
-        dot_tile<4, KD, G16, Half, Mins>(s, x.at(m), t, y + m * ldy, ldy, bias);
+        dot_tile<4, KD, G16, Form, Offset>(s, x.at(m), t, y + m * ldy, ldy, bias);
     float* ym = y + m * ldy;
     const XView xm = x.at(m);
     for (int64_t t = a; t < e; ++t) {
       switch (M - m) {
-        case 3: dot_tile<3, KD, G16, Half, Mins>(s, xm, t, ym, ldy, bias); break;
-        case 2: dot_tile<2, KD, G16, Half, Mins>(s, xm, t, ym, ldy, bias); break;
-        case 1: dot_tile<1, KD, G16, Half, Mins>(s, xm, t, ym, ldy, bias); break;
+        case 3: dot_tile<3, KD, G16, Form, Offset>(s, xm, t, ym, ldy, bias); break;
+        case 2: dot_tile<2, KD, G16, Form, Offset>(s, xm, t, ym, ldy, bias); break;
+        case 1: dot_tile<1, KD, G16, Form, Offset>(s, xm, t, ym, ldy, bias); break;
         default: break;
       }
     }
@@ -531,14 +652,33 @@ void dot_tiles(const SegView& s, const XView& x, int64_t M, int64_t t0, int64_t 
 using TilesFn = void (*)(const SegView&, const XView&, int64_t, int64_t, int64_t, float*,
                          int64_t, const float*);
 
-template <int KD>
-TilesFn pick_tiles(bool g16, bool half, bool mins) {
-  if (g16) {
-    if (half) return mins ? &dot_tiles<KD, true, true, true> : &dot_tiles<KD, true, true, false>;
-    return mins ? &dot_tiles<KD, true, false, true> : &dot_tiles<KD, true, false, false>;
+template <int KD, bool G16, int Form>
+TilesFn pick_offset(bool offset) {
+  return offset ? &dot_tiles<KD, G16, Form, true> : &dot_tiles<KD, G16, Form, false>;
+}
+
+template <int KD, bool G16>
+TilesFn pick_form(int form, bool offset) {
+  switch (form) {
+    case kFormF32: return pick_offset<KD, G16, kFormF32>(offset);
+    case kFormF16: return pick_offset<KD, G16, kFormF16>(offset);
+    default: return pick_offset<KD, G16, kFormSub>(offset);
   }
-  if (half) return mins ? &dot_tiles<KD, false, true, true> : &dot_tiles<KD, false, true, false>;
-  return mins ? &dot_tiles<KD, false, false, true> : &dot_tiles<KD, false, false, false>;
+}
+
+template <int KD>
+TilesFn pick_tiles(bool g16, int form, bool offset) {
+  return g16 ? pick_form<KD, true>(form, offset) : pick_form<KD, false>(form, offset);
+}
+
+TilesFn pick_kernel(const Segment& s) {
+  const bool g16 = s.group == 16, offset = s.mins != nullptr || s.zero != 0;
+  switch (s.kind) {
+    case kU4: return pick_tiles<kU4>(g16, s.form(), offset);
+    case kU5: return pick_tiles<kU5>(g16, s.form(), offset);
+    case kU6: return pick_tiles<kU6>(g16, s.form(), offset);
+    default: return pick_tiles<kS8>(g16, s.form(), offset);
+  }
 }
 
 void linear_int8(const Blob& b, const float* x, int64_t ldx, int64_t M, const float* bias,
@@ -550,15 +690,15 @@ void linear_int8(const Blob& b, const float* x, int64_t ldx, int64_t M, const fl
   int64_t tiles = 0;
   for (size_t i = 0; i < b.segs.size(); ++i) {
     const Segment& s = b.segs[i];
-    if (s.mins) sums[i] = group_sums(qx, M, s.group);
-    const bool g16 = s.group == 16, mins = s.mins != nullptr;
-    const TilesFn fn = s.kind == kU4 ? pick_tiles<kU4>(g16, s.half, mins)
-                                     : pick_tiles<kS8>(g16, s.half, mins);
-    const SegView view{s.codes, s.scales, s.mins, kTile * b.row_bytes(s),
-                       kTile * b.groups(s) * (s.half ? 2 : 4), s.group, s.rows};
-    const XView xv{qx.q.data(), qx.d.data(), mins ? sums[i].data() : nullptr, qx.Kp, qx.nb,
+    const bool offset = s.mins != nullptr || s.zero != 0;
+    if (offset) sums[i] = group_sums(qx, M, s.group);
+    const SegView view{s.codes, s.scales, s.mins, s.super_scales, s.super_mins,
+                       kTile * b.row_bytes(s), kTile * b.groups(s) * s.scale_bytes(),
+                       kTile * b.supers(s) * 2, s.group, s.super_group, s.rows, s.zero,
+                       s.scale_type == kSubS8};
+    const XView xv{qx.q.data(), qx.d.data(), offset ? sums[i].data() : nullptr, qx.Kp, qx.nb,
                    b.groups(s)};
-    jobs.push_back({view, xv, fn, tiles, Blob::tiles(s), s.row0});
+    jobs.push_back({view, xv, pick_kernel(s), tiles, Blob::tiles(s), s.row0});
     tiles += Blob::tiles(s);
   }
   // chunks of at least ~16 KiB of codes, about 4 per thread (as cpu_linear.cpp's run)
