@@ -323,14 +323,15 @@ def test_linear_q_gives_the_same_bits_with_any_number_of_threads(ops, threads):
 
 def test_the_kernel_uses_vnni_where_the_build_targets_it(ops):
     """A build for this CPU (-march=native) takes the VNNI dot product where the CPU has it
-    (AVX-512 VNNI with VL, or AVX-VNNI), else AVX2's; KVRAY_CPU_MARCH may target less."""
+    (512-bit with AVX-512 VNNI, BW and VL; 256-bit with AVX-VNNI), else AVX2's;
+    KVRAY_CPU_MARCH may target less."""
     import os
     from pathlib import Path
 
     from kvray.kernels import cpu_ops
 
     kind = cpu_ops.quant_dot()
-    assert kind in ("vnni", "avx2", "none")
+    assert kind in ("vnni512", "vnni", "avx2", "none")
     flags = set()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
@@ -339,4 +340,6 @@ def test_the_kernel_uses_vnni_where_the_build_targets_it(ops):
     if os.environ.get(cpu_ops.MARCH_ENV, "").strip() not in ("", "native") or not flags:
         return
     vnni = {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags
-    assert kind == ("vnni" if vnni else "avx2" if "avx2" in flags else "none")
+    wide = {"avx512_vnni", "avx512bw", "avx512vl"} <= flags
+    want = "vnni512" if wide else "vnni" if vnni else "avx2" if "avx2" in flags else "none"
+    assert kind == want

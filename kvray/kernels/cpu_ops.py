@@ -289,8 +289,9 @@ def vector_lanes() -> int:
 
 
 def quant_dot() -> str:
-    """The integer dot product of the quantized linears' kernel: ``vnni`` (AVX-512 VNNI or
-    AVX-VNNI), ``avx2``, ``none`` (dequantized matmul) or ``""`` (no extension)."""
+    """The integer dot product of the quantized linears' kernel: ``vnni512`` (AVX-512 VNNI,
+    BW and VL; S8 codes two parts per instruction), ``vnni`` (AVX-VNNI), ``avx2``, ``none``
+    (dequantized matmul) or ``""`` (no extension)."""
     ext = load_ops()
     return "" if ext is None else str(ext.quant_dot())
 

@@ -43,7 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode_layers with each row's LoRA adapter added to its linears' outputs");
   m.def("linear_q", &linear_q, nogil(),
         "x [M, K] @ W^T (+ bias) with W a quantized blob read in place");
-  m.def("quant_dot", &quant_dot, "the integer dot product of linear_q's kernel: vnni, avx2, none");
+  m.def("quant_dot", &quant_dot, "the integer dot product of linear_q's kernel: vnni512, vnni, avx2, none");
   m.def("embedding_q", &embedding_q, nogil(), "rows of a quantized blob, dequantized");
   m.def("lora_add", &lora_add, nogil(),
         "y += each row's LoRA delta (rows grouped by adapter slot), in place");

@@ -175,8 +175,9 @@ at::Tensor argmax_rows(at::Tensor x);
 // products, the same operations for a row whatever the number of rows (cpu_quant.cpp).
 at::Tensor linear_q(at::Tensor x, at::Tensor blob, c10::optional<at::Tensor> bias);
 
-// The integer dot product linear_q's kernel runs on: "vnni" (AVX-512 VNNI or AVX-VNNI
-// dpbusd), "avx2" (maddubs) or "none" (dequantized matmul).
+// The integer dot product linear_q's kernel runs on: "vnni512" (AVX-512 VNNI, BW and VL:
+// dpbusd, 512 bits for S8 codes), "vnni" (256-bit dpbusd, AVX-VNNI), "avx2" (maddubs) or
+// "none" (dequantized matmul).
 std::string quant_dot();
 
 // Rows `ids` (int64, any shape) of a quantized blob dequantized -> fp32 [*ids.shape, K].
