@@ -134,6 +134,11 @@ class Worker:
         """How many swapped-out requests this worker still holds (for leak checks)."""
         return len(self.runner.swap_pool)
 
+    def take_expert_tokens(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert of this rank's MoE layers since the previous call,
+        by global layer index (empty on ranks that do not count)."""
+        return self.runner.take_expert_tokens()
+
     def shutdown(self) -> None:
         """Free the model, KV cache and graphs (see :meth:`ModelRunner.release`) and leave
         the process group this worker joined."""

@@ -17,11 +17,15 @@ Parallelism over the TP group, whose ranks all hold every token's activations:
 Either way each rank's output is a partial sum over the experts' contributions and one
 all-reduce (the dense MLP's) completes it; with expert parallelism no rank reads a slice of
 an expert, and a rank whose experts received no token runs no GEMM at all.
+
+:class:`ExpertTokenCounts` counts the tokens routed to each expert of each layer (the load
+that expert placement balances and the metrics show).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +39,62 @@ from kvray.quant.tensor import QuantTensor
 EXPERT_PARTS = ("gate", "up", "down")
 
 
+class ExpertTokenCounts:
+    """Tokens routed to each expert, one int64 row per MoE layer of a model, added to on the
+    model's device (no host sync) and read with :meth:`take`.
+
+    Counts only inside :meth:`counting`, and only that forward's first ``num_rows`` token
+    rows: the runner opens it around each step's forward with the step's real tokens, so a
+    CUDA-graph batch's pad rows, the KV-sizing profile run and graph captures count
+    nothing."""
+
+    def __init__(self, layers: Sequence[int], num_experts: int,
+                 device: torch.device | str) -> None:
+        self.layers = list(layers)  # global layer index of each row
+        self.row = {layer: i for i, layer in enumerate(self.layers)}
+        self.counts = torch.zeros(len(self.layers), num_experts, dtype=torch.int64,
+                                  device=device)
+        self.num_rows = 0  # token rows of the forward in progress to count; 0: none
+
+    @contextlib.contextmanager
+    def counting(self, num_rows: int) -> Iterator[None]:
+        """Count the routing of the first ``num_rows`` token rows of the forwards inside."""
+        self.num_rows = num_rows
+        try:
+            yield
+        finally:
+            self.num_rows = 0
+
+    def add(self, layer: int, experts: torch.Tensor, counts: torch.Tensor) -> None:
+        """Layer ``layer``'s routing: ``experts`` [tokens, k] and its ``bincount``."""
+        if not self.num_rows:
+            return
+        if experts.shape[0] > self.num_rows:  # rows past the real ones: padding
+            counts = torch.bincount(experts[:self.num_rows].reshape(-1),
+                                    minlength=self.counts.shape[1])
+        self.counts[self.row[layer]] += counts
+
+    def take(self) -> dict[int, list[int]]:
+        """Tokens per expert since the previous take, by global layer index; restarts the
+        counts at zero."""
+        counts = self.counts.tolist()
+        self.counts.zero_()
+        return dict(zip(self.layers, counts, strict=True))
+
+
+def count_expert_tokens(model: nn.Module, device: torch.device | str
+                        ) -> ExpertTokenCounts | None:
+    """One :class:`ExpertTokenCounts` for every MoE layer of ``model`` (None: no MoE layer
+    here), attached to those layers."""
+    layers = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    if not layers:
+        return None
+    counter = ExpertTokenCounts([m.layer_idx for m in layers], layers[0].num_experts, device)
+    for m in layers:
+        m.token_counts = counter
+    return counter
+
+
 class MoEExperts(nn.Module):
     """This rank's experts, stacked: ``w13_weight`` [experts, 2 * inter, hidden] (gate rows
     then up rows) and ``w2_weight`` [experts, hidden, inter]; ``inter`` is the rank's slice
@@ -44,11 +104,14 @@ class MoEExperts(nn.Module):
     # set by kvray.models.llama.use_fused_ops): ~2x F.linear at 8 rows.
     fused_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     fused_silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # where this layer's routing is counted (set by count_expert_tokens)
+    token_counts: ExpertTokenCounts | None = None
 
     def __init__(self, ctx: ParallelContext, num_experts: int, hidden: int, inter: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.layer_idx = layer_idx
         self.expert_parallel = ctx.expert_parallel and ctx.tp_size > 1
         if self.expert_parallel:
             if num_experts % ctx.tp_size:
@@ -120,6 +183,8 @@ class MoEExperts(nn.Module):
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
+        if self.token_counts is not None:
+            self.token_counts.add(self.layer_idx, experts, counts)
         local = counts[self.first_expert:self.first_expert + self.num_local].tolist()
         start = int(counts[:self.first_expert].sum()) if self.first_expert else 0
         tokens = order // experts.shape[1]
@@ -151,7 +216,7 @@ class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen2-MoE's shared expert); in the decoder layer's ``mlp`` slot."""
 
     def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype,
-                 shared_expert: nn.Module | None = None) -> None:
+                 shared_expert: nn.Module | None = None, layer_idx: int = 0) -> None:
         super().__init__()
         self.ctx = ctx
         self.top_k = spec.num_experts_per_tok
@@ -159,7 +224,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False, dtype=dtype)
         self.gate.weight.requires_grad_(False)
         self.experts = MoEExperts(ctx, spec.num_experts, spec.hidden_size,
-                                  spec.moe_intermediate_size, dtype)
+                                  spec.moe_intermediate_size, dtype, layer_idx)
         # Qwen2-MoE's always-on expert: a dense MLP the decoder layer builds (its own
         # all-reduce), scaled per token by sigmoid(shared_expert_gate(x))
         self.shared_expert, self.shared_expert_gate = shared_expert, None
