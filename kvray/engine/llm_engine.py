@@ -159,9 +159,8 @@ class LLMEngine:
         swap_blocks = swap_pool_blocks(config, kv.bytes_per_block)
         costs = self._measure_preemption_costs(kv, swap_blocks) \
             if config.scheduler.preemption_mode == "auto" else None
-        if self.spec.num_experts:  # the probes' made-up tokens are no expert's load
-            self.executor.take_expert_tokens()
-        self._expert_tokens_read = time.monotonic()
+        if self.spec.num_experts:
+            self._start_expert_tokens()
         self.startup = self._startup_report(workers_s, kv_s, time.perf_counter() - start)
         self.scheduler = Scheduler(config, kv.num_blocks, self.max_model_len, swap_blocks,
                                    costs, self.loras, self.kv_tier)
@@ -351,6 +350,17 @@ class LLMEngine:
         if self.executor is not None:
             self.stats.num_swap_objects = sum(self.executor.swap_objects())
             self.published_stats = dataclasses.replace(self.stats)
+
+    def _start_expert_tokens(self) -> None:
+        """Drop what the workers counted during start-up (the probes' made-up tokens are no
+        expert's load) and list every MoE layer, at zero the first time: the series then
+        start at 0 and a rate() over them sees the first tokens."""
+        totals = dict(self.stats.moe_expert_tokens)  # kept across executor rebuilds
+        for stage in self.executor.take_expert_tokens():
+            for layer, counts in stage.items():
+                totals.setdefault(layer, [0] * len(counts))
+        self.stats.moe_expert_tokens = dict(sorted(totals.items()))
+        self._expert_tokens_read = time.monotonic()
 
     def refresh_expert_tokens(self) -> None:
         """Add the tokens the workers routed to each expert since the previous read (one
