@@ -71,22 +71,28 @@ def test_grouped_experts_equal_a_per_token_loop(tokens, top_k, allowed):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("expert_parallel", [False, True])
-def test_ranks_partial_sums_add_up_to_the_whole(expert_parallel):
+@pytest.mark.parametrize("layout", ["sliced", "contiguous", "placed"])
+def test_ranks_partial_sums_add_up_to_the_whole(layout):
     """Each rank loads only its share from the same per-expert tensors (a slice of every
-    expert, or whole experts), and the TP all-reduce's sum of the partials is the layer."""
+    expert, or whole experts: contiguous ranges, or a placement that interleaves them), and
+    the TP all-reduce's sum of the partials is the layer."""
     weights = _expert_weights(6, seed=3)
     x = torch.randn(29, HIDDEN, generator=torch.Generator().manual_seed(4))
     routing, choice = _routing(29, 6, 2, list(range(6)), seed=5)
     whole = _experts(weights, ParallelContext())(x, routing, choice)
+    placement = {0: ((0, 2, 5), (1, 3, 4))} if layout == "placed" else None
+    held = placement[0] if placement else ((0, 1, 2), (3, 4, 5))
     parts = []
     for rank in range(2):
-        ctx = ParallelContext(tp_rank=rank, tp_size=2, expert_parallel=expert_parallel)
+        ctx = ParallelContext(tp_rank=rank, tp_size=2, expert_parallel=layout != "sliced",
+                              expert_placement=placement)
         experts = _experts(weights, ctx)
-        if expert_parallel:
-            assert experts.w13_weight.shape == (3, 2 * INTER, HIDDEN)
-        else:
+        if layout == "sliced":
             assert experts.w13_weight.shape == (6, INTER, HIDDEN)
+        else:
+            assert experts.held == list(held[rank])
+            for i, e in enumerate(held[rank]):  # row i holds expert held[i], whole
+                assert torch.equal(experts.w2_weight[i], weights[e]["down"])
         parts.append(experts(x, routing, choice))
     torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-5)
 
@@ -263,3 +269,19 @@ def test_expert_token_counts_are_exported_by_layer_and_expert_for_moe_models_onl
         not in text
     metrics.set_replica_stats([("r1", {"num_running": 1})])  # r0 left: its series go too
     assert "kvray:moe_expert_tokens_total{" not in metrics.render().decode()
+
+
+@pytest.mark.engine
+def test_a_load_file_for_another_model_stops_the_start_naming_expert_placement(tmp_path):
+    import json
+
+    from kvray import LLM
+    from kvray.config import ConfigError
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "m")  # 8 experts in each of 3 layers
+    load = tmp_path / "load.json"
+    load.write_text(json.dumps({str(layer): [1] * 6 for layer in range(3)}))
+    with pytest.raises(ConfigError, match="expert_placement: layer 0 has counts for 6 "
+                                          "experts, but this model has 8 per layer"):
+        LLM(str(path), dtype="float32", enable_expert_parallel=True,
+            expert_placement=str(load))

@@ -82,7 +82,7 @@ class ModelRunner:
         self.device = device
         self.model, self.spec = load_model(model_path, config.model.dtype, ctx,
                                            config.model.max_model_len, device,
-                                           config.model.quantization)
+                                           config.model.quantization, self.expert_loads)
         self.dtype = next(self.model.parameters()).dtype  # resolved once, by load_model
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.spec)
         self.block_size = config.cache.block_size
@@ -130,6 +130,12 @@ class ModelRunner:
             installed = install_kernel_plan(self.drafter.model, self.plan.for_draft())
             if ctx.world_rank == 0:
                 installed.log_huge_pages()
+
+    @property
+    def expert_loads(self) -> dict[int, list[int]] | None:
+        """The measured per-layer expert loads ``expert_placement`` names (None: contiguous)."""
+        loads = self.config.parallel.expert_placement
+        return loads if isinstance(loads, dict) else None
 
     def release(self) -> None:
         """Drop what this runner holds on its device (CUDA graphs and their memory pool, the

@@ -102,12 +102,16 @@ class Worker:
 
     def startup_report(self) -> dict[str, object]:
         """Seconds this rank spent loading its shard (the kernels' build or fetch
-        included), how it got the CPU kernels, and the quantized weights its shard holds
-        (tensors, bytes, kinds; zeros for a dense model)."""
+        included), how it got the CPU kernels, the quantized weights its shard holds
+        (tensors, bytes, kinds; zeros for a dense model) and, for a MoE model, its expert
+        weights' bytes and the expert placement (:func:`~kvray.models.moe.expert_report`;
+        None for a dense model)."""
         from kvray.kernels import cpu_ops
+        from kvray.models.moe import expert_report
 
         return {"load_s": round(self.load_s, 3), "kernels": cpu_ops.build_report(),
-                "quantized": self.runner.quantized.report()}
+                "quantized": self.runner.quantized.report(),
+                "moe": expert_report(self.runner.model, self.runner.expert_loads)}
 
     def model_info(self) -> tuple[ModelSpec, int]:
         """(spec, max_model_len) for the engine, which holds no model itself."""

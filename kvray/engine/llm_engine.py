@@ -24,6 +24,7 @@ from kvray.errors import EngineUnavailableError, InvalidRequestError
 from kvray.lora.manager import LoRARegistry
 from kvray.lora.request import LoRARequest
 from kvray.models.default_model import resolve_model_path, with_builtin_model
+from kvray.models.expert_placement import placement_summary
 from kvray.models.pooling import model_pooling
 from kvray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
@@ -137,6 +138,9 @@ class LLMEngine:
                     "load %.1f s, CPU kernels %s in %.1f s), KV cache %.1f s, other %.1f s",
                     total_s, workers_s, slowest["load_s"], slowest["kernels"]["source"],
                     slowest["kernels"]["seconds"], kv_s, total_s - workers_s - kv_s)
+        experts = placement_summary([r.get("moe") for r in ranks])
+        if experts is not None:
+            logger.info("kvray: MoE: %s", experts)
         return report
 
     def rebuild_executor(self) -> None:

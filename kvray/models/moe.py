@@ -25,12 +25,15 @@ that expert placement balances and the metrics show).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvray.models.expert_placement import contiguous_experts, rank_imbalance
 from kvray.models.spec import ModelSpec
 from kvray.parallel import ParallelContext
 from kvray.quant.tensor import QuantTensor
@@ -95,6 +98,32 @@ def count_expert_tokens(model: nn.Module, device: torch.device | str
     return counter
 
 
+def expert_report(model: nn.Module, loads: Mapping[int, Sequence[int]] | None
+                  ) -> dict[str, Any] | None:
+    """This rank's MoE layers for the start-up report (None for a dense model): the bytes
+    of its expert weights and, under expert parallelism, every rank's experts per layer;
+    with measured ``loads`` (``expert_placement``) also each layer's predicted rank
+    imbalance (busiest rank's tokens over the mean rank's) under this placement and under
+    the contiguous one."""
+    layers = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    if not layers:
+        return None
+    report: dict[str, Any] = {
+        "expert_parallel": layers[0].placement is not None,
+        "expert_bytes": sum(p.numel() * p.element_size() for m in layers
+                            for p in m.parameters()),
+        "placement": {m.layer_idx: [list(r) for r in m.placement] for m in layers
+                      if m.placement is not None}}
+    if loads and report["expert_parallel"]:
+        report["predicted_imbalance"] = {
+            m.layer_idx: round(rank_imbalance(loads[m.layer_idx], m.placement), 4)
+            for m in layers}
+        report["contiguous_imbalance"] = {
+            m.layer_idx: round(rank_imbalance(loads[m.layer_idx], contiguous_experts(
+                m.num_experts, len(m.placement))), 4) for m in layers}
+    return report
+
+
 class MoEExperts(nn.Module):
     """This rank's experts, stacked: ``w13_weight`` [experts, 2 * inter, hidden] (gate rows
     then up rows) and ``w2_weight`` [experts, hidden, inter]; ``inter`` is the rank's slice
@@ -117,17 +146,24 @@ class MoEExperts(nn.Module):
             if num_experts % ctx.tp_size:
                 raise ValueError(f"enable_expert_parallel: {num_experts} experts do not split "
                                  f"evenly over tensor_parallel_size = {ctx.tp_size}")
-            self.num_local = num_experts // ctx.tp_size
-            self.first_expert = ctx.tp_rank * self.num_local
+            # every rank's experts of this layer; this rank holds placement[tp_rank]
+            self.placement = ctx.expert_placement[layer_idx] if ctx.expert_placement \
+                else contiguous_experts(num_experts, ctx.tp_size)
+            self.held = list(self.placement[ctx.tp_rank])
             self.inter, self.inter_start = inter, 0
         else:
             if inter % ctx.tp_size:
                 raise ValueError(f"the experts' intermediate size {inter} does not split evenly "
                                  f"over tensor_parallel_size = {ctx.tp_size} (or set "
                                  "enable_expert_parallel)")
-            self.num_local, self.first_expert = num_experts, 0
+            self.placement = None  # every rank holds a slice of every expert
+            self.held = list(range(num_experts))
             self.inter = inter // ctx.tp_size
             self.inter_start = ctx.tp_rank * self.inter
+        # the global ids of the experts this rank holds, ascending: w13/w2 row i is held[i]
+        assert self.held == sorted(set(self.held)), self.held
+        self.num_local = len(self.held)
+        self.local_index = {e: i for i, e in enumerate(self.held)}
         self.full_inter, self.hidden = inter, hidden
         self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden,
                                                    dtype=dtype), requires_grad=False)
@@ -156,10 +192,10 @@ class MoEExperts(nn.Module):
 
     def _load_one(self, param: nn.Parameter, loaded: torch.Tensor, expert: int,
                   part: str) -> None:
-        local = expert - self.first_expert
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} of {self.num_experts}")
-        if not 0 <= local < self.num_local:
+        local = self.local_index.get(expert)
+        if local is None:
             return  # another rank's expert
         hidden = self.hidden
         rows = slice(self.inter_start, self.inter_start + self.inter)
@@ -185,18 +221,19 @@ class MoEExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)
         if self.token_counts is not None:
             self.token_counts.add(self.layer_idx, experts, counts)
-        local = counts[self.first_expert:self.first_expert + self.num_local].tolist()
-        start = int(counts[:self.first_expert].sum()) if self.first_expert else 0
+        # one host sync; expert e's (token, slot) pairs follow those of experts < e
+        per_expert = counts.tolist()
+        starts = [0, *itertools.accumulate(per_expert)]
         tokens = order // experts.shape[1]
         flat_weights = weights.reshape(-1)
-        for e, n in enumerate(local):
+        for i, e in enumerate(self.held):
+            n, start = per_expert[e], starts[e]
             if n == 0:
                 continue
             pick = order[start:start + n]
             rows = tokens[start:start + n]
-            start += n
-            y = self._linear(self._act(self._linear(x[rows], self.w13_weight[e])),
-                             self.w2_weight[e])
+            y = self._linear(self._act(self._linear(x[rows], self.w13_weight[i])),
+                             self.w2_weight[i])
             out.index_add_(0, rows, y * flat_weights[pick].unsqueeze(1).to(y.dtype))
         return out
 
