@@ -224,6 +224,47 @@ class SchedulerConfig(_Section):
     )
 
 
+_EXPERT_LOADS_FORMAT = ("a JSON object of each MoE layer's tokens per expert, "
+                        "{\"<layer>\": [count per expert], ...}, as LLM.expert_load() "
+                        "returns and `kvray run-batch --expert-load-out` writes")
+
+
+def read_expert_loads(path: str | Path) -> Any:
+    """The JSON in ``path`` (``expert_placement``'s file); :class:`ValueError` naming the
+    setting and the file when it cannot be read."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"expert_placement = {str(path)!r}: no such file; give 'contiguous' "
+                         f"or a file holding {_EXPERT_LOADS_FORMAT}") from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"expert_placement = {str(path)!r}: cannot read it as JSON "
+                         f"({err}); it should hold {_EXPERT_LOADS_FORMAT}") from None
+
+
+def parse_expert_loads(data: Any, where: str) -> dict[int, list[int]]:
+    """Per-layer expert token counts that a placement can use: layer indices and counts
+    (integers >= 0) and the same number of experts in every layer. ``where`` names the
+    setting and where ``data`` came from, in errors."""
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"{where}: holds {type(data).__name__} {str(data)[:60]!r}, not "
+                         f"{_EXPERT_LOADS_FORMAT}")
+    loads: dict[int, list[int]] = {}
+    for key, counts in data.items():
+        layer = int(key) if isinstance(key, int | str) and str(key).isdigit() else None
+        if layer is None or not isinstance(counts, list) or not counts or not all(
+                type(c) is int and c >= 0 for c in counts):
+            raise ValueError(f"{where}: layer {key!r}: {str(counts)[:60]}; want a layer "
+                             "index >= 0 and a list of token counts (integers >= 0), one "
+                             "per expert")
+        loads[layer] = counts
+    widths = sorted({len(counts) for counts in loads.values()})
+    if len(widths) > 1:
+        raise ValueError(f"{where}: layers list different numbers of experts ({widths}); "
+                         "every layer needs one count per expert")
+    return loads
+
+
 class ParallelConfig(_Section):
     """How one model replica is split over workers."""
 
@@ -232,6 +273,14 @@ class ParallelConfig(_Section):
     enable_expert_parallel: bool = Field(
         False, description="MoE models: each tensor-parallel rank holds whole experts "
         "(num_experts / tensor_parallel_size of them) instead of a slice of every expert.")
+    expert_placement: Literal["contiguous"] | dict[int, list[int]] = Field(
+        "contiguous", description="Which experts each rank holds under "
+        "enable_expert_parallel. contiguous: rank r the r-th equal range of expert ids; or "
+        "a JSON file of each MoE layer's tokens per expert ({\"<layer>\": [count per "
+        "expert], ...}, as LLM.expert_load() returns and `kvray run-batch "
+        "--expert-load-out` writes from a calibration run): per layer, experts spread so "
+        "that the ranks' summed counts are balanced. The file is read where the config is "
+        "loaded (workers need no copy); its counts may also be given inline.")
     distributed_executor_backend: Literal["uni", "ray"] | None = Field(
         None, description="uni: one in-process worker; ray: worker actors. None = ray if TP*PP>1."
     )
@@ -259,6 +308,25 @@ class ParallelConfig(_Section):
         "rebuilt.")
 
     _split_stage_nodes = field_validator("pipeline_stage_nodes", mode="before")(_comma_list)
+
+    @field_validator("expert_placement", mode="before")
+    @classmethod
+    def _read_expert_loads(cls, value: Any) -> Any:
+        if value == "contiguous":
+            return value
+        if isinstance(value, str | Path):  # a file, read here: workers need no copy
+            return parse_expert_loads(read_expert_loads(value),
+                                      f"expert_placement = {str(value)!r}")
+        return parse_expert_loads(value, "expert_placement (counts given inline)")
+
+    @model_validator(mode="after")
+    def _check_expert_placement(self) -> ParallelConfig:
+        if self.expert_placement != "contiguous" and not self.enable_expert_parallel:
+            raise ValueError(
+                "expert_placement places whole experts on ranks, which only "
+                "enable_expert_parallel does (otherwise every rank holds a slice of every "
+                "expert): set enable_expert_parallel, or leave expert_placement 'contiguous'")
+        return self
 
     @model_validator(mode="after")
     def _check_stage_nodes(self) -> ParallelConfig:
@@ -622,7 +690,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> EngineConfi
     flat = read_yaml(path) if path is not None else {}
     if path is not None:
         base = Path(path).resolve().parent
-        for key in ("model", "tokenizer"):
+        for key in ("model", "tokenizer", "expert_placement"):
             value = flat.get(key)
             if isinstance(value, str) and not Path(value).is_absolute() and (base / value).exists():
                 flat[key] = str(base / value)

@@ -6,7 +6,8 @@ Passed explicitly to every parallel layer (no module-level state). With
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +24,9 @@ class ParallelContext:
         tp_group: torch.distributed group of this stage's TP ranks (None when tp_size == 1).
         expert_parallel: MoE layers shard whole experts over the TP ranks instead of
             slicing every expert (``enable_expert_parallel``).
+        expert_placement: under expert parallelism, per MoE layer (global index) the
+            experts each TP rank holds; None = contiguous ranges
+            (:mod:`kvray.models.expert_placement`).
     """
 
     tp_rank: int = 0
@@ -32,6 +36,8 @@ class ParallelContext:
     tp_group: Any = None
     world_rank: int = 0  # rank in the replica's world group (pp_rank * tp_size + tp_rank)
     expert_parallel: bool = False
+    expert_placement: Mapping[int, tuple[tuple[int, ...], ...]] | None = field(
+        default=None, hash=False)
 
     def __post_init__(self) -> None:
         assert 0 <= self.tp_rank < self.tp_size, (self.tp_rank, self.tp_size)

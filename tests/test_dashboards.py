@@ -8,6 +8,7 @@ checked by the real tool where one exists here.
   :mod:`prometheus_tools` when missing) scrapes a real ``kvray serve`` (and its Ray node's
   metrics agent, for Ray Serve's HTTP series) every second under a short load; every panel
   query, template variables substituted, must return data, and the alert rules must load.
+  The server runs a tiny mixture-of-experts model, so that the MoE panels have data too.
 * ``promtool check rules`` / ``promtool test rules`` / ``promtool check config``.
 * ``kvray grafana provision`` against a stand-in for Grafana's HTTP API: no Grafana server
   exists on these machines (its packages are not in Debian nor on PyPI), so a small local HTTP
@@ -39,7 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvray.ops import grafana
 from kvray.serve.metrics import ServerMetrics
-from tests.helpers.lora import make_lora_adapter
+from tests.helpers.lora import ATTN, make_lora_adapter
 from tests.helpers.prometheus_tools import (
     CI_FIX,
     ToolsMissing,
@@ -218,7 +219,8 @@ def exposed_names() -> set[str]:
                                     "num_swap_objects": 0, "lora_requests": {"a": 2},
                                     "kv_tier": {"hit_tokens": 8, "local_hit_tokens": 4,
                                                 "fetched_bytes": 64, "offloaded_blocks": 2,
-                                                "offloaded_bytes": 64, "fetch_failures": 0}})
+                                                "offloaded_bytes": 64, "fetch_failures": 0},
+                                    "moe_expert_tokens": {0: [3, 1]}})
     return exposition_names(metrics.render().decode())
 
 
@@ -383,8 +385,10 @@ def _load(base: str, model: str, requests: int = 36, extras: bool = True) -> Non
 def live(tools, tmp_path_factory):
     """A real Prometheus scraping a real `kvray serve` (1 s) after a short load."""
     root = tmp_path_factory.mktemp("dash_live")
-    model_dir = make_tiny_model("llama_gqa", root / "tiny-llama")
-    adapter = make_lora_adapter(model_dir, root / "adapter", rank=8)
+    # A mixture-of-experts model, so that the MoE panels have data too (a dense layer, 1,
+    # among MoE layers 0 and 2); LoRA on the attention projections (not on MoE layers)
+    model_dir = make_tiny_model("qwen2_moe_shared", root / "tiny-moe")
+    adapter = make_lora_adapter(model_dir, root / "adapter", rank=8, targets=ATTN)
     # n-gram speculation on, so the speculative-decoding panel has series too; a LoRA
     # adapter for the LoRA panels; the KV tier for its panels
     spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
@@ -445,6 +449,22 @@ def test_live_every_panel_query_returns_data(live, dashboards):
     # ...and the filters filter: another model's name selects nothing.
     title, target = next(panel_targets(dashboards["kvray-overview.json"]))
     assert query(prom, substitute(target["expr"], "no-such-model", ".*")) == []
+
+
+def test_live_moe_expert_tokens_cover_every_moe_layer_and_expert(live):
+    """The MoE model's /metrics: one series per (MoE layer, expert), none for the dense
+    layer; every token passes every MoE layer once (top-2), so the layers' sums agree."""
+    text = httpx.get(f"{live['server']}/metrics", timeout=10).text
+    sums: dict[str, int] = {}
+    experts: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvray:moe_expert_tokens_total":
+                layer = sample.labels["layer"]
+                sums[layer] = sums.get(layer, 0) + int(sample.value)
+                experts.setdefault(layer, set()).add(sample.labels["expert"])
+    assert experts == {"0": {str(e) for e in range(6)}, "2": {str(e) for e in range(6)}}
+    assert sums["0"] == sums["2"] > 0 and sums["0"] % 2 == 0
 
 
 def test_live_template_variables_resolve(live, dashboards):

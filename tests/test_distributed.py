@@ -126,6 +126,43 @@ def test_parallel_layouts_match_one_worker(cluster, models, reference, model, tp
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
 
 
+def test_experts_placed_by_measured_load_give_transformers_tokens(cluster, models, tmp_path):
+    """Expert parallelism at TP = 2 x PP = 2 with experts placed by a load file that
+    interleaves them (layer 0: rank 0 holds experts 0, 3, 4, 7): transformers' greedy
+    tokens. Each rank's start-up report holds its stage's placement, whose predicted rank
+    imbalance is no worse than the contiguous ranges' (better where they split hot experts
+    badly); both stages' expert counters come back by global layer."""
+    import json
+
+    from kvray.models.expert_placement import contiguous_experts, plan_placement
+
+    loads = {0: [80, 70, 60, 50, 1, 2, 3, 4], 1: [1, 2, 3, 4, 80, 70, 60, 50],
+             2: [9, 1, 9, 1, 9, 1, 9, 1]}
+    (tmp_path / "load.json").write_text(json.dumps(loads))
+    plan = plan_placement(loads, [0, 1, 2], num_experts=8, num_ranks=2)
+    assert all(plan[layer] != contiguous_experts(8, 2) for layer in plan)
+    path = models["qwen3_moe"]
+    llm = LLM(str(path), tensor_parallel_size=2, pipeline_parallel_size=2,
+              enable_expert_parallel=True, expert_placement=str(tmp_path / "load.json"),
+              **COMMON)
+    try:
+        tokens = _tokens(llm)
+        ranks = [r["moe"] for r in llm.llm_engine.startup["ranks"]]  # pp * tp + tp_rank
+        load = llm.expert_load()
+    finally:
+        llm.shutdown()
+    assert tokens == transformers_greedy(path, _prompts(), PARITY_TOKENS)
+    for rank, report in enumerate(ranks):
+        layers = [0, 1] if rank < 2 else [2]  # stage 0 holds layers 0-1, stage 1 layer 2
+        assert report["placement"] == {layer: [list(r) for r in plan[layer]]
+                                       for layer in layers}
+        predicted, contiguous = report["predicted_imbalance"], report["contiguous_imbalance"]
+        assert all(predicted[layer] <= contiguous[layer] for layer in layers)
+    assert ranks[0]["predicted_imbalance"][0] < ranks[0]["contiguous_imbalance"][0]
+    assert sorted(load) == [0, 1, 2] and all(len(c) == 8 for c in load.values())
+    assert len({sum(c) for c in load.values()}) == 1 and sum(load[0]) > 0
+
+
 @pytest.mark.parametrize("model,tp,pp", [("kv1", 2, 1), ("gqa4", 1, 2), ("phi3", 2, 2)])
 def test_lora_adapters_shard_like_their_layers(cluster, models, tmp_path, model, tp, pp):
     """A batch mixing two adapters and the base model under TP (B split like the column

@@ -44,7 +44,7 @@ LAYERS: Mapping[str, float] = {
 }
 PURE = ("kvray.scheduler", "kvray.config", "kvray.sampling_params", "kvray.serve.protocol",
         "kvray.outputs", "kvray.tokenizer", "kvray.actors.executor", "kvray.lora.request",
-        "kvray.serve.prefix_index", "kvray.serve.reasoning")
+        "kvray.serve.prefix_index", "kvray.serve.reasoning", "kvray.models.expert_placement")
 FORBIDDEN_EXTERNAL = ("torch", "ray")
 FORBIDDEN_INTERNAL = "kvray.engine"
 

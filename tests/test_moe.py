@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kvray.models.moe import MoEExperts
 from kvray.parallel import ParallelContext
-from tests.helpers.tiny_models import make_tiny_model
+from tests.helpers.tiny_models import load_hf, make_tiny_model
 
 HIDDEN, INTER = 24, 20
 
@@ -71,22 +71,28 @@ def test_grouped_experts_equal_a_per_token_loop(tokens, top_k, allowed):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("expert_parallel", [False, True])
-def test_ranks_partial_sums_add_up_to_the_whole(expert_parallel):
+@pytest.mark.parametrize("layout", ["sliced", "contiguous", "placed"])
+def test_ranks_partial_sums_add_up_to_the_whole(layout):
     """Each rank loads only its share from the same per-expert tensors (a slice of every
-    expert, or whole experts), and the TP all-reduce's sum of the partials is the layer."""
+    expert, or whole experts: contiguous ranges, or a placement that interleaves them), and
+    the TP all-reduce's sum of the partials is the layer."""
     weights = _expert_weights(6, seed=3)
     x = torch.randn(29, HIDDEN, generator=torch.Generator().manual_seed(4))
     routing, choice = _routing(29, 6, 2, list(range(6)), seed=5)
     whole = _experts(weights, ParallelContext())(x, routing, choice)
+    placement = {0: ((0, 2, 5), (1, 3, 4))} if layout == "placed" else None
+    held = placement[0] if placement else ((0, 1, 2), (3, 4, 5))
     parts = []
     for rank in range(2):
-        ctx = ParallelContext(tp_rank=rank, tp_size=2, expert_parallel=expert_parallel)
+        ctx = ParallelContext(tp_rank=rank, tp_size=2, expert_parallel=layout != "sliced",
+                              expert_placement=placement)
         experts = _experts(weights, ctx)
-        if expert_parallel:
-            assert experts.w13_weight.shape == (3, 2 * INTER, HIDDEN)
-        else:
+        if layout == "sliced":
             assert experts.w13_weight.shape == (6, INTER, HIDDEN)
+        else:
+            assert experts.held == list(held[rank])
+            for i, e in enumerate(held[rank]):  # row i holds expert held[i], whole
+                assert torch.equal(experts.w2_weight[i], weights[e]["down"])
         parts.append(experts(x, routing, choice))
     torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-5)
 
@@ -169,3 +175,113 @@ def test_moe_layers_keep_the_python_layer_in_an_engine(tmp_path):
     finally:
         llm.shutdown()
     assert got == transformers_greedy(path, prompts, 10)
+
+
+@pytest.mark.unit
+def test_expert_token_counts_count_only_the_real_rows_inside_counting():
+    from kvray.models.moe import ExpertTokenCounts
+
+    counter = ExpertTokenCounts([0, 3], num_experts=4, device="cpu")
+    experts = torch.tensor([[0, 1], [1, 2], [3, 1]])  # three rows, top-2
+    counts = torch.bincount(experts.reshape(-1), minlength=4)
+    counter.add(3, experts, counts)  # outside counting(): a profile run, say
+    assert counter.take() == {0: [0, 0, 0, 0], 3: [0, 0, 0, 0]}
+    with counter.counting(3):
+        counter.add(0, experts, counts)
+        counter.add(3, experts, counts)
+    with counter.counting(2):  # the third row pads the batch
+        counter.add(3, experts, counts)
+    assert counter.num_rows == 0
+    assert counter.take() == {0: [1, 3, 1, 1], 3: [2, 5, 2, 1]}
+    assert counter.take() == {0: [0, 0, 0, 0], 3: [0, 0, 0, 0]}  # taken: counts restart
+
+
+def _hf_expert_counts(path, sequences: list[list[int]]) -> dict[int, list[int]]:
+    """Tokens per expert of each MoE layer when transformers runs ``sequences``: its own
+    router logits, top-k."""
+    import transformers
+
+    from kvray.models.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(transformers.AutoConfig.from_pretrained(str(path)))
+    hf = load_hf(path)
+    layers = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
+    counts = {layer: [0] * spec.num_experts for layer in layers}
+    with torch.inference_mode():
+        for seq in sequences:
+            logits = hf(torch.tensor([seq]), output_router_logits=True).router_logits
+            for layer, lg in zip(layers, logits, strict=True):
+                for e in lg.topk(spec.num_experts_per_tok, dim=-1).indices.reshape(-1):
+                    counts[layer][int(e)] += 1
+    return counts
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("padded", [False, True])
+def test_expert_token_counts_match_the_routing(monkeypatch, tmp_path, padded):
+    """An engine counts each token it computes once per MoE layer, under the experts its
+    router chose: transformers' routing of the same tokens (prompt and every output token
+    but the last) gives the same counts; the dense layer (Qwen2-MoE's mlp_only_layers) has
+    none; the start-up probes of preemption_mode auto count nothing, and neither do a padded
+    decode batch's pad rows (decode graphs forced on: on CPU they run the padded batch
+    eagerly)."""
+    from kvray import LLM, SamplingParams
+    from kvray.actors.model_runner import ModelRunner
+
+    path = make_tiny_model("qwen2_moe_shared", tmp_path / "m")
+    if padded:
+        monkeypatch.setattr(ModelRunner, "_decode_graphs_wanted", lambda self: True)
+    prompts = [[5, 9, 77, 3, 41], [8] * 13, list(range(30, 50))]
+    max_tokens = [7, 4, 9]  # decode batches of 3, 2, 1 rows: padded to 4, 2, 1
+    llm = LLM(str(path), dtype="float32", block_size=4, enable_prefix_caching=False,
+              preemption_mode="auto", max_num_seqs=8, cuda_graph_sizes=[1, 2, 4])
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for n in max_tokens]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        runner = llm.llm_engine.executor.worker.runner
+        assert (runner.graphs is not None and runner.graphs.padded_rows > 0) is padded
+        load = llm.expert_load()
+        assert llm.llm_engine.published_stats.moe_expert_tokens == load
+    finally:
+        llm.shutdown()
+    seqs = [p + o.outputs[0].token_ids[:-1] for p, o in zip(prompts, outs, strict=True)]
+    assert sorted(load) == [0, 2]
+    assert all(sum(counts) == 2 * sum(map(len, seqs)) for counts in load.values())
+    assert load == _hf_expert_counts(path, seqs)
+
+
+@pytest.mark.unit
+def test_expert_token_counts_are_exported_by_layer_and_expert_for_moe_models_only():
+    from kvray.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.set_replica_stats([("r0", {"moe_expert_tokens": {0: [5, 0, 7], 2: [1, 2, 3]}}),
+                               ("r1", {"num_running": 1})])  # a dense model's replica
+    text = metrics.render().decode()
+    assert 'kvray:moe_expert_tokens_total{expert="2",layer="0",model_name="m",' \
+           'replica="r0"} 7.0' in text
+    assert 'kvray:moe_expert_tokens_total{expert="1",layer="0",model_name="m",' \
+           'replica="r0"} 0.0' in text
+    assert text.count("kvray:moe_expert_tokens_total{") == 6
+    assert 'replica="r1"' in text and 'expert="0",layer="0",model_name="m",replica="r1"' \
+        not in text
+    metrics.set_replica_stats([("r1", {"num_running": 1})])  # r0 left: its series go too
+    assert "kvray:moe_expert_tokens_total{" not in metrics.render().decode()
+
+
+@pytest.mark.engine
+def test_a_load_file_for_another_model_stops_the_start_naming_expert_placement(tmp_path):
+    import json
+
+    from kvray import LLM
+    from kvray.config import ConfigError
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "m")  # 8 experts in each of 3 layers
+    load = tmp_path / "load.json"
+    load.write_text(json.dumps({str(layer): [1] * 6 for layer in range(3)}))
+    with pytest.raises(ConfigError, match="expert_placement: layer 0 has counts for 6 "
+                                          "experts, but this model has 8 per layer"):
+        LLM(str(path), dtype="float32", enable_expert_parallel=True,
+            expert_placement=str(load))

@@ -244,6 +244,8 @@ def test_command_line_mistakes_exit_2_with_one_line(model, tmp_path, capsys):
         "does not exist": ["-i", str(inp), "-o", str(tmp_path / "no" / "o.jsonl")],
         "block_size": ["-i", str(inp), "-o", str(tmp_path / "o"), "--block-size", "0"],
         "no batch output file": ["-i", str(inp), "-o", str(not_batch)],
+        "--expert-load-out": ["-i", str(inp), "-o", str(tmp_path / "o"), "--expert-load-out",
+                              str(tmp_path / "no" / "load.json")],
     }
     for needle, args in cases.items():
         rc = main(["run-batch", str(model), *args])
@@ -255,3 +257,27 @@ def test_command_line_mistakes_exit_2_with_one_line(model, tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             main(["run-batch", *args])
         assert exc.value.code == 2
+
+
+@pytest.mark.serve
+def test_a_calibration_batch_writes_the_expert_load_that_expert_placement_reads(
+        tiny_model_dir, tmp_path):
+    """--expert-load-out on a MoE model (Qwen3-MoE: 3 layers of 8 experts, top-2): one
+    count per expert of each layer, every computed token counted twice per layer (the
+    layers' sums agree), in a file expert_placement takes as it is."""
+    from kvray.config import load_config
+
+    inp, load = tmp_path / "in.jsonl", tmp_path / "load.json"
+    inp.write_text("".join(_line(f"c{i}", "/v1/completions", {
+        "model": NAME, "prompt": f"Once upon a time {i}", "max_tokens": 6,
+        "temperature": 0}) + "\n" for i in range(4)))
+    rc, err = _run(tiny_model_dir("qwen3_moe"), inp, tmp_path / "out.jsonl",
+                   "--expert-load-out", str(load))
+    assert rc == 0, err
+    counts = json.loads(load.read_text())
+    assert sorted(counts) == ["0", "1", "2"] and {len(c) for c in counts.values()} == {8}
+    assert len({sum(c) for c in counts.values()}) == 1 and sum(counts["0"]) % 2 == 0 \
+        and sum(counts["0"]) > 0
+    config = load_config(expert_placement=str(load), enable_expert_parallel=True,
+                         tensor_parallel_size=2)
+    assert config.parallel.expert_placement == {int(k): c for k, c in counts.items()}

@@ -51,6 +51,12 @@ class Executor(Protocol):
         """Per worker, how many swapped-out requests it still holds (leak checks)."""
         ...
 
+    def take_expert_tokens(self) -> list[dict[int, list[int]]]:
+        """Per pipeline stage, the tokens routed to each expert of its MoE layers since the
+        previous call ({global layer: count per expert}; empty for a dense model). A round
+        trip to the workers, queued behind the steps in flight: not for every step."""
+        ...
+
     def shutdown(self) -> None:
         """Release the workers (and any Ray actors / placement group); idempotent."""
         ...

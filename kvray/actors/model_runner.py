@@ -6,6 +6,7 @@ the scheduler only sends what changed.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -35,6 +36,7 @@ from kvray.kernels.sampling import (
 from kvray.lora.layers import LoRAModel, lora_kernel, resolve_lora_dtype
 from kvray.models.kernel_install import install_kernel_plan
 from kvray.models.loader import load_model, resolve_max_model_len
+from kvray.models.moe import count_expert_tokens
 from kvray.parallel import ParallelContext
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -80,7 +82,7 @@ class ModelRunner:
         self.device = device
         self.model, self.spec = load_model(model_path, config.model.dtype, ctx,
                                            config.model.max_model_len, device,
-                                           config.model.quantization)
+                                           config.model.quantization, self.expert_loads)
         self.dtype = next(self.model.parameters()).dtype  # resolved once, by load_model
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.spec)
         self.block_size = config.cache.block_size
@@ -101,6 +103,10 @@ class ModelRunner:
             ctx.tp_size)
         installed = install_kernel_plan(self.model, self.plan)
         self.quantized = installed.quantized  # what this rank's shard holds quantized
+        # Tokens routed to each expert (MoE models), counted on TP rank 0 of each stage only:
+        # every TP rank routes the same tokens the same way.
+        self.expert_tokens = count_expert_tokens(self.model, device) \
+            if ctx.tp_rank == 0 else None
         if ctx.world_rank == 0:
             installed.log()
         self.lora: LoRAModel | None = None
@@ -125,6 +131,12 @@ class ModelRunner:
             if ctx.world_rank == 0:
                 installed.log_huge_pages()
 
+    @property
+    def expert_loads(self) -> dict[int, list[int]] | None:
+        """The measured per-layer expert loads ``expert_placement`` names (None: contiguous)."""
+        loads = self.config.parallel.expert_placement
+        return loads if isinstance(loads, dict) else None
+
     def release(self) -> None:
         """Drop what this runner holds on its device (CUDA graphs and their memory pool, the
         KV caches, the draft model, the weights) and hand the freed memory back to the
@@ -134,6 +146,7 @@ class ModelRunner:
         self.graphs = None
         self.cache = None
         self.drafter = None
+        self.expert_tokens = None
         self.requests.clear()
         self.generators.clear()
         self.swap_pool = SwapPool()
@@ -168,10 +181,12 @@ class ModelRunner:
 
     def _decode_graphs_wanted(self) -> bool:
         """Replay decode steps from CUDA graphs? On CUDA with kernels free of host syncs
-        (triton), one worker (collectives stay eager), unless ``enforce_eager``."""
+        (triton), one worker (collectives stay eager), unless ``enforce_eager``. Not for MoE
+        models: their layers read each expert's token count on the host to pick the experts
+        that run, which a graph cannot capture (and a replay would not count tokens)."""
         return (self.device.type == "cuda" and not self.config.model.enforce_eager
                 and self.attention_backend == "triton" and self.ctx.tp_size == 1
-                and self.ctx.pp_size == 1)
+                and self.ctx.pp_size == 1 and not self.spec.num_experts)
 
     @torch.inference_mode()
     def _build_decode_graphs(self, pad_block: int) -> None:
@@ -388,22 +403,41 @@ class ModelRunner:
         return self.grammar.start(plain, spec, inputs.logits_index.shape[0])
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        ctx, caches = self.ctx, self.cache.kv_caches
+        ctx = self.ctx
         hidden = residual = None
         if not ctx.is_first_stage:
             shape = (inputs.input_ids.shape[0], self.spec.hidden_size)
             hidden, residual = ctx.recv_from_prev_stage([shape, shape], self.dtype, self.device)
+        with self._counting_experts(inputs.input_ids.shape[0]):
+            result = self._run_model(inputs, hidden, residual)
+        if ctx.is_last_stage:
+            return result
+        ctx.send_to_next_stage(list(result))
+        return None
+
+    def _run_model(self, inputs: StepInputs, hidden: torch.Tensor | None,
+                   residual: torch.Tensor | None) -> torch.Tensor | tuple:
+        """The forward, from a decode graph (pure-decode batches that fit one) or eagerly."""
         no_lora = self.lora is None or self.lora.batch.row_slots is None
         if self.graphs is not None and no_lora and \
                 inputs.meta.num_decodes == len(inputs.meta.seq_lens_list):
             result = self.graphs.run(inputs.input_ids, inputs.meta)
             if result is not None:
                 return result
-        result = self.model(inputs.input_ids, inputs.meta, hidden, residual, kv_caches=caches)
-        if ctx.is_last_stage:
-            return result
-        ctx.send_to_next_stage(list(result))
-        return None
+        return self.model(inputs.input_ids, inputs.meta, hidden, residual,
+                          kv_caches=self.cache.kv_caches)
+
+    def _counting_experts(self, num_tokens: int) -> contextlib.AbstractContextManager:
+        """Count the routing of the step's ``num_tokens`` real tokens (not a padded
+        batch's pad rows) where this rank counts expert tokens."""
+        if self.expert_tokens is None:
+            return contextlib.nullcontext()
+        return self.expert_tokens.counting(num_tokens)
+
+    def take_expert_tokens(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert since the previous call, by global layer index
+        (empty where this rank does not count: a dense model, TP ranks other than 0)."""
+        return {} if self.expert_tokens is None else self.expert_tokens.take()
 
     def _swap(self, out: SchedulerOutput) -> None:
         """Save preempted requests' blocks before anyone reuses them, then restore the

@@ -277,6 +277,11 @@ class RayExecutor:
     def swap_objects(self) -> list[int]:
         return self._get([w.run_method.remote("swap_objects") for w in self.workers])
 
+    def take_expert_tokens(self) -> list[dict[int, list[int]]]:
+        # TP rank 0 of each stage counts (every TP rank routes alike)
+        return self._get([w.run_method.remote("take_expert_tokens")
+                          for w in self.workers[::self.tp]])
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.collect_step(self.submit_step(out))
 

@@ -32,6 +32,9 @@ class UniProcExecutor:
     def swap_objects(self) -> list[int]:
         return [self.worker.swap_objects()]
 
+    def take_expert_tokens(self) -> list[dict[int, list[int]]]:
+        return [self.worker.take_expert_tokens()]
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()  # its device memory goes back now, not at collection

@@ -102,12 +102,16 @@ class Worker:
 
     def startup_report(self) -> dict[str, object]:
         """Seconds this rank spent loading its shard (the kernels' build or fetch
-        included), how it got the CPU kernels, and the quantized weights its shard holds
-        (tensors, bytes, kinds; zeros for a dense model)."""
+        included), how it got the CPU kernels, the quantized weights its shard holds
+        (tensors, bytes, kinds; zeros for a dense model) and, for a MoE model, its expert
+        weights' bytes and the expert placement (:func:`~kvray.models.moe.expert_report`;
+        None for a dense model)."""
         from kvray.kernels import cpu_ops
+        from kvray.models.moe import expert_report
 
         return {"load_s": round(self.load_s, 3), "kernels": cpu_ops.build_report(),
-                "quantized": self.runner.quantized.report()}
+                "quantized": self.runner.quantized.report(),
+                "moe": expert_report(self.runner.model, self.runner.expert_loads)}
 
     def model_info(self) -> tuple[ModelSpec, int]:
         """(spec, max_model_len) for the engine, which holds no model itself."""
@@ -133,6 +137,11 @@ class Worker:
     def swap_objects(self) -> int:
         """How many swapped-out requests this worker still holds (for leak checks)."""
         return len(self.runner.swap_pool)
+
+    def take_expert_tokens(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert of this rank's MoE layers since the previous call,
+        by global layer index (empty on ranks that do not count)."""
+        return self.runner.take_expert_tokens()
 
     def shutdown(self) -> None:
         """Free the model, KV cache and graphs (see :meth:`ModelRunner.release`) and leave

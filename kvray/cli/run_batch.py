@@ -13,6 +13,10 @@ batch line gets ``"response": null`` and ``"error": {"code", "message"}``. Each 
 appended (flushed) as it completes, so a killed run loses only the lines in flight; a run
 on an existing OUTPUT skips the lines that have an answer there (a 5xx or a line error is
 redone), and OUTPUT is rewritten in input order at the end (temp file + rename).
+
+A batch run is also a calibration run for a mixture-of-experts model: ``--expert-load-out
+FILE`` writes the tokens the batch routed to each expert of each layer (JSON, the counts
+``expert_placement`` balances the experts over the ranks by).
 """
 
 from __future__ import annotations
@@ -363,9 +367,20 @@ def _engine_config(args: argparse.Namespace) -> tuple[Any, str]:
     return config.model_copy(update=update), served_model_name(config, path)
 
 
-def _run_engine(config: Any, name: str, run: BatchRun, todo: list[tuple[int, BatchLine]]
-                ) -> None:
-    """Build the engine and the OpenAI app over it, run ``todo``, shut the engine down."""
+def _expert_load_path(path: str | None) -> Path | None:
+    """Where ``--expert-load-out`` writes (checked before the run: a folder that exists)."""
+    if path is None:
+        return None
+    out = Path(path)
+    if not out.parent.is_dir() or out.is_dir():
+        raise ValueError(f"--expert-load-out {path}: give a file path in a folder that exists")
+    return out
+
+
+def _run_engine(config: Any, name: str, run: BatchRun, todo: list[tuple[int, BatchLine]],
+                expert_load_out: Path | None = None) -> None:
+    """Build the engine and the OpenAI app over it, run ``todo`` (then write the expert
+    load to ``expert_load_out``), shut the engine down."""
     import torch
 
     from kvray.engine.async_engine import AsyncLLM
@@ -376,9 +391,15 @@ def _run_engine(config: Any, name: str, run: BatchRun, todo: list[tuple[int, Bat
         torch.set_num_threads(available_cores())
     engine = AsyncLLM(config)
     try:
+        if expert_load_out is not None and not engine.engine.spec.num_experts:
+            raise ValueError(f"--expert-load-out: {name} is not a mixture-of-experts model")
         server = OpenAIServer(engine, name, engine.engine.max_model_len, None, config.server,
                               lora=config.lora, model_head=engine.engine.spec.head)
         asyncio.run(run.run(server.app, todo))
+        if expert_load_out is not None:
+            write_atomically(expert_load_out, [json.dumps(engine.expert_load())])
+            print(f"kvray run-batch: tokens per expert of each MoE layer in "
+                  f"{expert_load_out} (for expert_placement)", file=sys.stderr)
     finally:
         engine.shutdown()
 
@@ -389,6 +410,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
     lines = read_input(args.input_file)
     out = _output_path(args.output_file, args.input_file)
+    expert_load_out = _expert_load_path(args.expert_load_out)
     config, name = _engine_config(args)
     done = read_results(out) if out is not None and out.exists() else {}
     kept = {i: done[line.custom_id] for i, line in enumerate(lines)
@@ -406,7 +428,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     run = BatchRun(sink, in_flight, quiet=args.disable_tqdm)
     try:
         if any(line.error is None for _, line in todo):
-            _run_engine(config, name, run, todo)
+            _run_engine(config, name, run, todo, expert_load_out)
         else:  # nothing for the model (all done, or bad lines only): no engine to build
             asyncio.run(run.run(None, todo))
     except KeyboardInterrupt:
@@ -446,5 +468,9 @@ def add_run_batch_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-in-flight", type=_positive_int, default=None, metavar="N",
                    help=f"lines running at once (default {IN_FLIGHT_PER_SEQ} x max_num_seqs)")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.add_argument("--expert-load-out", metavar="FILE", default=None,
+                   help="mixture-of-experts models: after the batch, write the tokens it "
+                   "routed to each expert of each layer to FILE (JSON; give it as "
+                   "expert_placement to balance the experts over the ranks by this load)")
     add_config_flags(p)
     p.set_defaults(func=cmd_run_batch)

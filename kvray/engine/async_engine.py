@@ -96,8 +96,9 @@ class AsyncLLM:
                         self._busy_since_refresh = False
                         try:  # once per idle period: what the workers still hold
                             self.engine.refresh_swap_objects()
+                            self.engine.refresh_expert_tokens()
                         except Exception as err:  # a dead worker shows at the next step
-                            logger.warning("counting swap objects failed: %s", err)
+                            logger.warning("reading the workers' counters failed: %s", err)
                     self._wake.wait(timeout=_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
@@ -359,6 +360,11 @@ class AsyncLLM:
             raise InvalidRequestError("this server runs no LoRA adapters (start it with "
                                       "enable_lora)", "lora_name")
         return self.engine.loras
+
+    def expert_load(self, timeout_s: float = 60.0) -> dict[int, list[int]]:
+        """:meth:`LLMEngine.expert_load`, read on the engine thread (after its current
+        step); from any other thread."""
+        return self._call(self.engine.expert_load).result(timeout_s)
 
     def engine_stats(self) -> list[tuple[str, dict]]:
         """(replica, stats) pairs, the shape the HTTP front end reads."""

@@ -77,6 +77,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """MoE models: tokens routed to each expert of each layer so far (global layer ->
+        count per expert; empty for a dense model). See :meth:`LLMEngine.expert_load`."""
+        return self.llm_engine.expert_load()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,

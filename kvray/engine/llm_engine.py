@@ -24,6 +24,7 @@ from kvray.errors import EngineUnavailableError, InvalidRequestError
 from kvray.lora.manager import LoRARegistry
 from kvray.lora.request import LoRARequest
 from kvray.models.default_model import resolve_model_path, with_builtin_model
+from kvray.models.expert_placement import placement_summary
 from kvray.models.pooling import model_pooling
 from kvray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
@@ -40,6 +41,9 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
 _PROBE_TOKENS = 64  # longest prefill timed at start-up under preemption_mode="auto"
 _PROBE_REPEATS = 2  # empty steps and swap round trips timed under "auto"; the best counts
+# Longest wait between reads of the workers' expert token counts while steps run: a read is
+# a round trip to every pipeline stage, too dear for every step.
+EXPERT_TOKENS_PERIOD_S = 10.0
 
 
 def _time(run: Callable[[SchedulerOutput], object], step: SchedulerOutput) -> float:
@@ -114,6 +118,7 @@ class LLMEngine:
         # Steps submitted and not yet collected, oldest first: (output, handle, start time).
         self._in_flight: deque[tuple[SchedulerOutput, Any, float]] = deque()
         self._last_collect = 0.0  # when the previous step's result came back
+        self._expert_tokens_read = 0.0  # when the expert token counts were last read
         self._build_executor()
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -133,6 +138,9 @@ class LLMEngine:
                     "load %.1f s, CPU kernels %s in %.1f s), KV cache %.1f s, other %.1f s",
                     total_s, workers_s, slowest["load_s"], slowest["kernels"]["source"],
                     slowest["kernels"]["seconds"], kv_s, total_s - workers_s - kv_s)
+        experts = placement_summary([r.get("moe") for r in ranks])
+        if experts is not None:
+            logger.info("kvray: MoE: %s", experts)
         return report
 
     def rebuild_executor(self) -> None:
@@ -155,6 +163,8 @@ class LLMEngine:
         swap_blocks = swap_pool_blocks(config, kv.bytes_per_block)
         costs = self._measure_preemption_costs(kv, swap_blocks) \
             if config.scheduler.preemption_mode == "auto" else None
+        if self.spec.num_experts:
+            self._start_expert_tokens()
         self.startup = self._startup_report(workers_s, kv_s, time.perf_counter() - start)
         self.scheduler = Scheduler(config, kv.num_blocks, self.max_model_len, swap_blocks,
                                    costs, self.loras, self.kv_tier)
@@ -345,6 +355,39 @@ class LLMEngine:
             self.stats.num_swap_objects = sum(self.executor.swap_objects())
             self.published_stats = dataclasses.replace(self.stats)
 
+    def _start_expert_tokens(self) -> None:
+        """Drop what the workers counted during start-up (the probes' made-up tokens are no
+        expert's load) and list every MoE layer, at zero the first time: the series then
+        start at 0 and a rate() over them sees the first tokens."""
+        totals = dict(self.stats.moe_expert_tokens)  # kept across executor rebuilds
+        for stage in self.executor.take_expert_tokens():
+            for layer, counts in stage.items():
+                totals.setdefault(layer, [0] * len(counts))
+        self.stats.moe_expert_tokens = dict(sorted(totals.items()))
+        self._expert_tokens_read = time.monotonic()
+
+    def refresh_expert_tokens(self) -> None:
+        """Add the tokens the workers routed to each expert since the previous read (one
+        call per pipeline stage) to the stats; nothing to do for a dense model."""
+        if self.executor is None or not self.spec.num_experts:
+            return
+        self._expert_tokens_read = time.monotonic()
+        totals = dict(self.stats.moe_expert_tokens)
+        for stage in self.executor.take_expert_tokens():
+            for layer, counts in stage.items():
+                have = totals.get(layer, [0] * len(counts))
+                totals[layer] = [a + b for a, b in zip(have, counts, strict=True)]
+        # a new dict, never changed in place: published copies share it
+        self.stats.moe_expert_tokens = dict(sorted(totals.items()))
+        self.published_stats = dataclasses.replace(self.stats)
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert of each MoE layer since the engine started, as of
+        now: global layer index -> count per expert (empty for a dense model). Written as
+        JSON, what ``expert_placement`` reads to balance experts over the ranks."""
+        self.refresh_expert_tokens()
+        return {layer: list(counts) for layer, counts in self.stats.moe_expert_tokens.items()}
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
@@ -361,6 +404,8 @@ class LLMEngine:
         if self.executor is None:
             raise EngineDeadError("the engine has been shut down")
         try:
+            if time.monotonic() - self._expert_tokens_read >= EXPERT_TOKENS_PERIOD_S:
+                self.refresh_expert_tokens()
             out, result, start = self._advance_pipeline()
         except Exception as err:
             self._fail_all(err)

@@ -48,6 +48,10 @@ class EngineStats:
     num_lora_fetches: int = 0  # adapters taken from a Serve app's directory (no disk read)
     # KV tier below the device cache (kv_offload_bytes): TierStats as a dict (empty: off)
     kv_tier: dict[str, int] = field(default_factory=dict)
+    # MoE models: tokens routed to each expert so far, global layer -> count per expert
+    # (empty for a dense model); read from the workers at idle moments and at most every
+    # EXPERT_TOKENS_PERIOD_S while busy, so it lags the steps by up to that
+    moe_expert_tokens: dict[int, list[int]] = field(default_factory=dict)
 
 
 def throughput_line(name: str, tokens_per_s: float, running: int, waiting: int) -> str:

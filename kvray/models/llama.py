@@ -125,7 +125,7 @@ class LlamaDecoderLayer(nn.Module):
         if spec.is_moe_layer(layer_idx):
             shared = (LlamaMLP(spec, ctx, dtype, spec.shared_expert_intermediate_size)
                       if spec.shared_expert_intermediate_size else None)
-            self.mlp = SparseMoeBlock(spec, ctx, dtype, shared)
+            self.mlp = SparseMoeBlock(spec, ctx, dtype, shared, layer_idx)
         else:
             self.mlp = LlamaMLP(spec, ctx, dtype)
         self.input_layernorm = make_norm(spec, spec.hidden_size, dtype)

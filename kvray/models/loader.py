@@ -7,10 +7,11 @@ names the tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ import torch
 from safetensors import safe_open
 
 from kvray.hardware import machine_dtype
+from kvray.models.expert_placement import plan_placement
 from kvray.models.llama import STACKED_PARAMS, LlamaForCausalLM
+from kvray.models.moe import MoEExperts, expert_report
 from kvray.models.quantized import QUANTIZATION_METHODS, assemble_quantized, quantize_online
 from kvray.models.spec import ModelSpec
 from kvray.parallel import ParallelContext
@@ -302,14 +305,19 @@ def resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
 
 def load_model(model_path: str | Path, dtype: str, ctx: ParallelContext | None = None,
                max_model_len: int | None = None, device: torch.device | str = "cpu",
-               quantization: str | None = None) -> tuple[LlamaForCausalLM, ModelSpec]:
+               quantization: str | None = None,
+               expert_loads: Mapping[int, Sequence[int]] | None = None
+               ) -> tuple[LlamaForCausalLM, ModelSpec]:
     """Build this rank's shard of the model at ``model_path`` and load its weights.
 
     ``dtype`` is resolved here, once (logged by the replica's first rank only); read the
     result back from the model's parameters rather than resolving it again.
     ``quantization``: None keeps a quantized checkpoint's weights as they are stored (a
     GGUF's blocks, AWQ/GPTQ/FP8) and a dense one dense; ``"none"`` dequantizes them to
-    ``dtype``; ``"int8"`` / ``"fp8"`` quantize a dense checkpoint's linears after loading."""
+    ``dtype``; ``"int8"`` / ``"fp8"`` quantize a dense checkpoint's linears after loading.
+    ``expert_loads``: each MoE layer's tokens per expert (``expert_placement``); under
+    expert parallelism the experts go to the ranks balanced by them (ConfigError naming
+    the setting when they do not fit the model)."""
     if quantization not in (None, *QUANTIZATION_METHODS):
         raise ValueError(f"quantization = {quantization!r}: use one of "
                          f"{', '.join(QUANTIZATION_METHODS)} or null (as the checkpoint is)")
@@ -320,6 +328,10 @@ def load_model(model_path: str | Path, dtype: str, ctx: ParallelContext | None =
     spec = ModelSpec.from_hf_config(ckpt.hf_config)
     max_len = resolve_max_model_len(max_model_len, spec)
     ctx = ctx or ParallelContext()
+    if expert_loads is not None:
+        moe_layers = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
+        ctx = dataclasses.replace(ctx, expert_placement=plan_placement(
+            expert_loads, moe_layers, spec.num_experts, ctx.tp_size))
     torch_dtype = resolve_dtype(dtype, spec, device, log=ctx.world_rank == 0)
     model = build_model(spec, ctx, torch_dtype, max_len, device)
     load_weights(model, ckpt.iter_weights(keep_quantized=quantization != "none"))
@@ -331,18 +343,23 @@ def load_model(model_path: str | Path, dtype: str, ctx: ParallelContext | None =
 
 
 def _log_experts(model: LlamaForCausalLM, spec: ModelSpec, ctx: ParallelContext) -> None:
-    """One line per rank: which experts it holds and their memory (the placement)."""
-    from kvray.models.moe import MoEExperts
-
-    held = [m for m in model.modules() if isinstance(m, MoEExperts)]
-    if not held:
+    """One line per rank: which experts it holds and their memory (the placement; every
+    layer's is in the worker's start-up report)."""
+    report = expert_report(model, None)
+    if report is None:
         return
-    nbytes = sum(p.numel() * p.element_size() for m in held for p in m.parameters())
-    first = held[0]
-    what = (f"experts {first.first_expert}..{first.first_expert + first.num_local - 1} whole"
-            if first.expert_parallel else
-            f"all {spec.num_experts} experts, intermediate rows "
-            f"{first.inter_start}..{first.inter_start + first.inter - 1} of {first.full_inter}")
+    layers = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    first = layers[0]
+    if not report["expert_parallel"]:
+        what = (f"all {spec.num_experts} experts, intermediate rows "
+                f"{first.inter_start}..{first.inter_start + first.inter - 1} of "
+                f"{first.full_inter}")
+    elif ctx.expert_placement is None:
+        what = f"experts {first.held[0]}..{first.held[-1]} whole (contiguous)"
+    else:
+        what = (f"{first.num_local} whole experts per layer placed by measured load "
+                f"(layer {first.layer_idx}: {first.held})")
     logger.info("kvray: MoE rank %d (tp %d/%d, pp %d): %s, top-%d, %d MoE layers here, "
                 "%.1f MiB of expert weights", ctx.world_rank, ctx.tp_rank, ctx.tp_size,
-                ctx.pp_rank, what, spec.num_experts_per_tok, len(held), nbytes / 2**20)
+                ctx.pp_rank, what, spec.num_experts_per_tok, len(layers),
+                report["expert_bytes"] / 2**20)

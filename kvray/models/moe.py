@@ -17,22 +17,111 @@ Parallelism over the TP group, whose ranks all hold every token's activations:
 Either way each rank's output is a partial sum over the experts' contributions and one
 all-reduce (the dense MLP's) completes it; with expert parallelism no rank reads a slice of
 an expert, and a rank whose experts received no token runs no GEMM at all.
+
+:class:`ExpertTokenCounts` counts the tokens routed to each expert of each layer (the load
+that expert placement balances and the metrics show).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvray.models.expert_placement import contiguous_experts, rank_imbalance
 from kvray.models.spec import ModelSpec
 from kvray.parallel import ParallelContext
 from kvray.quant.tensor import QuantTensor
 
 # the halves of a stacked gate_up weight, in checkpoint order
 EXPERT_PARTS = ("gate", "up", "down")
+
+
+class ExpertTokenCounts:
+    """Tokens routed to each expert, one int64 row per MoE layer of a model, added to on the
+    model's device (no host sync) and read with :meth:`take`.
+
+    Counts only inside :meth:`counting`, and only that forward's first ``num_rows`` token
+    rows: the runner opens it around each step's forward with the step's real tokens, so a
+    CUDA-graph batch's pad rows, the KV-sizing profile run and graph captures count
+    nothing."""
+
+    def __init__(self, layers: Sequence[int], num_experts: int,
+                 device: torch.device | str) -> None:
+        self.layers = list(layers)  # global layer index of each row
+        self.row = {layer: i for i, layer in enumerate(self.layers)}
+        self.counts = torch.zeros(len(self.layers), num_experts, dtype=torch.int64,
+                                  device=device)
+        self.num_rows = 0  # token rows of the forward in progress to count; 0: none
+
+    @contextlib.contextmanager
+    def counting(self, num_rows: int) -> Iterator[None]:
+        """Count the routing of the first ``num_rows`` token rows of the forwards inside."""
+        self.num_rows = num_rows
+        try:
+            yield
+        finally:
+            self.num_rows = 0
+
+    def add(self, layer: int, experts: torch.Tensor, counts: torch.Tensor) -> None:
+        """Layer ``layer``'s routing: ``experts`` [tokens, k] and its ``bincount``."""
+        if not self.num_rows:
+            return
+        if experts.shape[0] > self.num_rows:  # rows past the real ones: padding
+            counts = torch.bincount(experts[:self.num_rows].reshape(-1),
+                                    minlength=self.counts.shape[1])
+        self.counts[self.row[layer]] += counts
+
+    def take(self) -> dict[int, list[int]]:
+        """Tokens per expert since the previous take, by global layer index; restarts the
+        counts at zero."""
+        counts = self.counts.tolist()
+        self.counts.zero_()
+        return dict(zip(self.layers, counts, strict=True))
+
+
+def count_expert_tokens(model: nn.Module, device: torch.device | str
+                        ) -> ExpertTokenCounts | None:
+    """One :class:`ExpertTokenCounts` for every MoE layer of ``model`` (None: no MoE layer
+    here), attached to those layers."""
+    layers = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    if not layers:
+        return None
+    counter = ExpertTokenCounts([m.layer_idx for m in layers], layers[0].num_experts, device)
+    for m in layers:
+        m.token_counts = counter
+    return counter
+
+
+def expert_report(model: nn.Module, loads: Mapping[int, Sequence[int]] | None
+                  ) -> dict[str, Any] | None:
+    """This rank's MoE layers for the start-up report (None for a dense model): the bytes
+    of its expert weights and, under expert parallelism, every rank's experts per layer;
+    with measured ``loads`` (``expert_placement``) also each layer's predicted rank
+    imbalance (busiest rank's tokens over the mean rank's) under this placement and under
+    the contiguous one."""
+    layers = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    if not layers:
+        return None
+    report: dict[str, Any] = {
+        "expert_parallel": layers[0].placement is not None,
+        "expert_bytes": sum(p.numel() * p.element_size() for m in layers
+                            for p in m.parameters()),
+        "placement": {m.layer_idx: [list(r) for r in m.placement] for m in layers
+                      if m.placement is not None}}
+    if loads and report["expert_parallel"]:
+        report["predicted_imbalance"] = {
+            m.layer_idx: round(rank_imbalance(loads[m.layer_idx], m.placement), 4)
+            for m in layers}
+        report["contiguous_imbalance"] = {
+            m.layer_idx: round(rank_imbalance(loads[m.layer_idx], contiguous_experts(
+                m.num_experts, len(m.placement))), 4) for m in layers}
+    return report
 
 
 class MoEExperts(nn.Module):
@@ -44,27 +133,37 @@ class MoEExperts(nn.Module):
     # set by kvray.models.llama.use_fused_ops): ~2x F.linear at 8 rows.
     fused_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     fused_silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # where this layer's routing is counted (set by count_expert_tokens)
+    token_counts: ExpertTokenCounts | None = None
 
     def __init__(self, ctx: ParallelContext, num_experts: int, hidden: int, inter: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.layer_idx = layer_idx
         self.expert_parallel = ctx.expert_parallel and ctx.tp_size > 1
         if self.expert_parallel:
             if num_experts % ctx.tp_size:
                 raise ValueError(f"enable_expert_parallel: {num_experts} experts do not split "
                                  f"evenly over tensor_parallel_size = {ctx.tp_size}")
-            self.num_local = num_experts // ctx.tp_size
-            self.first_expert = ctx.tp_rank * self.num_local
+            # every rank's experts of this layer; this rank holds placement[tp_rank]
+            self.placement = ctx.expert_placement[layer_idx] if ctx.expert_placement \
+                else contiguous_experts(num_experts, ctx.tp_size)
+            self.held = list(self.placement[ctx.tp_rank])
             self.inter, self.inter_start = inter, 0
         else:
             if inter % ctx.tp_size:
                 raise ValueError(f"the experts' intermediate size {inter} does not split evenly "
                                  f"over tensor_parallel_size = {ctx.tp_size} (or set "
                                  "enable_expert_parallel)")
-            self.num_local, self.first_expert = num_experts, 0
+            self.placement = None  # every rank holds a slice of every expert
+            self.held = list(range(num_experts))
             self.inter = inter // ctx.tp_size
             self.inter_start = ctx.tp_rank * self.inter
+        # the global ids of the experts this rank holds, ascending: w13/w2 row i is held[i]
+        assert self.held == sorted(set(self.held)), self.held
+        self.num_local = len(self.held)
+        self.local_index = {e: i for i, e in enumerate(self.held)}
         self.full_inter, self.hidden = inter, hidden
         self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden,
                                                    dtype=dtype), requires_grad=False)
@@ -93,10 +192,10 @@ class MoEExperts(nn.Module):
 
     def _load_one(self, param: nn.Parameter, loaded: torch.Tensor, expert: int,
                   part: str) -> None:
-        local = expert - self.first_expert
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} of {self.num_experts}")
-        if not 0 <= local < self.num_local:
+        local = self.local_index.get(expert)
+        if local is None:
             return  # another rank's expert
         hidden = self.hidden
         rows = slice(self.inter_start, self.inter_start + self.inter)
@@ -120,18 +219,21 @@ class MoEExperts(nn.Module):
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
-        local = counts[self.first_expert:self.first_expert + self.num_local].tolist()
-        start = int(counts[:self.first_expert].sum()) if self.first_expert else 0
+        if self.token_counts is not None:
+            self.token_counts.add(self.layer_idx, experts, counts)
+        # one host sync; expert e's (token, slot) pairs follow those of experts < e
+        per_expert = counts.tolist()
+        starts = [0, *itertools.accumulate(per_expert)]
         tokens = order // experts.shape[1]
         flat_weights = weights.reshape(-1)
-        for e, n in enumerate(local):
+        for i, e in enumerate(self.held):
+            n, start = per_expert[e], starts[e]
             if n == 0:
                 continue
             pick = order[start:start + n]
             rows = tokens[start:start + n]
-            start += n
-            y = self._linear(self._act(self._linear(x[rows], self.w13_weight[e])),
-                             self.w2_weight[e])
+            y = self._linear(self._act(self._linear(x[rows], self.w13_weight[i])),
+                             self.w2_weight[i])
             out.index_add_(0, rows, y * flat_weights[pick].unsqueeze(1).to(y.dtype))
         return out
 
@@ -151,7 +253,7 @@ class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen2-MoE's shared expert); in the decoder layer's ``mlp`` slot."""
 
     def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype,
-                 shared_expert: nn.Module | None = None) -> None:
+                 shared_expert: nn.Module | None = None, layer_idx: int = 0) -> None:
         super().__init__()
         self.ctx = ctx
         self.top_k = spec.num_experts_per_tok
@@ -159,7 +261,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False, dtype=dtype)
         self.gate.weight.requires_grad_(False)
         self.experts = MoEExperts(ctx, spec.num_experts, spec.hidden_size,
-                                  spec.moe_intermediate_size, dtype)
+                                  spec.moe_intermediate_size, dtype, layer_idx)
         # Qwen2-MoE's always-on expert: a dense MLP the decoder layer builds (its own
         # all-reduce), scaled per token by sigmoid(shared_expert_gate(x))
         self.shared_expert, self.shared_expert_gate = shared_expert, None

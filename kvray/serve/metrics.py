@@ -82,6 +82,11 @@ class ServerMetrics:
                                 "Prefill seconds the KV tier's hits saved (at the measured "
                                 "prefill cost per token; 0 unless preemption_mode is auto).",
                                 mr, registry=r)
+        # counter-like (a gauge set from the engine's running totals, as above); MoE models
+        # only, read from the workers at most every 10 s while busy
+        self.expert_tokens = Gauge("kvray:moe_expert_tokens_total",
+                                   "MoE models: tokens routed to each expert, by layer.",
+                                   [*mr, "layer", "expert"], registry=r)
         self._per_replica = [self.running, self.waiting, self.swapped, self.kv_usage,
                              self.prefix_queries, self.prefix_hits, self.swap_objects,
                              self.preemptions, self.spec_drafts, self.spec_accepted,
@@ -89,7 +94,7 @@ class ServerMetrics:
                              self.decode_tokens, self.loras_resident, self.loras_registered,
                              self.lora_loads, self.lora_fetches, self.lora_load_seconds]
         # replica -> its series (gauge, label values), to remove when it leaves
-        self._series: dict[str, list[tuple[Gauge, tuple[str, ...]]]] = {}
+        self._series: dict[str, set[tuple[Gauge, tuple[str, ...]]]] = {}
         self.prompt_tokens = Counter("kvray:prompt_tokens", "Prompt tokens processed.", m,
                                      registry=r)
         self.generation_tokens = Counter("kvray:generation_tokens", "Tokens generated.", m,
@@ -139,11 +144,10 @@ class ServerMetrics:
     def set_engine_stats(self, replica: str, stats: dict) -> None:
         labels = (self.model_name, replica)
         if replica not in self._series:
-            self._series[replica] = [(g, labels) for g in self._per_replica]
+            self._series[replica] = {(g, labels) for g in self._per_replica}
         series = self._series[replica]
         for name in stats.get("lora_requests") or {}:
-            if (self.lora_requests, (*labels, name)) not in series:
-                series.append((self.lora_requests, (*labels, name)))
+            series.add((self.lora_requests, (*labels, name)))
         tier = stats.get("kv_tier") or {}
         if tier:
             hits = {"device": stats.get("prefix_cache_hits", 0),
@@ -153,14 +157,13 @@ class ServerMetrics:
             for gauge, values in ((self.tier_hits, hits), (self.tier_bytes, moved)):
                 for label, value in values.items():
                     gauge.labels(*labels, label).set(value)
-                    if (gauge, (*labels, label)) not in series:
-                        series.append((gauge, (*labels, label)))
+                    series.add((gauge, (*labels, label)))
             self.tier_failures.labels(*labels).set(tier["fetch_failures"])
             self.tier_saved.labels(*labels).set(
                 tier["hit_tokens"] * stats.get("prefill_s_per_token", 0.0))
             for gauge in (self.tier_failures, self.tier_saved):
-                if (gauge, labels) not in series:
-                    series.append((gauge, labels))
+                series.add((gauge, labels))
+        self._set_expert_tokens(labels, stats.get("moe_expert_tokens") or {}, series)
         self.running.labels(*labels).set(stats.get("num_running", 0))
         self.waiting.labels(*labels).set(stats.get("num_waiting", 0))
         self.swapped.labels(*labels).set(stats.get("num_swapped", 0))
@@ -182,6 +185,15 @@ class ServerMetrics:
         self.lora_loads.labels(*labels).set(stats.get("num_lora_loads", 0))
         self.lora_load_seconds.labels(*labels).set(stats.get("lora_load_seconds", 0.0))
         self.lora_fetches.labels(*labels).set(stats.get("num_lora_fetches", 0))
+
+    def _set_expert_tokens(self, labels: tuple[str, str], tokens: dict,
+                           series: set[tuple[Gauge, tuple[str, ...]]]) -> None:
+        """One series per (layer, expert) of a MoE model's routed-token totals."""
+        for layer, counts in tokens.items():
+            for expert, count in enumerate(counts):
+                key = (*labels, str(layer), str(expert))
+                self.expert_tokens.labels(*key).set(count)
+                series.add((self.expert_tokens, key))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
