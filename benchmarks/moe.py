@@ -12,9 +12,11 @@ of the weights that step actually touches (attention, router, norms, the k chose
 per layer, one embedding row and the LM head) at the read bandwidth measured in the same
 run. With ``--tp``: the Mixtral shape at TP = 2 on a local Ray cluster with every expert
 sliced over the ranks vs whole experts per rank (``enable_expert_parallel``): step time
-and the bytes each rank reads and all-reduces per decode step.
+and the bytes each rank reads and all-reduces per decode step. With ``--int8``: kvray with
+``quantization: int8`` (every linear and every expert held as int8, read by the CPU int8
+kernels) against its fp32 run: batch-1 step and batch-N output tokens/s.
 
-    python benchmarks/moe.py [--tokens 48] [--batch 32] [--tp] [--dtype float32]
+    python benchmarks/moe.py [--tokens 48] [--batch 32] [--tp] [--int8]
 """
 
 from __future__ import annotations
@@ -141,12 +143,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tp", action="store_true", help="also TP = 2 sliced vs expert-parallel")
+    ap.add_argument("--int8", action="store_true", help="also quantization: int8 vs fp32")
     args = ap.parse_args()
     print(describe())
     print(f"torch threads: {torch.get_num_threads()}; fp32 weights and activations", flush=True)
     bandwidth = read_bandwidth()
     print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s (torch.sum over 256 MiB)")
-    rows, floors = [], []
+    rows, floors, int8_rows = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for name in SHAPES:
             path = make_model(name, Path(tmp))
@@ -163,6 +166,13 @@ def main() -> None:
                   f"weights {floor_ms:.2f} ms ({touched_bytes(config) / 2**20:.1f} MiB): "
                   f"{step / floor_ms:.2f}x", flush=True)
             floors.append((name, step, floor_ms))
+            if args.int8:
+                step_q = step_time_batch1(path, args.tokens, quantization="int8")
+                fp32_b = next(a for n, b, a, _ in rows if n == name and b == args.batch)
+                tput_q = run_kvray(path, args.batch, args.tokens, quantization="int8")
+                int8_rows.append((name, step, step_q, fp32_b, tput_q))
+                print(f"  {name} int8: batch-1 step {step_q:.2f} ms, batch {args.batch} "
+                      f"{tput_q:.1f} tok/s", flush=True)
         print("\n| model | batch | kvray tok/s | transformers tok/s | kvray / transformers |")
         print("|---|---|---|---|---|")
         for name, batch, a, b in rows:
@@ -171,6 +181,13 @@ def main() -> None:
         print("|---|---|---|---|")
         for name, step, floor_ms in floors:
             print(f"| {name} | {step:.2f} | {floor_ms:.2f} | {step / floor_ms:.2f}x |")
+        if int8_rows:
+            print(f"\n| model | batch-1 step ms fp32 / int8 | batch-{args.batch} tok/s fp32 / "
+                  "int8 | int8 / fp32 |")
+            print("|---|---|---|---|")
+            for name, step, step_q, fp, q in int8_rows:
+                print(f"| {name} | {step:.2f} / {step_q:.2f} | {fp:.1f} / {q:.1f} | "
+                      f"{step / step_q:.2f}x / {q / fp:.2f}x |")
         if args.tp:
             tp_table(Path(tmp), args)
 

@@ -285,3 +285,96 @@ def test_a_load_file_for_another_model_stops_the_start_naming_expert_placement(t
                                           "experts, but this model has 8 per layer"):
         LLM(str(path), dtype="float32", enable_expert_parallel=True,
             expert_placement=str(load))
+
+
+def _int8_parts(num_experts: int, hidden: int, inter: int, seed: int) -> list[dict]:
+    """Per expert gate / up / down as int8 QuantTensors (a quantized checkpoint's pieces)."""
+    from kvray.quant.online import quantize_int8
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    return [{part: quantize_int8(torch.randn(*shape, generator=g) * 0.3)
+             for part, shape in shapes.items()} for _ in range(num_experts)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("layout", ["sliced", "expert_parallel"])
+def test_quantized_expert_tensors_are_held_quantized_per_rank(layout):
+    """A quantized checkpoint's expert tensors stay quantized: each rank keeps its slice
+    (gate / up rows, down columns) or its whole experts, stacked per expert once loaded,
+    and the ranks' partial sums add up to the layer on the dequantized weights."""
+    hidden, inter, n = 64, 128, 4
+    parts = _int8_parts(n, hidden, inter, seed=1)
+    dense = [{p: q.dequantize() for p, q in w.items()} for w in parts]
+    x = torch.randn(9, hidden, generator=torch.Generator().manual_seed(2))
+    routing, choice = _routing(9, n, 2, [0, 1, 3], seed=3)  # expert 2 gets nothing
+    whole = MoEExperts(ParallelContext(), n, hidden, inter, torch.float32)
+    for e, w in enumerate(dense):
+        for part, t in w.items():
+            param = whole.w2_weight if part == "down" else whole.w13_weight
+            param.weight_loader(param, t, f"{e}.{part}")
+    want = whole(x, routing, choice)
+    partials = []
+    for rank in range(2):
+        ctx = ParallelContext(tp_rank=rank, tp_size=2,
+                              expert_parallel=layout == "expert_parallel")
+        experts = MoEExperts(ctx, n, hidden, inter, torch.float32)
+        for e, w in enumerate(parts):
+            for part, q in w.items():
+                param = experts.w2_weight if part == "down" else experts.w13_weight
+                param.weight_loader(param, q, f"{e}.{part}")
+        assert experts.assemble_quantized() and not experts.w13_weight.numel()
+        for i, e in enumerate(experts.held):
+            rows = slice(experts.inter_start, experts.inter_start + experts.inter)
+            w13, w2 = (q.dequantize() for q in experts.quant[i])
+            assert torch.equal(w13, torch.cat([dense[e]["gate"][rows], dense[e]["up"][rows]]))
+            assert torch.equal(w2, dense[e]["down"][:, rows])
+        partials.append(experts(x, routing, choice))  # the dequantized reference path
+    torch.testing.assert_close(partials[0] + partials[1], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_experts_partly_quantized_are_dequantized_and_a_bad_split_names_the_key():
+    hidden, inter = 64, 128
+    parts = _int8_parts(2, hidden, inter, seed=4)
+    experts = MoEExperts(ParallelContext(), 2, hidden, inter, torch.float32)
+    for part, q in parts[0].items():  # expert 0 quantized, expert 1 dense
+        param = experts.w2_weight if part == "down" else experts.w13_weight
+        param.weight_loader(param, q, f"0.{part}")
+        param.weight_loader(param, parts[1][part].dequantize(), f"1.{part}")
+    assert not experts.assemble_quantized() and experts.quant is None
+    for e in range(2):
+        assert torch.equal(experts.w2_weight[e], parts[e]["down"].dequantize())
+        assert torch.equal(experts.w13_weight[e, :inter], parts[e]["gate"].dequantize())
+    odd = _int8_parts(1, hidden, 80, seed=5)[0]  # 40 columns per rank: not whole blocks
+    tp = MoEExperts(ParallelContext(tp_rank=1, tp_size=2), 1, hidden, 80, torch.float32)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        tp.w2_weight.weight_loader(tp.w2_weight, odd["down"], "0.down")
+
+
+@pytest.mark.engine
+def test_an_int8_moe_engine_holds_its_experts_quantized_and_decodes(tmp_path):
+    """``quantization: int8`` on a MoE model: the start-up report counts every expert's two
+    matrices as held quantized (none dequantized), the layers read blobs, and a batch with a
+    prompt twice decodes it to the same greedy tokens in both rows (each row's experts and
+    int8 linears computed as if alone)."""
+    from kvray import LLM, SamplingParams
+    from kvray.models.moe import MoEExperts
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "m")
+    twice = {"prompt_token_ids": [5, 9, 77, 3, 41]}
+    prompts = [twice, {"prompt_token_ids": [8] * 13}, twice,
+               {"prompt_token_ids": list(range(20, 51))}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", block_size=4, quantization="int8")
+    try:
+        report = llm.llm_engine.startup["ranks"][0]["quantized"]
+        experts = [m for m in llm.llm_engine.executor.worker.runner.model.modules()
+                   if isinstance(m, MoEExperts)]
+        assert experts and all(m.quant_kind == "blob" for m in experts)
+        assert report["dequantized"] == 0
+        assert report["tensors"] >= sum(2 * m.num_local for m in experts)
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert out[0] == out[2] and all(len(t) == 12 for t in out)

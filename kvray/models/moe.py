@@ -110,8 +110,7 @@ def expert_report(model: nn.Module, loads: Mapping[int, Sequence[int]] | None
         return None
     report: dict[str, Any] = {
         "expert_parallel": layers[0].placement is not None,
-        "expert_bytes": sum(p.numel() * p.element_size() for m in layers
-                            for p in m.parameters()),
+        "expert_bytes": sum(m.held_bytes() for m in layers),
         "placement": {m.layer_idx: [list(r) for r in m.placement] for m in layers
                       if m.placement is not None}}
     if loads and report["expert_parallel"]:
@@ -127,7 +126,14 @@ def expert_report(model: nn.Module, loads: Mapping[int, Sequence[int]] | None
 class MoEExperts(nn.Module):
     """This rank's experts, stacked: ``w13_weight`` [experts, 2 * inter, hidden] (gate rows
     then up rows) and ``w2_weight`` [experts, hidden, inter]; ``inter`` is the rank's slice
-    under plain TP, the whole width under expert parallelism."""
+    under plain TP, the whole width under expert parallelism.
+
+    Quantized experts (a quantized checkpoint's, or ``quantization: int8``) are held in
+    ``quant`` instead, per local expert its w13 and w2 as
+    :class:`~kvray.quant.tensor.QuantTensor`; :func:`kvray.models.quantized.install_quantized`
+    turns them into what reads them (``quant_kind``: ``"blob"`` for the CPU kernels,
+    ``"segments"`` for Triton), and the dense parameters stay empty. Decode at batch 1 then
+    reads only the chosen experts' quantized bytes."""
 
     # An expert's few rows through the CPU extension's linear and activation kernels (fp32;
     # set by kvray.models.llama.use_fused_ops): ~2x F.linear at 8 rows.
@@ -171,14 +177,22 @@ class MoEExperts(nn.Module):
                                                   dtype=dtype), requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        # per local expert [w13, w2] quantized (see the class doc); None: dense
+        self.quant: list[list[Any]] | None = None
+        self.quant_kind = ""  # "": QuantTensors, read dequantized (before install)
+        # quantized checkpoint pieces as loaded: (local expert, part) -> QuantTensor
+        self.expert_pieces: dict[tuple[int, str], QuantTensor] = {}
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | QuantTensor,
                       shard_id: str) -> None:
         """``shard_id`` ``"<expert>.<gate|up|down>"`` (one expert's tensor, global index) or
         ``"all.<gate_up|down>"`` (the fused 3-D tensors of a transformers v5 checkpoint)."""
-        if isinstance(loaded, QuantTensor):  # no quantized expert kernels: run them dense
-            loaded = loaded.dequantize(param.dtype)
         which, part = shard_id.split(".")
+        if isinstance(loaded, QuantTensor):
+            if which != "all":
+                self._load_quantized(loaded, int(which), part)
+                return
+            loaded = loaded.dequantize(param.dtype)  # a fused 3-D quantized tensor: none yet
         if which == "all":
             if loaded.dim() != 3 or loaded.shape[0] != self.num_experts:
                 raise ValueError(f"expected [{self.num_experts}, ...] stacked experts")
@@ -189,6 +203,69 @@ class MoEExperts(nn.Module):
                     self._load_one(param, t[e], e, name)
             return
         self._load_one(param, loaded, int(which), part)
+
+    def _load_quantized(self, loaded: QuantTensor, expert: int, part: str) -> None:
+        """Keep this rank's slice of a quantized expert tensor (rows of gate / up, columns
+        of down: on quantization-group boundaries, else an error naming
+        tensor_parallel_size) for :meth:`assemble_quantized`."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} of {self.num_experts}")
+        local = self.local_index.get(expert)
+        if local is None:
+            return
+        want = (self.hidden, self.full_inter) if part == "down" else (self.full_inter,
+                                                                       self.hidden)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"{part}: shape {tuple(loaded.shape)}, expected {want}")
+        dim = 1 if part == "down" else 0
+        try:
+            piece = loaded.narrow(dim, self.inter_start, self.inter)
+        except ValueError as err:
+            raise ValueError(f"expert {expert} {part}: {err} (tensor_parallel_size splits "
+                             "each expert; enable_expert_parallel keeps them whole)") from err
+        self.expert_pieces[(local, part)] = piece
+
+    def assemble_quantized(self) -> bool:
+        """Stack the quantized pieces into ``quant`` once every tensor is loaded; where only
+        some experts' tensors came quantized, dequantize them into the dense weights.
+        Returns whether the experts are now held quantized."""
+        pieces, self.expert_pieces = self.expert_pieces, {}
+        if not pieces:
+            return self.quant is not None
+        parts = ("gate", "up", "down")
+        if len(pieces) == self.num_local * len(parts):
+            self.quant = [[QuantTensor.cat_rows([pieces[(i, "gate")], pieces[(i, "up")]]),
+                           pieces[(i, "down")]] for i in range(self.num_local)]
+            self.w13_weight.data = self.w13_weight.data.new_empty(0)
+            self.w2_weight.data = self.w2_weight.data.new_empty(0)
+            return True
+        for (local, part), piece in pieces.items():
+            dense = piece.dequantize(self.w13_weight.dtype)
+            if part == "down":
+                self.w2_weight.data[local].copy_(dense)
+            else:
+                offset = 0 if part == "gate" else self.inter
+                self.w13_weight.data[local, offset:offset + self.inter].copy_(dense)
+        return False
+
+    def quantize_experts(self, quantize: Callable[[torch.Tensor], QuantTensor]) -> bool:
+        """Quantize the dense experts (online quantization): False if already quantized."""
+        if self.quant is not None or not self.w13_weight.numel():
+            return False
+        self.quant = [[quantize(self.w13_weight[i].detach().to("cpu", torch.float32)),
+                       quantize(self.w2_weight[i].detach().to("cpu", torch.float32))]
+                      for i in range(self.num_local)]
+        self.w13_weight.data = self.w13_weight.data.new_empty(0)
+        self.w2_weight.data = self.w2_weight.data.new_empty(0)
+        return True
+
+    def held_bytes(self) -> int:
+        """Bytes of this rank's expert weights as held (quantized: codes and scales)."""
+        dense = sum(p.numel() * p.element_size() for p in self.parameters())
+        if self.quant is None:
+            return dense
+        return dense + sum(q.numel() * q.element_size() if isinstance(q, torch.Tensor)
+                           else q.nbytes for pair in self.quant for q in pair)
 
     def _load_one(self, param: nn.Parameter, loaded: torch.Tensor, expert: int,
                   part: str) -> None:
@@ -232,15 +309,27 @@ class MoEExperts(nn.Module):
                 continue
             pick = order[start:start + n]
             rows = tokens[start:start + n]
-            y = self._linear(self._act(self._linear(x[rows], self.w13_weight[i])),
-                             self.w2_weight[i])
+            y = self._expert_linear(self._act(self._expert_linear(x[rows], i, 0)), i, 1)
             out.index_add_(0, rows, y * flat_weights[pick].unsqueeze(1).to(y.dtype))
         return out
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.fused_linear is not None and x.dtype == w.dtype == torch.float32:
-            return self.fused_linear(x, w)
-        return F.linear(x, w)
+    def _expert_linear(self, x: torch.Tensor, i: int, which: int) -> torch.Tensor:
+        """x times local expert i's w13 (which 0) or w2 (which 1), transposed."""
+        if self.quant is None:
+            w = (self.w13_weight if which == 0 else self.w2_weight)[i]
+            if self.fused_linear is not None and x.dtype == w.dtype == torch.float32:
+                return self.fused_linear(x, w)
+            return F.linear(x, w)
+        q = self.quant[i][which]
+        if self.quant_kind == "blob":
+            from kvray.kernels import cpu_ops
+
+            return cpu_ops.linear_q(x.to(torch.float32), q, None).to(x.dtype)
+        if self.quant_kind == "segments":
+            from kvray.kernels.triton_quant import linear_quant
+
+            return linear_quant(x, q)
+        return F.linear(x, q.dequantize(x.dtype).to(x.device))
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused_silu_and_mul is not None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from kvray.kernels.plan import KernelPlan
 from kvray.models.layers import SmallMMatmul, VocabParallelEmbedding
+from kvray.models.moe import MoEExperts
 from kvray.quant.tensor import QuantKind, QuantTensor
 
 logger = logging.getLogger("kvray")
@@ -67,6 +68,9 @@ def assemble_quantized(model: nn.Module) -> None:
     them all dense instead, dequantized into its weight."""
     holders = _holders(model)
     for module in list(model.modules()):
+        if isinstance(module, MoEExperts):
+            module.assemble_quantized()
+            continue
         pieces: dict[int, QuantTensor] | None = module.__dict__.pop("quant_pieces", None)
         dense = module.__dict__.pop("dense_loaded", False)
         if not pieces:
@@ -104,6 +108,9 @@ def quantize_online(model: nn.Module, method: str, device: torch.device) -> int:
         qt = quantize(lead.weight.detach().to("cpu", torch.float32))
         _set_quant(holders, qt)
         done += 1
+    for module in model.modules():  # MoE experts, one matrix pair per local expert
+        if isinstance(module, MoEExperts) and module.quantize_experts(quantize):
+            done += 2 * module.num_local
     return done
 
 
@@ -162,7 +169,35 @@ def install_quantized(model: nn.Module, plan: KernelPlan) -> QuantInstall:
         else:
             module.quant = payload
         _bind(module, kind, plan)
+    for module in model.modules():
+        if isinstance(module, MoEExperts) and module.quant is not None:
+            _install_experts(module, plan, done)
     return done
+
+
+def _install_experts(module: MoEExperts, plan: KernelPlan, done: QuantInstall) -> None:
+    """Give a MoE layer's quantized experts what reads them (as :func:`_prepare` does for a
+    linear), or dequantize them into its dense weights where nothing here does."""
+    mats = [q for pair in module.quant for q in pair]
+    done.layers += len(mats)
+    for q in mats:
+        done.sources[q.source or "quantized"] += 1
+    if plan.quant_backend == "cpu" and all(set(q.kinds) <= _CPU_KINDS for q in mats):
+        module.quant = [[q.to_blob() for q in pair] for pair in module.quant]
+        module.quant_kind = "blob"
+    elif plan.quant_backend == "triton":
+        module.quant = [[q.basic().to(plan.device_type) for q in pair]
+                        for pair in module.quant]
+        module.quant_kind = "segments"
+    else:
+        w13 = torch.stack([pair[0].dequantize(plan.dtype) for pair in module.quant])
+        w2 = torch.stack([pair[1].dequantize(plan.dtype) for pair in module.quant])
+        module.w13_weight.data = w13.to(plan.device_type)
+        module.w2_weight.data = w2.to(plan.device_type)
+        module.quant, module.quant_kind = None, ""
+        done.dequantized += len(mats)
+        return
+    done.bytes_held += module.held_bytes()
 
 
 def _prepare(qt: QuantTensor, plan: KernelPlan, weight: nn.Parameter) -> tuple:
