@@ -106,3 +106,47 @@ def test_wrong_longrope_factor_count_and_unknown_types_are_named():
     config.rope_parameters = {"rope_type": "mrope", "rope_theta": 1e4}
     with pytest.raises(UnsupportedModelError, match="rope scaling type 'mrope'"):
         ModelSpec.from_hf_config(config)
+
+
+def _phi3(partial: float) -> transformers.Phi3Config:
+    n = int(32 * partial) // 2  # LongRoPE factors: one per rotated pair
+    return transformers.Phi3Config(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1,
+        intermediate_size=64, vocab_size=64, max_position_embeddings=4096,
+        original_max_position_embeddings=1024, pad_token_id=0, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+            "short_factor": [1.0 + i / 10 for i in range(n)],
+            "long_factor": [1.0 + i for i in range(n)]})
+
+
+def test_partial_rotary_turns_the_leading_dims_with_transformers_frequencies():
+    """Phi-4-mini's partial_rotary_factor 0.75 of a 32-dim head: 24 dims turn with
+    transformers' LongRoPE frequencies for 24 (both branches), the last 8 pass through."""
+    config = _phi3(0.75)
+    spec = ModelSpec.from_hf_config(config)
+    assert (spec.head_dim, spec.rotary_dim, spec.rot_dim) == (32, 24, 24)
+    want_short, attention = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
+    want_long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=4000)
+    rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, 4096,
+                             spec.max_position_embeddings, spec.rot_dim)
+    torch.testing.assert_close(rotary.freqs.inv_freq, want_short.float(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(rotary.freqs.long_inv_freq, want_long.float(), rtol=1e-6,
+                               atol=0)
+    assert rotary.freqs.attention_factor == pytest.approx(attention)
+    qk = torch.randn(5, 3, 32)
+    positions = torch.tensor([0, 7, 1023, 1024, 3000])
+    got = rotary.rotate_qk(positions, qk)
+    assert torch.equal(got[..., 24:], qk[..., 24:])
+    whole = RotaryEmbedding(24, spec.rope_theta, spec.rope_scaling, 4096,
+                            spec.max_position_embeddings)
+    torch.testing.assert_close(got[..., :24], whole.rotate_qk(positions, qk[..., :24]))
+
+
+def test_partial_rotary_outside_phi3_or_of_odd_dims_is_an_error_naming_it():
+    config = _config(2048, {"rope_type": "default", "partial_rotary_factor": 0.5})
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.5 is supported "
+                                                    "for the Phi-3 family only"):
+        ModelSpec.from_hf_config(config)
+    with pytest.raises(UnsupportedModelError, match="not a positive even number"):
+        ModelSpec.from_hf_config(_phi3(0.3))  # 9.6 -> 9 dims
+    assert ModelSpec.from_hf_config(_phi3(1.0)).rotary_dim == 0

@@ -169,10 +169,13 @@ class RotaryEmbedding(torch.nn.Module):
     fused_inplace: Callable[..., torch.Tensor] | None = None
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
-                 max_positions: int, model_max_positions: int | None = None) -> None:
+                 max_positions: int, model_max_positions: int | None = None,
+                 rot_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.freqs = rope_frequencies(head_dim, theta, scaling,
+        # the leading dims of a head that turn (partial rotary); the rest pass through
+        self.rot_dim = rot_dim or head_dim
+        self.freqs = rope_frequencies(self.rot_dim, theta, scaling,
                                       model_max_positions or max_positions, max_positions)
         self.inv_freq = self.freqs.inv_freq
         self._last = None
@@ -207,7 +210,7 @@ class RotaryEmbedding(torch.nn.Module):
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole fp32 cos/sin tables ([max_pos, D/2]), grown past ``positions`` first:
+        """The whole fp32 cos/sin tables ([max_pos, rot_dim/2]), grown past ``positions`` first:
         what the fused kernels index themselves. Checked once per step, not per layer."""
         if self._grown_for is not positions:
             self._grow(positions)
@@ -232,11 +235,16 @@ class RotaryEmbedding(torch.nn.Module):
 
     def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
         """Rotate q and k heads held side by side ([T, Hq + Hk, D]) in one pass (in place
-        with the fused kernel: ``qk`` may be a view of the QKV projection)."""
-        if self.fused_inplace is not None and qk.stride(-1) == 1 \
+        with the fused kernel, which turns whole heads: ``qk`` may be a view of the QKV
+        projection)."""
+        partial = self.rot_dim < qk.shape[-1]
+        if self.fused_inplace is not None and not partial and qk.stride(-1) == 1 \
                 and qk.stride(-2) == qk.shape[-1]:
             return self.fused_inplace(qk, positions, *self.tables(positions))
         cos, sin = self.cos_sin(positions, qk.dtype)
+        if partial:
+            r = self.rot_dim
+            return torch.cat((_rotate(qk[..., :r], cos, sin), qk[..., r:]), dim=-1)
         return _rotate(qk, cos, sin)
 
 

@@ -140,11 +140,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def takes_fused_kernel(self) -> bool:
         """Whether the fused C++ layer computes this layer: a dense SwiGLU MLP, Llama's
-        norms, no score capping, one rotary table for the stack."""
+        norms, no score capping, whole heads rotated, one rotary table for the stack."""
         attn = self.self_attn
         return isinstance(self.mlp, LlamaMLP) and self.mlp.act == "silu" \
             and not self.sandwich and attn.softcap is None \
-            and attn.scale == attn.head_dim ** -0.5
+            and attn.scale == attn.head_dim ** -0.5 and attn.rotary.rot_dim == attn.head_dim
 
     def takes_fused_decode(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                            meta: AttentionMetadata, kv_cache: torch.Tensor | None) -> bool:
@@ -251,7 +251,7 @@ class LlamaModel(nn.Module):
             theta, scaling = spec.layer_rope(i)
             if theta not in rotaries:
                 rotaries[theta] = RotaryEmbedding(spec.head_dim, theta, scaling, max_positions,
-                                                  spec.max_position_embeddings)
+                                                  spec.max_position_embeddings, spec.rot_dim)
             return rotaries[theta]
 
         self.embed_tokens = (VocabParallelEmbedding(ctx, spec.vocab_size, spec.hidden_size, dtype)

@@ -77,6 +77,9 @@ class ModelSpec:
     attn_logit_softcap: float | None = None  # tanh(s / cap) * cap on attention scores
     final_logit_softcap: float | None = None  # ... and on the logits
     local_rope_theta: float | None = None  # sliding-window layers' own rope base (Gemma 3)
+    # leading dims of each head the rotary embedding turns (partial_rotary_factor, Phi-4's
+    # 0.75; the rest pass through); 0: all of head_dim
+    rotary_dim: int = 0
     # lm: a language model; embed: the base model only (pooling; the LM head borrows the
     # embeddings); classify: a score head of num_labels rows (pooling)
     head: str = "lm"
@@ -89,6 +92,10 @@ class ModelSpec:
 
     def is_moe_layer(self, i: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[i]
+
+    @property
+    def rot_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     def layer_rope(self, i: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of layer i's rotary embedding."""
@@ -107,8 +114,10 @@ class ModelSpec:
         if act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModelError(f"{arch}: {act_key} '{act}' is not supported "
                                         f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
-        theta, scaling, local_theta = _rope(config)
+        theta, scaling, local_theta, partial = _rope(config)
         num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        rotary_dim = _rotary_dim(arch, family, head_dim, partial)
         attention_bias = bool(getattr(config, "attention_bias", False))
         head = next((h for suffix, h in POOLING_HEADS.items()
                      if arch.endswith(suffix) and not arch.endswith("ForCausalLM")), "lm")
@@ -120,7 +129,8 @@ class ModelSpec:
             num_layers=config.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
             rms_norm_eps=config.rms_norm_eps,
             rope_theta=theta,
             rope_scaling=scaling,
@@ -195,10 +205,27 @@ def _architecture(config: Any) -> str:
     )
 
 
-def _rope(config: Any) -> tuple[float, dict[str, Any] | None, float | None]:
-    """(theta, scaling, the sliding layers' own theta or None). Gemma 3 keys its
-    ``rope_parameters`` by layer type: full-attention layers take the scaled rule, sliding
-    ones a plain rope of their own base."""
+def _rotary_dim(arch: str, family: str, head_dim: int, partial: float) -> int:
+    """The rotated dims of a head for ``partial_rotary_factor`` (0: all of them). Phi-3's
+    code rotates the leading int(head_dim * factor) dims and passes the rest (Phi-4-mini:
+    0.75); the Llama-family code rotates whole heads, so a factor there is an error."""
+    if partial == 1.0:
+        return 0
+    if family != "phi3":
+        raise UnsupportedModelError(f"{arch}: partial_rotary_factor {partial} is supported "
+                                    "for the Phi-3 family only (its code rotates part of a "
+                                    "head)")
+    dim = int(head_dim * partial)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise UnsupportedModelError(f"{arch}: partial_rotary_factor {partial} gives {dim} "
+                                    f"rotated dims of {head_dim}: not a positive even number")
+    return 0 if dim == head_dim else dim
+
+
+def _rope(config: Any) -> tuple[float, dict[str, Any] | None, float | None, float]:
+    """(theta, scaling, the sliding layers' own theta or None, partial_rotary_factor).
+    Gemma 3 keys its ``rope_parameters`` by layer type: full-attention layers take the
+    scaled rule, sliding ones a plain rope of their own base."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     local_theta = None
     if isinstance(params.get("full_attention"), dict):
@@ -218,11 +245,9 @@ def _rope(config: Any) -> tuple[float, dict[str, Any] | None, float | None]:
         raise UnsupportedModelError(
             f"rope scaling type '{kind}' is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
-    if (params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", 1.0)
-            or 1.0) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
-    params.pop("partial_rotary_factor", None)
-    return theta, (params if kind != "default" else None), local_theta
+    partial = float(params.pop("partial_rotary_factor", None)
+                    or getattr(config, "partial_rotary_factor", None) or 1.0)
+    return theta, (params if kind != "default" else None), local_theta, partial
 
 
 def _layer_windows(config: Any, family: str) -> tuple[int | None, ...]:

@@ -64,6 +64,14 @@ ARCHS: dict[str, tuple[str, dict]] = {
             "rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0, 1.05, 1.2, 1.4, 1.7, 2.0, 2.4, 2.9],
             "long_factor": [1.0, 1.4, 2.2, 3.5, 5.0, 8.0, 11.0, 15.0]})),
+    # Phi-4-mini: Phi-3's layout with partial rotary (the leading 3/4 of each head turns,
+    # LongRoPE over those dims)
+    "phi4_partial_rotary": ("Phi3Config", dict(
+        max_position_embeddings=4096, original_max_position_embeddings=1024, pad_token_id=0,
+        sliding_window=None, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.6],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 7.0, 12.0]})),
     # Gemma 2: (1 + w) sandwich norms, scaled embeddings, tanh GELU, query_pre_attn_scalar,
     # capped attention scores and logits, alternating sliding-window layers
     "gemma2_softcap": ("Gemma2Config", dict(
@@ -78,8 +86,9 @@ ARCHS: dict[str, tuple[str, dict]] = {
                                             "rope_theta": 1000000.0}})),
 }
 MOE_ARCHS = ("mixtral_moe", "qwen2_moe_shared", "qwen3_moe")
-# layers the fused C++ decode layer does not compute (MoE, Gemma's norms / GELU / caps)
-UNFUSED_ARCHS = (*MOE_ARCHS, "gemma2_softcap", "gemma3_text")
+# layers the fused C++ decode layer does not compute (MoE, Gemma's norms / GELU / caps,
+# partial rotary)
+UNFUSED_ARCHS = (*MOE_ARCHS, "gemma2_softcap", "gemma3_text", "phi4_partial_rotary")
 
 
 def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
