@@ -218,3 +218,42 @@ def test_a_quantized_gguf_is_held_in_its_blocks_and_read_as_their_values(quant, 
         # int8 activations: ~1 % per linear, through 3 layers and a 4-bit LM head
         assert 0 < err.abs().max().item() <= 0.2 * spread
         assert err.pow(2).mean().sqrt().item() <= 0.04 * spread
+
+
+@pytest.mark.parametrize("arch,quant", [("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_K_M"),
+                                        ("mixtral_moe", "Q4_K_M")])
+def test_a_moe_gguf_keeps_its_stacked_experts_quantized(arch, quant, tmp_path):
+    """A Qwen3-MoE GGUF (llama.cpp's ``qwen3moe``) or a Mixtral one (``llama`` with an
+    expert count; Q/K rows interleaved): experts stacked per layer, the router in F32.
+    Every expert is held quantized (Q8_0; Q4_K_M, whose rows too short for K-quants fall
+    back to Q5_0 as in llama.cpp), the model computes the dequantized reference's logits
+    before the kernels are installed, and then runs its experts on the CPU kernels."""
+    from gguf import GGUFReader
+
+    from tests.helpers.tiny_gguf import Q4_K_M, dequantized_reference, write_gguf
+    from tests.helpers.tiny_models import make_tiny_model
+
+    src = make_tiny_model(arch, tmp_path / "hf")
+    mapping = Q4_K_M if quant == "Q4_K_M" else {"*": quant}
+    path = write_gguf(src, tmp_path / "m.gguf", quant=mapping)
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32"
+    assert types["blk.0.ffn_down_exps.weight"] == ("Q8_0" if quant == "Q8_0" else "Q5_0")
+    model, spec = load_model(path, "float32")
+    num_experts = 8 if arch == "qwen3_moe" else 4
+    assert spec.num_experts == num_experts and spec.num_experts_per_tok == 2
+    experts = _experts(model)
+    assert len(experts) == 3 and all(m.quant is not None and len(m.quant) == num_experts
+                                     for m in experts)
+    with torch.inference_mode():
+        ref = dequantized_reference(src, mapping)
+        ids = torch.randint(3, VOCAB_SIZE, (12,), generator=torch.Generator().manual_seed(0))
+        want = ref(ids[None]).logits[0]
+        meta = AttentionMetadata.for_full_sequences([12])
+        torch.testing.assert_close(model.compute_logits(model(ids, meta)), want, rtol=0,
+                                   atol=1e-4)
+    installed = _install(model)
+    assert installed.dequantized == 0
+    assert all(m.quant_kind == "blob" for m in experts)
+    with torch.inference_mode():
+        assert torch.isfinite(model.compute_logits(model(ids, meta))).all()

@@ -1,11 +1,16 @@
 """Read a llama.cpp GGUF file as a Hugging Face config plus HF-named tensors.
 
 Quantized tensors stay quantized: each block format kvray has kernels for (Q8_0, Q4_0,
-Q4_1, Q4_K, Q6_K) is converted exactly into a :class:`~kvray.quant.tensor.QuantTensor`;
+Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) is converted exactly into a
+:class:`~kvray.quant.tensor.QuantTensor`;
 the others (and every tensor with ``keep_quantized=False``) are dequantized with the
 ``gguf`` package to fp32 and cast to the model dtype by the loader. llama.cpp stores
 Llama-architecture Q/K rows interleaved for its rotary kernel; they are permuted back to
-the Hugging Face layout here (rows of blocks, so quantized ones too).
+the Hugging Face layout here (rows of blocks, so quantized ones too). A Qwen3-MoE file
+(``qwen3moe``), or a Mixtral one (``llama`` with an expert count), stores each layer's
+experts stacked ([experts, rows, K], quantized row by
+row): they are yielded one expert at a time under the hub's per-expert names, quantized
+ones as row ranges of one converted matrix.
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ _ARCHS = {
     "llama": ("LlamaForCausalLM", "LlamaConfig", True),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", False),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", False),
 }
+# stacked expert tensors: GGUF name -> the per-expert HF projection
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -44,6 +53,7 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -53,13 +63,22 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, expert: int | None = None) -> str:
+    """The Hugging Face name of a GGUF tensor (of one ``expert`` of a stacked one)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _EXPERT_NAMES and expert is not None:
+        return (f"model.layers.{m.group(1)}.mlp.experts.{expert}."
+                f"{_EXPERT_NAMES[m.group(2)]}.{m.group(3)}")
     if not m or m.group(2) not in _LAYER_NAMES:
         raise UnsupportedModelError(f"GGUF tensor '{gguf_name}' has no Hugging Face equivalent")
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _is_experts(gguf_name: str) -> bool:
+    m = _BLOCK_RE.match(gguf_name)
+    return bool(m) and m.group(2) in _EXPERT_NAMES
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -101,6 +120,9 @@ class GGUFCheckpoint:
 
         a, r = self.arch, self.reader
         hf_arch, config_cls, _ = _ARCHS[a]
+        experts = int(_field(r, f"{a}.expert_count", 0) or 0)
+        if a == "llama" and experts:  # Mixtral: Llama's layout with an MoE MLP
+            hf_arch, config_cls = "MixtralForCausalLM", "MixtralConfig"
         embd = next(t for t in r.tensors if t.name == "token_embd.weight")
         n_head = int(_field(r, f"{a}.attention.head_count"))
         hidden = int(_field(r, f"{a}.embedding_length"))
@@ -121,6 +143,14 @@ class GGUFCheckpoint:
             eos_token_id=_field(r, "tokenizer.ggml.eos_token_id"),
             torch_dtype="bfloat16",
         )
+        if a == "qwen3moe":  # llama.cpp always renormalises its top-k weights here
+            kwargs.update(num_experts=experts,
+                          num_experts_per_tok=int(_field(r, f"{a}.expert_used_count")),
+                          moe_intermediate_size=int(_field(r, f"{a}.expert_feed_forward_length")),
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        elif experts:  # Mixtral: the experts' width is feed_forward_length
+            kwargs.update(num_local_experts=experts, sliding_window=None,
+                          num_experts_per_tok=int(_field(r, f"{a}.expert_used_count")))
         return getattr(transformers, config_cls)(**kwargs)
 
     def iter_weights(self, keep_quantized: bool = True
@@ -134,6 +164,9 @@ class GGUFCheckpoint:
         permute = _ARCHS[self.arch][2]
         cfg = self.hf_config
         for t in self.reader.tensors:
+            if _is_experts(t.name):
+                yield from self._experts(t, keep_quantized)
+                continue
             name = _hf_name(t.name)
             shape = tuple(reversed(t.shape.tolist()))
             qt = (to_quant_tensor(t.data, t.tensor_type, shape)
@@ -152,6 +185,26 @@ class GGUFCheckpoint:
             elif permute and ".k_proj." in name:
                 data = _unpermute(data, cfg.num_key_value_heads)
             yield name, torch.from_numpy(np.array(data, copy=True, order="C"))
+
+    def _experts(self, t: Any, keep_quantized: bool
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        """A stacked expert tensor [experts, rows, K] as one tensor per expert."""
+        import gguf
+
+        from kvray.quant.gguf_blocks import to_quant_tensor
+
+        experts, rows, k = reversed(t.shape.tolist())
+        if keep_quantized:
+            raw = np.asarray(t.data).reshape(experts * rows, -1)
+            qt = to_quant_tensor(raw, t.tensor_type, (experts * rows, k))
+            if qt is not None:
+                for e in range(experts):
+                    yield _hf_name(t.name, e), qt.narrow(0, e * rows, rows)
+                return
+        data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        data = data.reshape(experts, rows, k)
+        for e in range(experts):
+            yield _hf_name(t.name, e), torch.from_numpy(np.array(data[e], copy=True))
 
     def load_tokenizer(self) -> Any:
         """The tokenizer (with chat template) embedded in the GGUF, via transformers."""

@@ -28,6 +28,16 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
         .reshape(w.shape)
 
 
+def _expert_tensors(name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """transformers' fused expert tensors as llama.cpp's stacked ones: gate_up_proj
+    [E, 2 ff, H] -> ffn_gate_exps and ffn_up_exps [E, ff, H]; down_proj -> ffn_down_exps."""
+    prefix = name.rsplit(".mlp.", 1)[0].replace("model.layers.", "blk.")
+    if name.endswith("gate_up_proj"):
+        gate, up = np.split(data, 2, axis=1)
+        return [(f"{prefix}.ffn_gate_exps.weight", gate), (f"{prefix}.ffn_up_exps.weight", up)]
+    return [(f"{prefix}.ffn_down_exps.weight", data)]
+
+
 def _gguf_name(name: str) -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
            "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -35,6 +45,8 @@ def _gguf_name(name: str) -> str:
         return top[name]
     _, _, idx, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
+    if module == "mlp.gate":  # a MoE layer's router
+        return f"blk.{idx}.ffn_gate_inp.{kind}"
     return f"blk.{idx}.{_LAYER[module]}.{kind}"
 
 
@@ -138,7 +150,9 @@ def _chosen_type(name: str, quant: Mapping[str, str | gguf.GGMLQuantizationType]
 
 def write_gguf(model_dir: str | Path, out: str | Path,
                quant: Mapping[str, str | gguf.GGMLQuantizationType] | None = None) -> Path:
-    """Convert the HF model in ``model_dir`` (llama or qwen2 family) to a GGUF.
+    """Convert the HF model in ``model_dir`` (llama, qwen2, qwen3, qwen3_moe or mixtral) to a
+    GGUF. A MoE router stays F32 and expert tensors are stacked per layer, as llama.cpp's
+    converter does.
 
     ``quant`` maps fnmatch patterns of Hugging Face tensor names to GGUF types ("Q4_K" or
     ``GGMLQuantizationType.Q4_K``); the first matching pattern wins, unmatched tensors stay
@@ -147,8 +161,8 @@ def write_gguf(model_dir: str | Path, out: str | Path,
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     cfg = model.config
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[
-        cfg.model_type]
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+            "qwen3_moe": "qwen3moe", "mixtral": "llama"}[cfg.model_type]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -162,11 +176,29 @@ def write_gguf(model_dir: str | Path, out: str | Path,
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if arch == "qwen3moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    elif cfg.model_type == "mixtral":  # llama.cpp writes Mixtral as llama with experts
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     _add_tokenizer(w, tokenizer)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         data = t.float().numpy()
+        if data.ndim == 3:  # stacked experts, quantized row by row
+            qtype = _chosen_type(name, quant or {})
+            for gname, part in _expert_tensors(name, data):
+                e, rows, k = part.shape
+                raw, qt = quantize(part.reshape(e * rows, k), qtype)
+                w.add_tensor(gname, raw.reshape(e, rows, -1), raw_dtype=None if qt ==
+                             gguf.GGMLQuantizationType.F32 else qt)
+            continue
+        if name.endswith("mlp.gate.weight"):  # the router: F32, as llama.cpp keeps it
+            w.add_tensor(_gguf_name(name), data)
+            continue
         if arch == "llama" and name.endswith("q_proj.weight"):
             data = _llama_cpp_permute(data, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
@@ -192,9 +224,10 @@ def dequantized_reference(model_dir: str | Path,
         str(model_dir), dtype=torch.float32, local_files_only=True).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() != 2:
+            if p.dim() not in (2, 3) or name.endswith("mlp.gate.weight"):
                 continue
-            data, qtype = quantize(p.numpy(), _chosen_type(name, quant))
+            rows = p.reshape(-1, p.shape[-1]).numpy()  # stacked experts: row by row
+            data, qtype = quantize(rows, _chosen_type(name, quant))
             back = gguf.quants.dequantize(data, qtype).reshape(p.shape)
             p.copy_(torch.from_numpy(np.ascontiguousarray(back)))
     return model
