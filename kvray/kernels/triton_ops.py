@@ -1,5 +1,6 @@
 """The decoder's small fused ops in Triton: residual-add + RMSNorm, rotary embedding in
-place, SiLU-and-mul. The GPU twins of :mod:`kvray.kernels.cpu_ops` (same names and
+place, SiLU-and-mul, and a MoE layer's experts as two grouped GEMMs
+(:mod:`kvray.kernels.triton_moe`). The GPU twins of :mod:`kvray.kernels.cpu_ops` (same names and
 signatures, so :func:`kvray.models.llama.use_fused_ops` installs either), each one kernel
 launch where the PyTorch reference takes three to six; at decode sizes the launches, not
 the bytes, are the cost.
@@ -121,6 +122,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              experts: torch.Tensor, local_index: torch.Tensor) -> torch.Tensor:
+    """A MoE layer's experts on this rank (:func:`kvray.kernels.triton_moe.fused_moe`)."""
+    from kvray.kernels import triton_moe
+
+    return triton_moe.fused_moe(x, w13, w2, weights, experts, local_index)
+
+
 def self_check(device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
     """Run each op once on tiny inputs against its PyTorch reference; raise if one fails or
     differs (what the engine runs before trusting them by default on CUDA)."""
@@ -149,3 +158,19 @@ def self_check(device: torch.device | str, dtype: torch.dtype = torch.float32) -
     gate_up = torch.randn(3, 80, generator=g).to(device, dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, rtol=tol, atol=tol)
+    # a MoE layer: 5 tokens, top-2 of 4 experts, expert 2 held elsewhere
+    x = torch.randn(5, 32, generator=g).to(device, dtype)
+    w13 = (torch.randn(3, 48, 32, generator=g) * 0.2).to(device, dtype)
+    w2 = (torch.randn(3, 32, 24, generator=g) * 0.2).to(device, dtype)
+    experts = torch.tensor([[0, 1], [3, 2], [1, 3], [0, 2], [2, 1]], device=device)
+    weights = torch.rand(5, 2, generator=g).to(device)
+    local_index = torch.tensor([0, 1, -1, 2], device=device)
+    want = torch.zeros(5, 32, device=device)
+    for t in range(5):
+        for j in range(2):
+            e = int(local_index[experts[t, j]])
+            if e >= 0:
+                h = w13[e].float() @ x[t].float()
+                want[t] += weights[t, j] * (w2[e].float() @ (F.silu(h[:24]) * h[24:]))
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, experts, local_index).float(),
+                               want, rtol=tol, atol=tol)

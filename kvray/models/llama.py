@@ -418,4 +418,5 @@ def use_fused_ops(model: nn.Module, ops: ModuleType) -> None:
         elif isinstance(module, MoEExperts):
             module.fused_linear = getattr(ops, "expert_linear", None)
             module.fused_silu_and_mul = ops.silu_and_mul
+            module.fused_moe = getattr(ops, "fused_moe", None)
 

@@ -139,6 +139,9 @@ class MoEExperts(nn.Module):
     # set by kvray.models.llama.use_fused_ops): ~2x F.linear at 8 rows.
     fused_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     fused_silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # The whole layer's experts as two grouped GEMMs on the GPU (Triton; set by
+    # use_fused_ops with kvray.kernels.triton_ops): no host sync, no loop over experts.
+    fused_moe: Callable[..., torch.Tensor] | None = None
     # where this layer's routing is counted (set by count_expert_tokens)
     token_counts: ExpertTokenCounts | None = None
 
@@ -292,6 +295,12 @@ class MoEExperts(nn.Module):
                 ) -> torch.Tensor:
         """This rank's partial sum over the chosen experts: ``weights`` / ``experts``
         [tokens, k] the routing weights and global expert ids."""
+        if self.fused_moe is not None and self.quant is None:  # no host sync
+            if self.token_counts is not None:
+                self.token_counts.add(self.layer_idx, experts, torch.bincount(
+                    experts.reshape(-1), minlength=self.num_experts))
+            return self.fused_moe(x, self.w13_weight, self.w2_weight, weights, experts,
+                                  self._local_index_on(x.device))
         out = torch.zeros_like(x)
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
@@ -312,6 +321,16 @@ class MoEExperts(nn.Module):
             y = self._expert_linear(self._act(self._expert_linear(x[rows], i, 0)), i, 1)
             out.index_add_(0, rows, y * flat_weights[pick].unsqueeze(1).to(y.dtype))
         return out
+
+    def _local_index_on(self, device: torch.device) -> torch.Tensor:
+        """[num_experts] global expert id -> row of w13/w2 here, or -1, on ``device``."""
+        cached = self.__dict__.get("_local_index")
+        if cached is None or cached.device != device:
+            cached = torch.full((self.num_experts,), -1, dtype=torch.int64)
+            cached[torch.tensor(self.held)] = torch.arange(self.num_local)
+            cached = cached.to(device)
+            self.__dict__["_local_index"] = cached
+        return cached
 
     def _expert_linear(self, x: torch.Tensor, i: int, which: int) -> torch.Tensor:
         """x times local expert i's w13 (which 0) or w2 (which 1), transposed."""
