@@ -6,19 +6,14 @@ imports Triton): odd head dims, 1 and 6 query heads over 1-2 KV heads, block siz
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from kvray.kernels import attention as ref
 from kvray.kernels import triton_attention
-from tests.helpers.skips import skip_or_fail_in_ci
+from tests.helpers.skips import triton_or_skip
 
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    skip_or_fail_in_ci("Triton needs a GPU or TRITON_INTERPRET=1 set before it is imported",
-                       "tests/conftest.py sets TRITON_INTERPRET=1 before Triton's import",
-                       allow_module_level=True)
+triton_or_skip()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -7,21 +7,12 @@ slow."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.helpers.skips import NOT_THIS_HARDWARE, skip_or_fail_in_ci
+from tests.helpers.skips import triton_or_skip
 
-try:
-    import triton  # noqa: F401
-except ImportError:
-    pytest.skip(f"{NOT_THIS_HARDWARE}: Triton is not installed", allow_module_level=True)
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    skip_or_fail_in_ci("Triton needs a GPU or TRITON_INTERPRET=1 set before it is imported",
-                       "tests/conftest.py sets TRITON_INTERPRET=1 before Triton's import",
-                       allow_module_level=True)
+triton_or_skip()
 
 from kvray.kernels.triton_moe import BLOCK_M, align_pairs, fused_moe  # noqa: E402
 

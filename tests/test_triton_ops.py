@@ -5,8 +5,6 @@ rounding, rotary on a strided q/k view of a fused QKV output. Tiny shapes."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,15 +12,12 @@ import torch.nn.functional as F
 from kvray.kernels import triton_ops
 from kvray.kernels.norm import rms_norm as ref_rms_norm
 from kvray.kernels.rotary import RotaryEmbedding, _rotate
-from tests.helpers.skips import skip_or_fail_in_ci
+from tests.helpers.skips import triton_or_skip
 
 pytestmark = pytest.mark.parity
 
 
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    skip_or_fail_in_ci("Triton needs a GPU or TRITON_INTERPRET=1 set before it is imported",
-                       "tests/conftest.py sets TRITON_INTERPRET=1 before Triton's import",
-                       allow_module_level=True)
+triton_or_skip()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

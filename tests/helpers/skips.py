@@ -43,3 +43,20 @@ def builtin_model_or_skip() -> Path:
                            ".ci/run must run `kvray setup`")
     return default_model_dir()
 
+
+
+def triton_or_skip() -> None:
+    """At a Triton test module's import: skip it where Triton is not installed (not this
+    hardware's stack), or where there is neither a GPU nor its interpreter
+    (``TRITON_INTERPRET=1``, which tests/conftest.py sets before Triton's import; failing
+    in CI)."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip(f"{NOT_THIS_HARDWARE}: Triton is not installed", allow_module_level=True)
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        skip_or_fail_in_ci("Triton needs a GPU or TRITON_INTERPRET=1 set before it is imported",
+                           "tests/conftest.py sets TRITON_INTERPRET=1 before Triton's import",
+                           allow_module_level=True)
