@@ -257,3 +257,36 @@ def test_a_moe_gguf_keeps_its_stacked_experts_quantized(arch, quant, tmp_path):
     assert all(m.quant_kind == "blob" for m in experts)
     with torch.inference_mode():
         assert torch.isfinite(model.compute_logits(model(ids, meta))).all()
+
+
+@torch.inference_mode()
+def test_act_order_experts_keep_their_column_order_on_the_cpu_kernels():
+    """Regression: a quantized expert stored with permuted columns (GPTQ act-order's
+    ``input_perm``) read through the CPU blobs gives what its dequantized weights give;
+    the blobs once dropped the permutation."""
+    import dataclasses as dc
+
+    from kvray.models.quantized import install_quantized
+
+    hidden, inter = 64, 96
+    g = torch.Generator().manual_seed(7)
+    perm_h, perm_i = torch.randperm(hidden, generator=g), torch.randperm(inter, generator=g)
+    layer = MoEExperts(ParallelContext(), 2, hidden, inter, torch.float32)
+    for e in range(2):
+        for part, shape, perm in (("gate", (inter, hidden), perm_h),
+                                  ("up", (inter, hidden), perm_h),
+                                  ("down", (hidden, inter), perm_i)):
+            qt = dc.replace(quantize_int8(torch.randn(*shape, generator=g) * 0.2),
+                            input_perm=perm)
+            param = layer.w2_weight if part == "down" else layer.w13_weight
+            param.weight_loader(param, qt, f"{e}.{part}")
+    assert layer.assemble_quantized()
+    x = torch.randn(5, hidden, generator=g)
+    experts = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]])
+    weights = torch.rand(5, 2, generator=g)
+    want = layer(x, weights, experts)  # the dequantized reference path
+    plan = choose_kernel_plan("auto", torch.device("cpu"), torch.float32, None, 1)
+    install_quantized(layer, plan)
+    assert layer.quant_kind == "blob"
+    got = layer(x, weights, experts)
+    assert ((got - want).norm() / want.norm()).item() < 0.03

@@ -359,6 +359,23 @@ def linear_q(x: torch.Tensor, blob: torch.Tensor, bias: torch.Tensor | None) -> 
     return ext.linear_q(x, blob, bias)
 
 
+def quantized_linear(x: torch.Tensor, blob: torch.Tensor, bias: torch.Tensor | None = None,
+                     input_perm: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`linear_q` for ``x`` [..., K] of any float dtype: the columns taken in the
+    blob's stored order (``input_perm``, GPTQ act-order), fp32 inside (a bf16 model's
+    activations widened, the result rounded back to x's dtype)."""
+    shape, dtype = x.shape, x.dtype
+    x2 = x.reshape(-1, shape[-1])
+    if input_perm is not None:
+        x2 = x2.index_select(1, input_perm)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    y = linear_q(x2, blob, None if bias is None else bias.float())
+    if dtype != torch.float32:
+        y = y.to(dtype)
+    return y.view(*shape[:-1], y.shape[-1])
+
+
 def embedding_q(blob: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` (int64, any shape) of a quantized ``blob``, dequantized to fp32
     [*ids.shape, K] (quantized embeddings: the built-in GGUF's token_embd is Q8_0)."""

@@ -131,8 +131,9 @@ class MoEExperts(nn.Module):
     Quantized experts (a quantized checkpoint's, or ``quantization: int8``) are held in
     ``quant`` instead, per local expert its w13 and w2 as
     :class:`~kvray.quant.tensor.QuantTensor`; :func:`kvray.models.quantized.install_quantized`
-    turns them into what reads them (``quant_kind``: ``"blob"`` for the CPU kernels,
-    ``"segments"`` for Triton), and the dense parameters stay empty. Decode at batch 1 then
+    turns them into what reads them (``quant_kind``: ``"blob"`` for the CPU kernels, each a
+    (blob, input permutation) pair, ``"segments"`` for Triton), and the dense parameters
+    stay empty. Decode at batch 1 then
     reads only the chosen experts' quantized bytes."""
 
     # An expert's few rows through the CPU extension's linear and activation kernels (fp32;
@@ -267,8 +268,9 @@ class MoEExperts(nn.Module):
         dense = sum(p.numel() * p.element_size() for p in self.parameters())
         if self.quant is None:
             return dense
-        return dense + sum(q.numel() * q.element_size() if isinstance(q, torch.Tensor)
-                           else q.nbytes for pair in self.quant for q in pair)
+        # a (blob, input permutation) pair, or a QuantTensor
+        return dense + sum(q[0].numel() if isinstance(q, tuple) else q.nbytes
+                           for pair in self.quant for q in pair)
 
     def _load_one(self, param: nn.Parameter, loaded: torch.Tensor, expert: int,
                   part: str) -> None:
@@ -343,7 +345,8 @@ class MoEExperts(nn.Module):
         if self.quant_kind == "blob":
             from kvray.kernels import cpu_ops
 
-            return cpu_ops.linear_q(x.to(torch.float32), q, None).to(x.dtype)
+            blob, perm = q
+            return cpu_ops.quantized_linear(x, blob, None, perm)
         if self.quant_kind == "segments":
             from kvray.kernels.triton_quant import linear_quant
 

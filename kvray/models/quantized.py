@@ -150,7 +150,7 @@ def install_quantized(model: nn.Module, plan: KernelPlan) -> QuantInstall:
             continue
         key = id(qt)
         if key not in seen:
-            seen[key] = _prepare(qt, plan, module.weight)
+            seen[key] = _prepare(qt, plan)
             done.layers += 1
             done.sources[qt.source or "quantized"] += 1
             if seen[key][0] == "dense":
@@ -182,13 +182,10 @@ def _install_experts(module: MoEExperts, plan: KernelPlan, done: QuantInstall) -
     done.layers += len(mats)
     for q in mats:
         done.sources[q.source or "quantized"] += 1
-    if plan.quant_backend == "cpu" and all(set(q.kinds) <= _CPU_KINDS for q in mats):
-        module.quant = [[q.to_blob() for q in pair] for pair in module.quant]
-        module.quant_kind = "blob"
-    elif plan.quant_backend == "triton":
-        module.quant = [[q.basic().to(plan.device_type) for q in pair]
-                        for pair in module.quant]
-        module.quant_kind = "segments"
+    readers = {_reader(q, plan) for q in mats}
+    if len(readers) == 1 and readers != {"dense"}:
+        module.quant = [[_prepare(q, plan)[1] for q in pair] for pair in module.quant]
+        module.quant_kind = readers.pop()
     else:
         w13 = torch.stack([pair[0].dequantize(plan.dtype) for pair in module.quant])
         w2 = torch.stack([pair[1].dequantize(plan.dtype) for pair in module.quant])
@@ -200,14 +197,24 @@ def _install_experts(module: MoEExperts, plan: KernelPlan, done: QuantInstall) -
     done.bytes_held += module.held_bytes()
 
 
-def _prepare(qt: QuantTensor, plan: KernelPlan, weight: nn.Parameter) -> tuple:
-    backend = plan.quant_backend
-    if backend == "cpu" and set(qt.kinds) <= _CPU_KINDS:
-        return "blob", (qt.to_blob(), qt.input_perm)
-    if backend == "triton":  # U5/U6, code offsets and two-level scales as the kernels read
-        return "segments", qt.basic().to(plan.device_type)
+def _reader(qt: QuantTensor, plan: KernelPlan) -> str:
+    """What reads ``qt`` here: ``"blob"`` (the CPU kernels, for the kinds they take),
+    ``"segments"`` (Triton) or ``"dense"`` (its values dequantized to the model dtype)."""
+    if plan.quant_backend == "cpu" and set(qt.kinds) <= _CPU_KINDS:
+        return "blob"
+    return "segments" if plan.quant_backend == "triton" else "dense"
+
+
+def _prepare(qt: QuantTensor, plan: KernelPlan) -> tuple:
+    """(reader, what it reads): the blob and the input permutation, the segments on the
+    device, or the dense weight."""
+    kind = _reader(qt, plan)
+    if kind == "blob":
+        return kind, (qt.to_blob(), qt.input_perm)
+    if kind == "segments":  # U5/U6, code offsets and two-level scales as the kernels read
+        return kind, qt.basic().to(plan.device_type)
     dense = qt.dequantize(plan.dtype).to(plan.device_type)
-    return "dense", nn.Parameter(dense, requires_grad=False)
+    return kind, nn.Parameter(dense, requires_grad=False)
 
 
 def _bind(module: nn.Module, kind: str, plan: KernelPlan) -> None:
@@ -225,22 +232,10 @@ def _bind(module: nn.Module, kind: str, plan: KernelPlan) -> None:
 
 def _cpu_matmul(module: SmallMMatmul, x: torch.Tensor, bias: torch.Tensor | None
                 ) -> torch.Tensor:
-    """x W^T (+ b) by the C++ kernel on the module's blob: fp32 in and out (a bf16 model's
-    activations are widened and the result rounded back)."""
+    """x W^T (+ b) by the C++ kernel on the module's blob (:func:`cpu_ops.quantized_linear`)."""
     from kvray.kernels import cpu_ops
 
-    shape, dtype = x.shape, x.dtype
-    x2 = x.reshape(-1, shape[-1])
-    perm = getattr(module, "input_perm", None)
-    if perm is not None:
-        x2 = x2.index_select(1, perm)
-    if x2.dtype != torch.float32:
-        x2 = x2.float()
-    b = None if bias is None else bias.float()
-    y = cpu_ops.linear_q(x2, module.qweight, b)
-    if dtype != torch.float32:
-        y = y.to(dtype)
-    return y.view(*shape[:-1], y.shape[-1])
+    return cpu_ops.quantized_linear(x, module.qweight, bias, getattr(module, "input_perm", None))
 
 
 def _cpu_lookup(module: VocabParallelEmbedding, ids: torch.Tensor) -> torch.Tensor:
