@@ -133,19 +133,22 @@ def test_q4_0_of_any_scale_converts_exactly_with_its_code_offset():
     _assert_exact(qt.basic().dequantize(), _reference(raw, T.Q4_0, (2, 64)))
 
 
-def _any_type_raw(qtype: T, shape: tuple[int, int], seed: int) -> np.ndarray:
+def _converted_any_type(qtype: T, shape: tuple[int, int], seed: int
+                        ) -> tuple[QuantTensor, torch.Tensor]:
+    """A random tensor of ``qtype`` as kvray converts it, and gguf's dequantized values."""
     rng = np.random.default_rng(seed)
     if qtype in K_QUANTS:
-        return _random_k_blocks(qtype, *shape, rng)
-    return gguf_quants.quantize(_real_looking(*shape, rng), qtype)
+        raw = _random_k_blocks(qtype, *shape, rng)
+    else:
+        raw = gguf_quants.quantize(_real_looking(*shape, rng), qtype)
+    return _converted(raw, qtype, shape), _reference(raw, qtype, shape)
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("qtype", sorted(KEPT_QUANTIZED), ids=lambda t: t.name)
 def test_narrow_permute_and_blob_keep_the_conversion_exact(qtype):
     shape = (33, 512)
-    raw = _any_type_raw(qtype, shape, 4)
-    qt, want = _converted(raw, qtype, shape), _reference(raw, qtype, shape)
+    qt, want = _converted_any_type(qtype, shape, 4)
     _assert_exact(qt.narrow(0, 7, 19).dequantize(), want[7:26])
     _assert_exact(qt.narrow(1, 256, 256).dequantize(), want[:, 256:])
     _assert_exact(qt.narrow(1, 0, 256).narrow(0, 32, 1).dequantize(), want[32:, :256])
@@ -160,8 +163,7 @@ def test_narrow_permute_and_blob_keep_the_conversion_exact(qtype):
 @pytest.mark.parametrize("qtype", list(K_QUANTS), ids=lambda t: t.name)
 def test_a_k_quant_split_inside_a_super_block_multiplies_its_scales_out_exactly(qtype):
     shape = (9, 768)
-    raw = _any_type_raw(qtype, shape, 6)
-    qt, want = _converted(raw, qtype, shape), _reference(raw, qtype, shape)
+    qt, want = _converted_any_type(qtype, shape, 6)
     whole = qt.narrow(1, 256, 512).segments[0]  # on super-block boundaries: still two-level
     assert whole.two_level and whole.nbytes == qt.segments[0].nbytes * 2 // 3
     for start, length in ((0, 384), (384, 384), (128, 640)):  # TP=2 of 768, an odd split
