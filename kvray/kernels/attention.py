@@ -13,6 +13,8 @@ may read blocks that another request of the same step is filling (prefix sharing
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -111,23 +113,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
               kv_cache: torch.Tensor | None = None,
               softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq, D]; causal within each sequence. With
-    ``softcap`` (Gemma 2) the scores become ``tanh(s / cap) * cap`` before the mask: the
-    PyTorch paths below, which compute the scores themselves (no kernel takes a cap)."""
-    if softcap is not None:
-        return softcapped_attention(q, k, v, meta, scale, sliding_window, kv_cache, softcap)
+    ``softcap`` (Gemma 2) the scores become ``tanh(s / cap) * cap`` before the mask."""
     if kv_cache is None:
+        if softcap is not None:
+            return softcapped_attention(q, k, v, meta, scale, sliding_window, None, softcap)
         return dense_attention(q, k, v, meta, scale, sliding_window)
     (meta.write_kernel or write_kv_cache)(k, v, kv_cache, meta.slot_mapping)
-    return paged_attention(q, kv_cache, meta, scale, sliding_window)
+    return paged_attention(q, kv_cache, meta, scale, sliding_window, softcap)
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+@functools.cache
+def takes_softcap(kernel: Callable) -> bool:
+    """Whether an attention kernel caps scores itself: it has a ``softcap`` parameter."""
+    return "softcap" in inspect.signature(kernel).parameters
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                          meta: AttentionMetadata, scale: float, sliding_window: int | None,
                          kv_cache: torch.Tensor | None, softcap: float) -> torch.Tensor:
-    """Attention with capped scores, each sequence's queries against its keys (the batch's
-    own, or the paged cache's after this step's K/V are written)."""
-    if kv_cache is not None:
-        (meta.write_kernel or write_kv_cache)(k, v, kv_cache, meta.slot_mapping)
+    """The PyTorch reference of attention with capped scores: each sequence's queries
+    against its keys (the batch's own ``k``/``v``, or the paged cache's, this step's K/V
+    already written)."""
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for b in range(len(starts) - 1):
@@ -186,11 +192,20 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Attend each new token to its sequence's cached context. Decode rows (one token each)
     go through the decode kernel, or batched, vectorised calls over a few length buckets;
-    prefill chunks through the prefill kernel, or the reference one sequence at a time."""
+    prefill chunks through the prefill kernel, or the reference one sequence at a time.
+    Capped scores (``softcap``) take the kernels where both cap (:func:`takes_softcap`),
+    else :func:`softcapped_attention`."""
     nd = meta.num_decodes
+    if softcap is not None:
+        kernels = (meta.decode_kernel, meta.prefill_kernel)
+        if not all(k is not None and takes_softcap(k) for k in kernels):
+            return softcapped_attention(q, None, None, meta, scale, sliding_window, kv_cache,
+                                        softcap)
+    capped = {} if softcap is None else {"softcap": softcap}
     prefill_kernel = None
     if nd < len(meta.seq_lens_list):
         prefill_kernel = meta.prefill_kernel or prefill_reference
@@ -199,16 +214,20 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         qsl = meta.query_start_loc[nd:]
         first = int(qsl[0])
         return prefill_kernel(q[first:], kv_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
-                              qsl - first, meta.max_query_len, scale, sliding_window)
+                              qsl - first, meta.max_query_len, scale, sliding_window, **capped)
 
     if nd == 0 and prefill_kernel is not None:  # prefill rows only: no copy
         return prefill_rows()
-    out = torch.empty_like(q)
     if nd and meta.decode_kernel is not None:
-        out[:nd] = meta.decode_kernel(q[:nd], kv_cache, meta.block_tables[:nd],
-                                      meta.seq_lens[:nd], scale, sliding_window)
+        decoded = meta.decode_kernel(q[:nd], kv_cache, meta.block_tables[:nd],
+                                     meta.seq_lens[:nd], scale, sliding_window, **capped)
+        if prefill_kernel is None:  # decode rows only: no copy
+            return decoded
+        out = torch.empty_like(q)
+        out[:nd] = decoded
         nd_ref = 0
     else:
+        out = torch.empty_like(q)
         nd_ref = nd
     for s, e in decode_buckets(meta.seq_lens_list[:nd_ref]):
         out[s:e] = _decode(q[s:e], kv_cache, meta.block_tables[s:e], meta.seq_lens[s:e],

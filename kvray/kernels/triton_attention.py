@@ -1,25 +1,23 @@
-"""Paged attention in Triton: the KV write, split-K decode and varlen prefill over the
-paged cache. The GPU path of :mod:`kvray.kernels.attention`, with the same cache layout
-(``[2, num_kv_heads, num_blocks, block_size, head_dim]``) and the same semantics as its
-PyTorch reference, which the tests compare against on CPU under Triton's interpreter
-(``TRITON_INTERPRET=1``, set before Triton is imported).
+"""Paged attention in Triton: decode and varlen prefill over the paged cache. The GPU path
+of :mod:`kvray.kernels.attention`, with the same cache layout (``[2, num_kv_heads,
+num_blocks, block_size, head_dim]``) and the same semantics as its PyTorch reference, which
+the tests compare against on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set
+before Triton is imported). What writes the cache (:func:`write_kv`, the fused
+:func:`rotary_write_kv`) and its quantized row format live in :mod:`kvray.kernels.triton_kv`.
 
-- :func:`write_kv`: one program per (token, KV head) copies K and V into their slot.
-- :func:`paged_decode`: flash-decoding. Each (sequence, query head, split) program runs an
-  online softmax over its share of the sequence's blocks, reading K/V in place; a second
-  kernel merges the splits. GQA/MQA by ``kv_head = q_head // group``; sliding windows skip
-  whole blocks before the window.
+- :func:`paged_decode`: short contexts (or batches whose programs fill the device alone) in
+  one launch, one program per (sequence, KV head) running an online softmax over all its
+  blocks for the KV head's whole query group (each K/V row read once); longer ones
+  flash-decoding style, each (sequence, query head, split) program over its share of the
+  blocks, then a merge kernel. GQA/MQA by ``kv_head = q_head // group``; sliding windows
+  skip whole blocks before the window.
 - :func:`paged_prefill`: queries of a chunk (any length, after a cached prefix of any
   length) against the paged K/V, causal, ``BLOCK_M`` queries per program.
 
-Head dims need not be powers of two (80, 96 ...): loads are masked to ``head_dim``.
-
-Quantized caches (``kv_cache_dtype`` int8 / fp8 e4m3 / fp8 e5m2) have rows of ``D + 4``
-elements: D codes, then the 4 little-endian bytes of the row's fp32 scale (``value = code *
-scale``, ``scale = amax / QMAX``). The kernels read them through an int8 view and decode with
-integer ops (an fp8 byte shifted into an fp16's bits), and :func:`write_kv` rounds to nearest
-even exactly as torch's casts do, so every GPU (and Triton's interpreter) agrees bit for bit
-with the PyTorch reference; attention accumulates in fp32.
+Both take Gemma 2's score capping (``softcap``): ``cap * tanh(score / cap)`` before the mask.
+Head dims need not be powers of two (80, 96 ...): loads are masked to ``head_dim``. Quantized
+caches (int8 / fp8 e4m3 / fp8 e5m2 codes with a per-row fp32 scale) are decoded in registers;
+attention accumulates in fp32.
 """
 
 from __future__ import annotations
@@ -28,157 +26,93 @@ import torch
 import triton
 import triton.language as tl
 
-# kv_cache dtype -> (KV_KIND, QMAX): 0 = plain values, 1 = int8, 2 = fp8 e4m3, 3 = fp8 e5m2.
-KV_KINDS = {torch.int8: (1, 127.0), torch.float8_e4m3fn: (2, 448.0),
-            torch.float8_e5m2: (3, 57344.0)}
-SCALE_BYTES = 4  # one fp32 scale after each quantized row's codes
+from kvray.kernels.triton_kv import (
+    KV_KINDS,
+    SCALE_BYTES,
+    dequantize_cache,
+    kernel_view,
+    kv_kind,
+    load_kv,
+    rotary_write_kv,
+    write_kv,
+)
 
-
-def kv_kind(kv_cache: torch.Tensor, head_dim: int) -> tuple[int, float]:
-    """(KV_KIND, QMAX) of a cache, after checking its rows fit ``head_dim``."""
-    kind, qmax = KV_KINDS.get(kv_cache.dtype, (0, 0.0))
-    want = head_dim + SCALE_BYTES if kind else head_dim
-    if kv_cache.shape[-1] != want:
-        raise ValueError(f"a {kv_cache.dtype} KV cache with rows of {kv_cache.shape[-1]} for "
-                         f"head_dim {head_dim}: expected {want}")
-    return kind, qmax
-
-
-def _kernel_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    """What the kernels index: a quantized cache as raw int8 bytes (codes and scales)."""
-    return kv_cache.view(torch.int8) if kv_cache.dtype in KV_KINDS else kv_cache
+__all__ = ["KV_KINDS", "SCALE_BYTES", "dequantize_cache", "kv_kind", "paged_decode",
+           "paged_prefill", "rotary_write_kv", "self_check", "write_kv"]
 
 
 @triton.jit
-def _rne(v):
-    """Round fp32 to the nearest integer, ties to even (|v| < 2^22), like torch.round."""
-    return (v + 12582912.0) - 12582912.0
+def _cap(s, softcap, SOFTCAP: tl.constexpr):
+    """Gemma 2's score capping ``cap * tanh(s / cap)`` (tanh from exp: no overflow)."""
+    if SOFTCAP:
+        e = tl.exp(-2.0 * tl.abs(s / softcap))
+        t = (1.0 - e) / (1.0 + e)
+        s = softcap * tl.where(s < 0, -t, t)
+    return s
 
 
 @triton.jit
-def _encode_fp8(v, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr):
-    """fp32 -> fp8 bits (int32 0..255) rounded to nearest even, saturating at MAX_CODE."""
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    lsb = (mag >> (23 - MANT)) & 1
-    normal = ((mag + ((1 << (22 - MANT)) - 1) + lsb) >> (23 - MANT)) - ((127 - BIAS) << MANT)
-    # below the least normal: multiples of the least subnormal step (clamped: no overflow)
-    a = tl.minimum(tl.abs(v), 2.0 ** (1 - BIAS))
-    sub = _rne(a * (2.0 ** (BIAS - 1 + MANT))).to(tl.int32)
-    code = tl.where(a < 2.0 ** (1 - BIAS), sub, normal)
-    return tl.minimum(code, MAX_CODE) | sign
-
-
-@triton.jit
-def _quantize_row(x, QMAX: tl.constexpr, KV_KIND: tl.constexpr):
-    """(codes as int8, fp32 scale) of one row: scale = amax / QMAX (1 for a zero row)."""
-    amax = tl.max(tl.abs(x), 0)
-    scale = tl.where(amax > 0, tl.div_rn(amax, QMAX), 1.0)
-    v = tl.div_rn(x, scale)
-    if KV_KIND == 1:
-        code = tl.minimum(tl.maximum(_rne(v), -127.0), 127.0).to(tl.int32)
-    elif KV_KIND == 2:
-        code = _encode_fp8(v, 3, 7, 0x7E)
-    else:
-        code = _encode_fp8(v, 2, 15, 0x7B)
-    return code.to(tl.int8), scale
-
-
-@triton.jit
-def _decode_codes(raw, KV_KIND: tl.constexpr):
-    """Codes loaded as int8 -> fp32 values before the row scale."""
-    if KV_KIND == 1:
-        return raw.to(tl.float32)
-    else:
-        b = raw.to(tl.int32) & 0xFF
-        if KV_KIND == 2:  # e4m3fn bits << 7 as an fp16 = the value * 2^-8
-            h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
-            scale_back = 256.0
-        else:  # e5m2 is the top byte of an fp16
-            h = b << 8
-            scale_back = 1.0
-        return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * scale_back
-
-
-@triton.jit
-def _row_scales(row_ptrs, mask, HEAD_DIM: tl.constexpr):
-    """The fp32 scales stored after the codes of the rows starting at ``row_ptrs``."""
-    b0 = tl.load(row_ptrs + HEAD_DIM, mask=mask, other=0).to(tl.int32) & 0xFF
-    b1 = tl.load(row_ptrs + HEAD_DIM + 1, mask=mask, other=0).to(tl.int32) & 0xFF
-    b2 = tl.load(row_ptrs + HEAD_DIM + 2, mask=mask, other=0).to(tl.int32) & 0xFF
-    b3 = tl.load(row_ptrs + HEAD_DIM + 3, mask=mask, other=0).to(tl.int32) & 0xFF
-    return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _load_kv(row_ptrs, offs_d, rmask, dmask, KV_KIND: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """fp32 [rows, BLOCK_D] of the K or V rows starting at ``row_ptrs``."""
-    ptrs = row_ptrs[:, None] + offs_d[None, :]
-    mask = rmask[:, None] & dmask[None, :]
-    if KV_KIND == 0:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        codes = _decode_codes(tl.load(ptrs, mask=mask, other=0), KV_KIND)
-        return codes * _row_scales(row_ptrs, rmask, HEAD_DIM)[:, None]
-
-
-@triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh,
-                     stride_vt, stride_vh, stride_c0, stride_ch, stride_cslot,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_KIND: tl.constexpr,
-                     QMAX: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
+def _decode_one_pass_kernel(q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, out_ptr, scale,
+                            softcap, window, stride_qb, stride_qh, stride_ob, stride_oh,
+                            stride_c0, stride_ch, stride_cblk, stride_cslot, stride_tb,
+                            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                            BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_D: tl.constexpr, KV_KIND: tl.constexpr,
+                            SOFTCAP: tl.constexpr, USE_DOT: tl.constexpr,
+                            DOT_FP32: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    offs_g = tl.arange(0, GROUP_PAD)
+    gmask = offs_g < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HEAD_DIM
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d, mask=dmask)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d, mask=dmask)
-    row = cache_ptr + h * stride_ch + slot * stride_cslot
-    if KV_KIND == 0:
-        tl.store(row + offs_d, k, mask=dmask)
-        tl.store(row + stride_c0 + offs_d, v, mask=dmask)
-    else:
-        _store_quantized(row, k.to(tl.float32), offs_d, dmask, QMAX, KV_KIND, HEAD_DIM)
-        _store_quantized(row + stride_c0, v.to(tl.float32), offs_d, dmask, QMAX, KV_KIND,
-                         HEAD_DIM)
-
-
-@triton.jit
-def _store_quantized(row, x, offs_d, dmask, QMAX: tl.constexpr, KV_KIND: tl.constexpr,
-                     HEAD_DIM: tl.constexpr):
-    """One row's codes, then its scale's 4 bytes (little-endian)."""
-    codes, scale = _quantize_row(tl.where(dmask, x, 0.0), QMAX, KV_KIND)
-    tl.store(row + offs_d, codes, mask=dmask)
-    offs_b = tl.arange(0, 4)
-    bits = scale.to(tl.int32, bitcast=True)
-    tl.store(row + HEAD_DIM + offs_b, ((bits >> (offs_b * 8)) & 0xFF).to(tl.int8))
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V ([T, Hk, D]) into their slots of ``kv_cache`` (quantizing
-    each (token, head) row of a quantized cache)."""
-    num_tokens, heads, dim = k.shape
-    kind, qmax = kv_kind(kv_cache, dim)
-    if num_tokens == 0:
-        return
-    _, _, num_blocks, block_size, row = kv_cache.shape
-    flat = _kernel_view(kv_cache).view(2, heads, num_blocks * block_size, row)
-    _write_kv_kernel[(num_tokens, heads)](
-        k, v, flat, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        flat.stride(0), flat.stride(1), flat.stride(2),
-        HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), KV_KIND=kind, QMAX=qmax)
+    offs_s = tl.arange(0, BLOCK_SIZE)
+    heads = kvh * GROUP + offs_g  # the group's query heads share this KV head's reads
+    qmask = gmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=qmask, other=0.0)
+    dot_dtype = tl.float32 if DOT_FP32 else q.dtype
+    q = q.to(tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    for blk in range(start // BLOCK_SIZE, (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE):
+        phys = tl.load(tables_ptr + b * stride_tb + blk).to(tl.int64)
+        pos = blk * BLOCK_SIZE + offs_s
+        valid = (pos < seq_len) & (pos >= start)
+        rows = cache_ptr + kvh * stride_ch + phys * stride_cblk + offs_s * stride_cslot
+        k = load_kv(rows, offs_d, valid, dmask, KV_KIND, HEAD_DIM)
+        if USE_DOT:  # the keys in the queries' dtype, as the reference gathers them
+            s = tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)), input_precision="ieee")
+        else:
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_SIZE]
+        s = tl.where(valid[None, :], _cap(s * scale, softcap, SOFTCAP), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: a block holds a valid key
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = load_kv(rows + stride_c0, offs_d, valid, dmask, KV_KIND, HEAD_DIM)
+        if USE_DOT:
+            pv = tl.dot(p.to(dot_dtype), v.to(dot_dtype), input_precision="ieee")
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
 @triton.jit
 def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, part_acc_ptr,
-                         part_ml_ptr, scale, window, stride_qb, stride_qh, stride_c0,
-                         stride_ch, stride_cblk, stride_cslot, stride_tb,
+                         part_ml_ptr, scale, softcap, window, stride_qb, stride_qh,
+                         stride_c0, stride_ch, stride_cblk, stride_cslot, stride_tb,
                          NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, KV_KIND: tl.constexpr):
+                         BLOCK_D: tl.constexpr, KV_KIND: tl.constexpr,
+                         SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -204,13 +138,13 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, part_acc_pt
         pos = blk * BLOCK_SIZE + offs_s
         valid = (pos < seq_len) & (pos >= start)
         rows = cache_ptr + kvh * stride_ch + phys * stride_cblk + offs_s * stride_cslot
-        k = _load_kv(rows, offs_d, valid, dmask, KV_KIND, HEAD_DIM)
-        s = tl.sum(k * q[None, :], axis=1) * scale
+        k = load_kv(rows, offs_d, valid, dmask, KV_KIND, HEAD_DIM)
+        s = _cap(tl.sum(k * q[None, :], axis=1) * scale, softcap, SOFTCAP)
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new)
-        v = _load_kv(rows + stride_c0, offs_d, valid, dmask, KV_KIND, HEAD_DIM)
+        v = load_kv(rows + stride_c0, offs_d, valid, dmask, KV_KIND, HEAD_DIM)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, 0)
         m_i = m_new
@@ -239,7 +173,14 @@ def _decode_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ob, stride_o
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def num_decode_splits(max_blocks: int, batch_heads: int, target_programs: int = 256) -> int:
+# KV head) streams them all (16 blocks of 16 tokens: 256 tokens, 128 KiB of bf16 K/V at
+# head_dim 128), where a merge launch would cost more than the parallelism it buys.
+ONE_PASS_MAX_BLOCKS = 16
+TARGET_PROGRAMS = 256  # about two per SM of an H100/H200: enough to fill the device
+
+
+def num_decode_splits(max_blocks: int, batch_heads: int,
+                      target_programs: int = TARGET_PROGRAMS) -> int:
     """Splits per (sequence, head): enough programs to fill the device, never more than
     the blocks (a power of two, as the merge kernel's block needs)."""
     splits = 1
@@ -248,29 +189,50 @@ def num_decode_splits(max_blocks: int, batch_heads: int, target_programs: int = 
     return splits
 
 
+def decode_in_one_pass(max_blocks: int, batch_kv_heads: int) -> bool:
+    """Whether a decode batch takes the one-pass kernel: its block tables are at most
+    :data:`ONE_PASS_MAX_BLOCKS` wide, or its (sequence, KV head) programs fill the device
+    by themselves (a split would only add the merge). Host-side shapes only: a CUDA graph
+    keeps the choice it was captured with."""
+    return max_blocks <= ONE_PASS_MAX_BLOCKS or batch_kv_heads >= TARGET_PROGRAMS
+
+
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None
-                 ) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
+                 softcap: float | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; kv_cache: [2, Hk, num_blocks, block_size, D (+ 4 quantized)] ->
-    [B, Hq, D] (the signature of the engine's other decode kernels)."""
+    [B, Hq, D] (the signature of the engine's other decode kernels; ``softcap``: Gemma 2's
+    ``cap * tanh(score / cap)``). One launch where :func:`decode_in_one_pass`, else the
+    split kernel and the merge."""
     batch, hq, dim = q.shape
     _, hk, _, block_size, _ = kv_cache.shape
     kind, _ = kv_kind(kv_cache, dim)
-    cache = _kernel_view(kv_cache)
+    cache = kernel_view(kv_cache)
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    block_d = triton.next_power_of_2(dim)
+    common = dict(BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
+                  KV_KIND=kind, SOFTCAP=softcap is not None)
+    strides = (cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+               block_tables.stride(0))
+    if decode_in_one_pass(block_tables.shape[1], batch * hk):
+        group = hq // hk
+        use_dot = block_size >= 16  # tl.dot's least size (the group is padded to it)
+        _decode_one_pass_kernel[(batch, hk)](
+            q, cache, block_tables, seq_lens, out, scale, softcap or 0.0, sliding_window or 0,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, GROUP=group,
+            GROUP_PAD=max(16 if use_dot else 1, triton.next_power_of_2(group)),
+            USE_DOT=use_dot, DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
+            **common)
+        return out
     splits = num_decode_splits(block_tables.shape[1], batch * hq)
+    block_d = common["BLOCK_D"]
     part_acc = torch.empty(batch * hq * splits, block_d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(batch * hq * splits, 2, dtype=torch.float32, device=q.device)
-    grid = (batch, hq, splits)
-    _decode_split_kernel[grid](
-        q, cache, block_tables, seq_lens, part_acc, part_ml, scale, sliding_window or 0,
-        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
-        cache.stride(2), cache.stride(3), block_tables.stride(0),
-        NUM_SPLITS=splits, GROUP=hq // hk, BLOCK_SIZE=block_size, HEAD_DIM=dim,
-        BLOCK_D=block_d, KV_KIND=kind)
+    _decode_split_kernel[(batch, hq, splits)](
+        q, cache, block_tables, seq_lens, part_acc, part_ml, scale, softcap or 0.0,
+        sliding_window or 0, q.stride(0), q.stride(1), *strides, NUM_SPLITS=splits,
+        GROUP=hq // hk, **common)
     _decode_merge_kernel[(batch, hq)](part_acc, part_ml, out, out.stride(0), out.stride(1),
                                       NUM_SPLITS=splits, HEAD_DIM=dim, BLOCK_D=block_d)
     return out
@@ -278,10 +240,11 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
 
 @triton.jit
 def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, qstart_ptr, out_ptr, scale,
-                    window, stride_qt, stride_qh, stride_c0, stride_ch, stride_cblk,
+                    softcap, window, stride_qt, stride_qh, stride_c0, stride_ch, stride_cblk,
                     stride_cslot, stride_tb, stride_ot, stride_oh, GROUP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr, KV_KIND: tl.constexpr):
+                    BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr, KV_KIND: tl.constexpr,
+                    SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     tile = tl.program_id(2)
@@ -314,11 +277,12 @@ def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, qstart_ptr, out_
         k_pos = blk * BLOCK_SIZE + offs_s
         rows = cache_ptr + kvh * stride_ch + phys * stride_cblk + offs_s * stride_cslot
         in_seq = k_pos < seq_len
-        k = _load_kv(rows, offs_d, in_seq, dmask, KV_KIND, HEAD_DIM)
+        k = load_kv(rows, offs_d, in_seq, dmask, KV_KIND, HEAD_DIM)
         if USE_DOT:  # tensor cores; fp32 kept exact ("ieee", not tf32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:  # shapes below tl.dot's 16 (the interpreter, tiny blocks)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [M, BLOCK_SIZE]
+        s = _cap(s, softcap, SOFTCAP)
         ok = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
         ok = ok & ((window <= 0) | (q_pos[:, None] - k_pos[None, :] < window))
         ok = ok & qmask[:, None]
@@ -327,7 +291,7 @@ def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, qstart_ptr, out_
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with nothing yet
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        v = _load_kv(rows + stride_c0, offs_d, in_seq, dmask, KV_KIND, HEAD_DIM)
+        v = load_kv(rows + stride_c0, offs_d, in_seq, dmask, KV_KIND, HEAD_DIM)
         if USE_DOT:
             pv = tl.dot(p, v, input_precision="ieee")
         else:
@@ -343,11 +307,12 @@ def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, qstart_ptr, out_
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                  scale: float, sliding_window: int | None, block_m: int = 16
-                  ) -> torch.Tensor:
+                  scale: float, sliding_window: int | None, block_m: int = 16,
+                  softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D] — the new tokens of B sequences, sequence b's at
     ``query_start_loc[b]:query_start_loc[b + 1]``, the last of its ``seq_lens[b]`` positions
-    (its K/V already written) — attended causally over the paged cache -> [T, Hq, D]."""
+    (its K/V already written) — attended causally over the paged cache -> [T, Hq, D]
+    (``softcap``: Gemma 2's ``cap * tanh(score / cap)``)."""
     num_tokens, hq, dim = q.shape
     out = torch.empty_like(q)
     batch = seq_lens.shape[0]
@@ -355,15 +320,16 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         return out
     hk, block_size = kv_cache.shape[1], kv_cache.shape[3]
     kind, _ = kv_kind(kv_cache, dim)
-    cache = _kernel_view(kv_cache)
+    cache = kernel_view(kv_cache)
     block_d = triton.next_power_of_2(dim)
     grid = (batch, hq, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
-        q, cache, block_tables, seq_lens, query_start_loc, out, scale, sliding_window or 0,
-        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
-        cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
+        q, cache, block_tables, seq_lens, query_start_loc, out, scale, softcap or 0.0,
+        sliding_window or 0, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
+        cache.stride(2), cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=hq // hk, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=dim,
-        BLOCK_D=block_d, USE_DOT=min(block_m, block_size, block_d) >= 16, KV_KIND=kind)
+        BLOCK_D=block_d, USE_DOT=min(block_m, block_size, block_d) >= 16, KV_KIND=kind,
+        SOFTCAP=softcap is not None)
     return out
 
 
@@ -388,27 +354,53 @@ def self_check(device: torch.device | str, dtype: torch.dtype = torch.float32,
     ref.write_kv_cache(k, v, expect, slots)
     if not torch.equal(cache, expect):
         raise RuntimeError("Triton write_kv differs from the reference")
+    _check_rotary_write(device, dtype, cache, g)
     tables = torch.tensor([[1, 2, 0], [3, 4, 5]], device=device)
-    lens = torch.tensor([20, 41], device=device)
+    lens = torch.tensor([41, 20], device=device)
     q = torch.randn(2, hq, dim, generator=g).to(device, dtype)
     tol = 1e-3 if dtype == torch.float32 else 3e-2
-    got = paged_decode(q, cache, tables, lens, 0.125, None)
-    want = torch.cat([ref._decode(q[i:i + 1], cache, tables[i:i + 1], lens[i:i + 1],
-                                  int(lens[i]), 0.125, None) for i in range(2)])
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    meta = ref.AttentionMetadata(query_start_loc=torch.arange(3, device=device),
+                                 positions=lens - 1, block_tables=tables, seq_lens=lens,
+                                 seq_lens_list=[41, 20], num_decodes=2)
+    wide = torch.cat([tables, tables.new_zeros(2, ONE_PASS_MAX_BLOCKS)], dim=1)
+    for t in (tables, wide):  # the one-pass kernel, then the split one and the merge
+        got = paged_decode(q, cache, t, lens, 0.125, None)
+        want = ref.paged_attention(q, cache, meta, 0.125, None)
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        got = paged_decode(q, cache, t, lens, 0.125, None, softcap=2.0)
+        want = ref.softcapped_attention(q, None, None, meta, 0.125, None, cache, 2.0)
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     starts = torch.tensor([0, 2, 20], device=device)
     q = torch.randn(20, hq, dim, generator=g).to(device, dtype)
     got = paged_prefill(q, cache, tables, lens, starts, 18, 0.125, None)
     want = torch.cat([ref._prefill_one(q[s:e], cache, tables[b], int(lens[b]), 0.125, None)
                       for b, (s, e) in enumerate([(0, 2), (2, 20)])])
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    got = paged_prefill(q, cache, tables, lens, starts, 18, 0.125, None, softcap=2.0)
+    meta.query_start_loc, meta.num_decodes = starts, 0
+    want = ref.softcapped_attention(q, None, None, meta, 0.125, None, cache, 2.0)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def dequantize_cache(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """A quantized cache as fp32 values [2, Hk, blocks, block_size, D] (codes * scales)."""
-    raw = kv_cache.view(torch.int8)
-    codes = raw[..., :head_dim].contiguous().view(kv_cache.dtype).to(torch.float32)
-    return codes * raw[..., head_dim:].contiguous().view(torch.float32)
+def _check_rotary_write(device: torch.device | str, dtype: torch.dtype, cache: torch.Tensor,
+                        g: torch.Generator) -> None:
+    """rotary_write_kv (partial rotary) against the reference's rotary and KV write."""
+    from kvray.kernels import attention as ref
+    from kvray.kernels.rotary import RotaryEmbedding
+
+    hk, dim = cache.shape[1], cache.shape[-1]
+    rotary = RotaryEmbedding(dim, 10000.0, None, 64, rot_dim=dim // 2)
+    q = torch.randn(3, 2 * hk, dim, generator=g).to(device, dtype)
+    k, v = (torch.randn(3, hk, dim, generator=g).to(device, dtype) for _ in range(2))
+    positions = torch.tensor([2, 40, 7], device=device)
+    slots = torch.tensor([5, 6, 33], device=device)
+    want_q, want_k = rotary(positions, q.clone(), k)
+    expect = cache.clone()
+    ref.write_kv_cache(want_k, v, expect, slots)
+    rotary_write_kv(q, k, v, positions, *rotary.tables(positions), cache, slots)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(q, want_q, rtol=tol, atol=tol)
+    torch.testing.assert_close(cache, expect, rtol=tol, atol=tol)
 
 
 def _self_check_quantized(device: torch.device | str, dtype: torch.dtype,

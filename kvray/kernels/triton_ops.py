@@ -3,7 +3,9 @@ place, SiLU-and-mul, and a MoE layer's experts as two grouped GEMMs
 (:mod:`kvray.kernels.triton_moe`). The GPU twins of :mod:`kvray.kernels.cpu_ops` (same names and
 signatures, so :func:`kvray.models.llama.use_fused_ops` installs either), each one kernel
 launch where the PyTorch reference takes three to six; at decode sizes the launches, not
-the bytes, are the cost.
+the bytes, are the cost. Two more have no CPU twin: :func:`rms_norm_fp8` (the norm's output
+quantized per token for an FP8 GEMM in the same launch) and :func:`rotary_write_kv` (rotary
+and the paged KV-cache write in one launch, :mod:`kvray.kernels.triton_kv`).
 
 Rounding follows the PyTorch references (:mod:`kvray.kernels.norm`, ``rotary._rotate``,
 ``F.silu(gate) * up``): fp32 inside, cast to the activation dtype where they cast. The tests
@@ -16,10 +18,21 @@ import torch
 import triton
 import triton.language as tl
 
+from kvray.kernels.triton_kv import encode_fp8, rotary_write_kv, rotated_head
+from kvray.quant.fp8 import FP8_E4M3_MAX, MIN_ACTIVATION_SCALE, Fp8Rows
+from kvray.quant.tensor import BLOCK, round_up
+
+__all__ = ["fused_moe", "rms_norm", "rms_norm_fp8", "rotary_inplace", "rotary_write_kv",
+           "self_check", "silu_and_mul"]
+
+_FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, eps,
-                     N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scales_ptr, stride_x, stride_r,
+                     stride_o, eps, min_scale, N: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr,
+                     N_PADDED: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
@@ -33,15 +46,24 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)
     normed = (x32 * rstd).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(dtype), mask=mask)
+    y = (normed * w).to(dtype)
+    if FP8_OUT:  # quantize_fp8_activations' codes (zero-padded to N_PADDED) and scale
+        yf = tl.where(mask, y.to(tl.float32), 0.0)
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(yf), 0), _FP8_MAX), min_scale)
+        v = tl.minimum(tl.maximum(tl.div_rn(yf, scale), -_FP8_MAX), _FP8_MAX)
+        codes = encode_fp8(v, 3, 7, 0x7E).to(tl.int8)
+        tl.store(out_ptr + row * stride_o + offs, codes, mask=offs < N_PADDED)
+        tl.store(scales_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm over the last dimension; with ``residual``, ``residual += x`` in place first
-    and the sum is normalised (:func:`kvray.kernels.cpu_ops.rms_norm`'s contract)."""
-    shape = x.shape
-    n = shape[-1]
+def _norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None, fp8_out: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(output rows [R, N] in x's dtype, or e4m3 codes [R, N padded] and scales [R, 1]) of
+    the rows of ``x`` (residual added in place first)."""
+    n = x.shape[-1]
     flat = x.reshape(-1, n)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
@@ -49,34 +71,46 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         res = residual.view(-1, n)
         assert res.stride(-1) == 1, "residual must have a contiguous last dimension"
-    out = torch.empty((flat.shape[0], n), dtype=x.dtype, device=x.device)
-    if flat.shape[0]:
-        _rms_norm_kernel[(flat.shape[0],)](
-            flat, res if res is not None else flat, weight, out, flat.stride(0),
-            res.stride(0) if res is not None else 0, out.stride(0), float(eps),
-            N=n, BLOCK_N=triton.next_power_of_2(n), HAS_RESIDUAL=res is not None)
-    return out.view(shape)
+    rows = flat.shape[0]
+    n_out = round_up(n, BLOCK) if fp8_out else n
+    out = torch.empty((rows, n_out), dtype=torch.float8_e4m3fn if fp8_out else x.dtype,
+                      device=x.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if fp8_out else None
+    if rows:
+        _rms_norm_kernel[(rows,)](
+            flat, res if res is not None else flat, weight,
+            out.view(torch.int8) if fp8_out else out, scales if fp8_out else out,
+            flat.stride(0), res.stride(0) if res is not None else 0, out.stride(0), float(eps),
+            MIN_ACTIVATION_SCALE, N=n, BLOCK_N=triton.next_power_of_2(n_out),
+            HAS_RESIDUAL=res is not None, FP8_OUT=fp8_out, N_PADDED=n_out)
+    return out, scales
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension; with ``residual``, ``residual += x`` in place first
+    and the sum is normalised (:func:`kvray.kernels.cpu_ops.rms_norm`'s contract)."""
+    return _norm_launch(x, weight, eps, residual, fp8_out=False)[0].view(x.shape)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> Fp8Rows:
+    """:func:`rms_norm` of the rows of ``x`` [R, N] handed over quantized for an FP8 GEMM,
+    in the same launch: exactly ``quantize_fp8_activations(rms_norm(...))`` (per-row e4m3
+    codes zero-padded to a multiple of 32 columns, fp32 scales), without the norm's output
+    ever written. ``residual += x`` in place first, as :func:`rms_norm` does."""
+    codes, scales = _norm_launch(x, weight, eps, residual, fp8_out=True)
+    return Fp8Rows(codes, scales, x.dtype, x.shape[-1])
 
 
 @triton.jit
 def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_cos,
-                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    offs = tl.arange(0, BLOCK_HALF)
-    mask = offs < HALF
-    pos = tl.load(pos_ptr + t)
-    base = x_ptr + t * stride_t + h * stride_h
-    x1 = tl.load(base + offs, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
-    dtype = x1.dtype
-    # cos/sin rounded to x's dtype first, as the reference does
-    c = tl.load(cos_ptr + pos * stride_cos + offs, mask=mask, other=0.0).to(dtype)
-    s = tl.load(sin_ptr + pos * stride_cos + offs, mask=mask, other=0.0).to(dtype)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    cf, sf = c.to(tl.float32), s.to(tl.float32)
-    tl.store(base + offs, (x1f * cf - x2f * sf).to(dtype), mask=mask)
-    tl.store(base + HALF + offs, (x2f * cf + x1f * sf).to(dtype), mask=mask)
+                   HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    base = x_ptr + tl.program_id(0) * stride_t + tl.program_id(1) * stride_h
+    offs_d = tl.arange(0, BLOCK_D)
+    x = rotated_head(base, tl.load(pos_ptr + tl.program_id(0)), cos_ptr, sin_ptr, stride_cos,
+                     offs_d, offs_d < HEAD_DIM, HALF)
+    tl.store(base + offs_d, x, mask=offs_d < 2 * HALF)
 
 
 def rotary_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -87,10 +121,9 @@ def rotary_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     num_tokens, heads, dim = x.shape
     assert x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride()
     if num_tokens and heads:
-        half = dim // 2
         _rotary_kernel[(num_tokens, heads)](
             x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
-            HALF=half, BLOCK_HALF=triton.next_power_of_2(half))
+            HALF=dim // 2, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim))
     return x
 
 
@@ -137,6 +170,7 @@ def self_check(device: torch.device | str, dtype: torch.dtype = torch.float32) -
 
     from kvray.kernels.norm import rms_norm as ref_rms_norm
     from kvray.kernels.rotary import _rotate
+    from kvray.quant.fp8 import quantize_fp8_activations
 
     g = torch.Generator().manual_seed(0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -155,6 +189,11 @@ def self_check(device: torch.device | str, dtype: torch.dtype = torch.float32) -
                    freqs.sin()[pos].unsqueeze(1).to(dtype))
     torch.testing.assert_close(rotary_inplace(qk, pos, freqs.cos(), freqs.sin()), want,
                                rtol=tol, atol=tol)
+    want_codes, want_scales = quantize_fp8_activations(rms_norm(x, w, 1e-6))
+    rows = rms_norm_fp8(x, w, 1e-6)
+    if not (torch.equal(rows.codes.view(torch.uint8), want_codes.view(torch.uint8))
+            and torch.equal(rows.scales, want_scales)):
+        raise RuntimeError("Triton rms_norm_fp8 differs from the norm's quantized output")
     gate_up = torch.randn(3, 80, generator=g).to(device, dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, rtol=tol, atol=tol)

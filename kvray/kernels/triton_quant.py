@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvray.quant.fp8 import quantize_fp8_activations
+from kvray.quant.fp8 import Fp8Rows, quantize_fp8_activations
 from kvray.quant.tensor import QuantKind, QuantSegment, QuantTensor
 
 
@@ -203,48 +203,69 @@ def scaled_mm_supported(seg: QuantSegment, x: torch.Tensor) -> bool:
     """Whether an F8 segment times ``x`` can go to ``torch._scaled_mm``: 16-bit activations
     on a GPU with FP8 tensor cores (capability >= 8.9), one scale per output channel, and
     rows a multiple of 16 (cuBLASLt's rule)."""
-    if seg.kind != QuantKind.F8 or x.device.type != "cuda" or seg.group != seg.k_padded:
+    return scaled_mm_possible(seg, x.device, x.dtype)
+
+
+def scaled_mm_possible(seg: QuantSegment, device: torch.device, dtype: torch.dtype) -> bool:
+    """:func:`scaled_mm_supported` for activations of ``dtype`` on ``device``."""
+    if seg.kind != QuantKind.F8 or device.type != "cuda" or seg.group != seg.k_padded:
         return False
-    if x.dtype not in (torch.float16, torch.bfloat16):
+    if dtype not in (torch.float16, torch.bfloat16):
         return False
     if seg.rows % 16 or not hasattr(torch, "_scaled_mm"):
         return False
-    return torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _segment_scaled_mm(x: torch.Tensor, seg: QuantSegment, bias: torch.Tensor | None,
+def takes_fp8_rows(qt: QuantTensor, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :func:`linear_quant` can take ``qt``'s input as :class:`Fp8Rows` (activations
+    of ``dtype`` quantized before the call, by a fused norm): every segment goes to
+    ``torch._scaled_mm`` and no input permutation reorders the columns."""
+    return qt.input_perm is None and all(scaled_mm_possible(seg.basic(), device, dtype)
+                                         for seg in qt.segments)
+
+
+def _segment_scaled_mm(rows: Fp8Rows, seg: QuantSegment, bias: torch.Tensor | None,
                        y: torch.Tensor) -> None:
     """FP8 x FP8 on tensor cores: per-token e4m3 activations, per-channel weight scales."""
-    x_fp8, x_scales = quantize_fp8_activations(x)
     w = seg.codes.view(torch.float8_e4m3fn)
     if w.stride(-1) != 1:
         w = w.contiguous()
     w_scales = seg.scales.to(torch.float32).reshape(1, -1)
-    out = torch._scaled_mm(x_fp8, w.t(), scale_a=x_scales, scale_b=w_scales,
+    out = torch._scaled_mm(rows.codes, w.t(), scale_a=rows.scales, scale_b=w_scales,
                            out_dtype=torch.bfloat16)
     y.copy_(out if bias is None else out + bias)
 
 
-def linear_quant(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None
+def linear_quant(x: torch.Tensor | Fp8Rows, qt: QuantTensor, bias: torch.Tensor | None = None
                  ) -> torch.Tensor:
     """``x [M, K] @ qt^T (+ bias)`` -> [M, N] in x's dtype (fp16, bf16 or fp32), with ``qt``'s
-    segments (and ``bias``) on x's device. Each segment writes its own rows of the output."""
-    if x.dim() != 2 or x.shape[1] != qt.shape[1]:
-        raise ValueError(f"activations {tuple(x.shape)} for a {qt.shape} weight")
-    if qt.input_perm is not None:  # act-order: the codes' columns are stored permuted
-        x = x.index_select(1, qt.input_perm.to(x.device))
-    x = _row_contiguous(x)
-    m, n = x.shape[0], qt.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    segments (and ``bias``) on x's device. Each segment writes its own rows of the output.
+    ``x`` may come quantized already (:class:`Fp8Rows`, where :func:`takes_fp8_rows`)."""
+    width = x.width if isinstance(x, Fp8Rows) else x.shape[-1]
+    if width != qt.shape[1] or (not isinstance(x, Fp8Rows) and x.dim() != 2):
+        raise ValueError(f"activations of width {width} for a {qt.shape} weight")
+    rows = x if isinstance(x, Fp8Rows) else None
+    if rows is None:
+        if qt.input_perm is not None:  # act-order: the codes' columns are stored permuted
+            x = x.index_select(1, qt.input_perm.to(x.device))
+        x = _row_contiguous(x)
+    like = rows.codes if rows is not None else x
+    m, n = like.shape[0], qt.shape[0]
+    y = torch.empty(m, n, dtype=rows.dtype if rows is not None else x.dtype,
+                    device=like.device)
     if m == 0:
         return y
     row0 = 0
+    quantized = rows  # x's FP8 rows, made once where a segment takes them
     for seg in qt.segments:
         seg = seg.basic()  # a no-op for what install_quantized prepared
         y_seg = y.narrow(1, row0, seg.rows)
         b_seg = None if bias is None else bias.narrow(0, row0, seg.rows)
-        if scaled_mm_supported(seg, x):
-            _segment_scaled_mm(x, seg, b_seg, y_seg)
+        if rows is not None or scaled_mm_supported(seg, x):
+            if quantized is None:
+                quantized = Fp8Rows(*quantize_fp8_activations(x), x.dtype, width)
+            _segment_scaled_mm(quantized, seg, b_seg, y_seg)
         else:
             _segment_gemm(x, seg, b_seg, y_seg)
         row0 += seg.rows

@@ -10,6 +10,8 @@ block of zeros gets scale 1. The result is a one-segment ``F8`` :class:`QuantTen
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +44,18 @@ def quantize_fp8(w: torch.Tensor, block: int | None = None) -> QuantTensor:
     codes = codes.to(torch.float8_e4m3fn).view(torch.uint8).view(n, k_padded)
     seg = QuantSegment(QuantKind.F8, group, codes, scales.contiguous())
     return QuantTensor((n, k), (seg,), source="fp8" if block is None else f"fp8 block {block}")
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activation rows already quantized per token for an FP8 GEMM, as
+    :func:`quantize_fp8_activations` makes them (a fused norm hands them over this way),
+    with what the rows were before: their dtype (the GEMM's output dtype) and width K."""
+
+    codes: torch.Tensor  # [M, K rounded up to 32] e4m3, zero-padded
+    scales: torch.Tensor  # [M, 1] fp32
+    dtype: torch.dtype
+    width: int
 
 
 def quantize_fp8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
