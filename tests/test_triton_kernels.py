@@ -102,15 +102,24 @@ def test_write_kv_fills_the_same_slots_as_the_reference():
 MAX_TOKENS = 6
 
 
-# GQA; MQA + llama3 rope + tied embeddings; qk-norm + head dim 24 (the interpreter takes
-# ~25 s per architecture: the other two parity models add no kernel path)
+# GQA; MQA + llama3 rope + tied embeddings; qk-norm + head dim 24; Gemma 2's capped scores
+# (in the kernels) and Phi-4-mini's partial rotary (in the fused rotary + KV write). The
+# interpreter takes ~25 s per architecture.
 @pytest.mark.engine
-@pytest.mark.parametrize("arch", ["llama_gqa", "llama3_rope_tied", "qwen3_qknorm_headdim"])
-def test_engine_with_triton_backend_gives_transformers_greedy_tokens(arch, tiny_model_dir):
+@pytest.mark.parametrize("arch", ["llama_gqa", "llama3_rope_tied", "qwen3_qknorm_headdim",
+                                  "gemma2_softcap", "phi4_partial_rotary"])
+def test_engine_with_triton_backend_gives_transformers_greedy_tokens(arch, tiny_model_dir,
+                                                                     monkeypatch):
     """Chunked prefill over cached prefixes, preemption in a tight cache, decode: every
-    attention call and every norm, rotary and SiLU-and-mul through the Triton kernels."""
+    attention call (capped scores too: never the reference) and every norm, rotary and
+    SiLU-and-mul through the Triton kernels."""
     from kvray import LLM, SamplingParams
     from tests.helpers.tiny_models import VOCAB_SIZE, load_hf
+
+    def no_reference(*args):
+        raise AssertionError("capped scores fell back to the PyTorch reference")
+
+    monkeypatch.setattr(ref, "softcapped_attention", no_reference)
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (30, 15, 14)]
@@ -127,7 +136,7 @@ def test_engine_with_triton_backend_gives_transformers_greedy_tokens(arch, tiny_
     assert runner.attention_backend == "triton"
     from kvray.kernels import triton_ops
 
-    assert runner.model.model.norm.fused is triton_ops.rms_norm
+    assert getattr(runner.model.model.norm, "fused", triton_ops.rms_norm) is triton_ops.rms_norm
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want

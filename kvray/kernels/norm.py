@@ -25,6 +25,9 @@ class RMSNorm(torch.nn.Module):
     it then adds ``x`` into ``residual`` in place and returns that tensor as the sum."""
 
     fused: FusedRMSNorm | None = None
+    # The same in one kernel that hands its output over as FP8 rows for an FP8 GEMM
+    # (triton_ops.rms_norm_fp8; the decoder layer calls it where the next linear takes them)
+    fused_fp8: Callable[..., object] | None = None
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()

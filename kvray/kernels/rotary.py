@@ -167,6 +167,9 @@ class RotaryEmbedding(torch.nn.Module):
     """
 
     fused_inplace: Callable[..., torch.Tensor] | None = None
+    # rotary + KV-cache write in one launch (triton_ops.rotary_write_kv's signature), set
+    # with the Triton kernels, whose cache it writes
+    fused_write: Callable[..., None] | None = None
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
                  max_positions: int, model_max_positions: int | None = None,
@@ -228,6 +231,14 @@ class RotaryEmbedding(torch.nn.Module):
                 self.sin[positions].unsqueeze(1).to(dtype))
         self._last = (key, positions, pair)
         return pair
+
+    def rotate_and_write(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+        """Rotate q [T, Hq, D] in place and write the rotated k and v [T, Hk, D] into their
+        cache slots, in one ``fused_write`` call (partial rotary included)."""
+        assert self.fused_write is not None, "rotate_and_write needs the fused kernel"
+        self.fused_write(q, k, v, positions, *self.tables(positions), kv_cache, slot_mapping)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T] -> rotated (q, k)."""

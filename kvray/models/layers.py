@@ -66,6 +66,9 @@ class SmallMMatmul:
     quant: QuantTensor | None = None
     qweight: torch.Tensor | None = None
     quant_matmul: Callable[..., torch.Tensor] | None = None
+    # The quantized matmul takes its input as FP8 rows (kvray.quant.fp8.Fp8Rows) that a
+    # fused norm quantized (an FP8 weight on a GPU with FP8 tensor cores)
+    takes_fp8_rows: bool = False
 
     @property
     def is_quantized(self) -> bool:

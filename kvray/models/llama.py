@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvray.kernels.attention import AttentionMetadata, attention
+from kvray.kernels.attention import AttentionMetadata, attention, paged_attention
 from kvray.kernels.norm import GemmaRMSNorm, RMSNorm
 from kvray.kernels.rotary import RotaryEmbedding
 from kvray.models.layers import (
+    LinearBase,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -28,6 +29,7 @@ from kvray.models.layers import (
 from kvray.models.moe import MoEExperts, SparseMoeBlock
 from kvray.models.spec import ModelSpec
 from kvray.parallel import ParallelContext, pp_layer_range
+from kvray.quant.fp8 import Fp8Rows
 
 # checkpoint projection name -> (fused parameter name, shard id)
 STACKED_PARAMS = {
@@ -69,6 +71,9 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         num_tokens = qkv.shape[0]
         v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if kv_cache is not None and self.rotary.fused_write is not None:
+            return self.o_proj(self._rotate_write_attend(qkv, v, meta, kv_cache)
+                               .reshape(-1, q_size))
         if self.q_norm is None:  # rotate q and k together: half the small ops per layer
             qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
             q, k = self.rotary.rotate_qk(meta.positions, qk).split(
@@ -80,6 +85,20 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary(meta.positions, q, k)
         out = attention(q, k, v, meta, self.scale, self.sliding_window, kv_cache, self.softcap)
         return self.o_proj(out.reshape(-1, q_size))
+
+    def _rotate_write_attend(self, qkv: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                             kv_cache: torch.Tensor) -> torch.Tensor:
+        """Attention with q and k rotated and k, v written to the cache in one kernel call
+        (the rotary's ``fused_write``): q turned in place inside ``qkv``, or in the q
+        norm's output."""
+        num_tokens = qkv.shape[0]
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        self.rotary.rotate_and_write(meta.positions, q, k, v, kv_cache, meta.slot_mapping)
+        return paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
 
 
 class LlamaMLP(nn.Module):
@@ -162,17 +181,32 @@ class LlamaDecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.takes_fused_decode(hidden, residual, meta, kv_cache):
             return self._fused_decode(hidden, residual, meta, kv_cache)
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self._norm_into(self.input_layernorm, hidden, residual,
+                                           self.self_attn.qkv_proj)
         hidden = self.self_attn(hidden, meta, kv_cache)
         if self.sandwich:
             hidden = self.post_attention_layernorm(hidden)
             hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
             return self.post_feedforward_layernorm(self.mlp(hidden)), residual
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        next_linear = self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else None
+        hidden, residual = self._norm_into(self.post_attention_layernorm, hidden, residual,
+                                           next_linear)
         return self.mlp(hidden), residual
+
+    @staticmethod
+    def _norm_into(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None,
+                   linear: LinearBase | None) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        """(``norm(hidden + residual)``, the sum) as ``linear``'s input: as FP8 rows from the
+        norm's own kernel where the linear takes them and no adapter reads its input (one
+        launch for the add, the norm and the activations' quantization), else the rows."""
+        fused_fp8 = getattr(norm, "fused_fp8", None)
+        if fused_fp8 is not None and linear is not None and linear.takes_fp8_rows \
+                and not linear.lora_active():
+            rows = fused_fp8(hidden, norm.weight, norm.eps, residual)
+            return rows, hidden if residual is None else residual
+        if residual is None:
+            return norm(hidden), hidden
+        return norm(hidden, residual)
 
     def _fused_decode(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                       meta: AttentionMetadata, kv_cache: torch.Tensor
@@ -407,12 +441,16 @@ def use_fused_ops(model: nn.Module, ops: ModuleType) -> None:
     """Route the decoder's norms, rotary embedding and MLP activation through fused ops
     (:mod:`kvray.kernels.cpu_ops` on CPU, :mod:`kvray.kernels.triton_ops` on GPU): one call
     each instead of several tiny PyTorch ops, whose dispatch (CPU) or launches (GPU) dominate
-    a decode step's elementwise work."""
+    a decode step's elementwise work. Where ``ops`` has them (Triton), also the rotary that
+    writes the KV cache in the same launch and the norm that quantizes its output for an
+    FP8 linear."""
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.fused = ops.rms_norm
+            module.fused_fp8 = getattr(ops, "rms_norm_fp8", None)
         elif isinstance(module, RotaryEmbedding):
             module.fused_inplace = ops.rotary_inplace
+            module.fused_write = getattr(ops, "rotary_write_kv", None)
         elif isinstance(module, LlamaMLP):
             module.fused_silu_and_mul = ops.silu_and_mul
         elif isinstance(module, MoEExperts):

@@ -23,6 +23,7 @@ from torch import nn
 from kvray.kernels.plan import KernelPlan
 from kvray.models.layers import SmallMMatmul, VocabParallelEmbedding
 from kvray.models.moe import MoEExperts
+from kvray.quant.fp8 import Fp8Rows
 from kvray.quant.tensor import QuantKind, QuantTensor
 
 logger = logging.getLogger("kvray")
@@ -226,8 +227,15 @@ def _bind(module: nn.Module, kind: str, plan: KernelPlan) -> None:
         return
     if isinstance(module, SmallMMatmul):
         module.quant_matmul = _cpu_matmul if kind == "blob" else _triton_matmul
+        module.takes_fp8_rows = kind == "segments" and _takes_fp8_rows(module.quant, plan)
     if isinstance(module, VocabParallelEmbedding):
         module.quant_lookup = _cpu_lookup if kind == "blob" else _segments_lookup
+
+
+def _takes_fp8_rows(qt: QuantTensor, plan: KernelPlan) -> bool:
+    from kvray.kernels import triton_quant
+
+    return triton_quant.takes_fp8_rows(qt, torch.device(plan.device_type), plan.dtype)
 
 
 def _cpu_matmul(module: SmallMMatmul, x: torch.Tensor, bias: torch.Tensor | None
@@ -249,6 +257,8 @@ def _triton_matmul(module: SmallMMatmul, x: torch.Tensor, bias: torch.Tensor | N
                    ) -> torch.Tensor:
     from kvray.kernels import triton_quant
 
+    if isinstance(x, Fp8Rows):  # quantized by the norm before
+        return triton_quant.linear_quant(x, module.quant, bias)
     shape = x.shape
     y = triton_quant.linear_quant(x.reshape(-1, shape[-1]), module.quant, bias)
     return y.view(*shape[:-1], y.shape[-1])
