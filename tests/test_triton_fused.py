@@ -264,3 +264,26 @@ def test_capped_scores_take_the_kernels_only_where_they_cap(monkeypatch):
     ref.paged_attention(q, cache, meta, 0.125, None, softcap=30.0)
     assert len(calls) == 1
 
+
+# ---- launches per decoder layer ------------------------------------------------------------
+
+@pytest.mark.parity
+def test_fused_decoder_layer_launches_fewer_kernels_and_computes_the_same():
+    """One decode step of a tiny Llama's layer on the Triton path: rotary + KV write fused
+    and the one-pass decode save launches (the profiler counts the same on a GPU), and the
+    layer's output and cache are the unfused path's."""
+    from kvray.testing.kernel_count import decode_layer_launches, tiny_llama, unfuse
+
+    fused_model, plan = tiny_llama()
+    plain_model, _ = tiny_llama()
+    unfuse(plain_model)
+    fused, fused_out = decode_layer_launches(fused_model, plan, context_len=40)
+    plain, plain_out = decode_layer_launches(plain_model, plan, context_len=40)
+    long_fused, _ = decode_layer_launches(fused_model, plan, context_len=40, table_blocks=64)
+    assert fused.triton["rotary_write_kv_kernel"] == 1 and "write_kv_kernel" not in fused.triton
+    assert fused.triton["decode_one_pass_kernel"] == 1 and "decode_merge_kernel" not in fused.triton
+    assert long_fused.triton["decode_merge_kernel"] == 1
+    assert fused.total == plain.total - 1 and long_fused.total == fused.total + 1
+    assert fused.torch == {"linear": 4}, "no copies or other PyTorch ops between kernels"
+    for a, b in zip(fused_out, plain_out, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
