@@ -129,6 +129,17 @@ def test_rms_norm_fp8_equals_norm_then_activation_quantization(rows, width, dtyp
 
 
 @pytest.mark.parity
+@pytest.mark.parametrize("rows,width", [(1, 64), (4, 100), (3, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_fp8_rows_equals_torch_activation_quantization(rows, width, dtype):
+    x = _rand(rows, width, seed=19, dtype=dtype) * 3
+    got = triton_ops.quantize_fp8_rows(x[:, :width])
+    codes, scales = quantize_fp8_activations(x)
+    assert torch.equal(got.codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(got.scales, scales) and got.dtype == dtype and got.width == width
+
+
+@pytest.mark.parity
 def test_rms_norm_fp8_of_a_zero_row_takes_the_least_scale():
     x = torch.zeros(2, 64, device=DEVICE)
     got = triton_ops.rms_norm_fp8(x, torch.ones(64, device=DEVICE), 1e-6)
@@ -150,6 +161,25 @@ def test_linear_takes_fp8_rows_from_the_norm_as_it_would_quantize_them(m, monkey
     want = triton_quant.linear_quant(triton_ops.rms_norm(x, w, 1e-6), qt, bias)
     got = triton_quant.linear_quant(triton_ops.rms_norm_fp8(x, w, 1e-6), qt, bias)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("segments", [1, 2])
+@pytest.mark.parametrize("m", [1, 6])
+def test_fp8_tensor_core_path_matches_the_dequantized_weight(segments, m, monkeypatch):
+    """The GEMM on FP8 rows (one segment: straight out of torch._scaled_mm, its bias in the
+    epilogue; several: each into its columns) within e4m3's rounding of x @ W^T + b."""
+    monkeypatch.setattr(triton_quant, "scaled_mm_possible",
+                        lambda seg, device, dtype: seg.kind == triton_quant.QuantKind.F8)
+    parts = [quantize_fp8(torch.randn(32, 96, generator=_gen(20 + i))) for i in range(segments)]
+    qt = triton_quant.QuantTensor((32 * segments, 96),
+                                  tuple(s for p in parts for s in p.segments)).to(DEVICE)
+    x = _rand(m, 96, seed=22, dtype=torch.bfloat16)
+    bias = _rand(32 * segments, seed=23, dtype=torch.bfloat16)
+    got = triton_quant.linear_quant(x, qt, bias)
+    want = x.double() @ qt.dequantize(torch.float64).T + bias.double()
+    assert got.shape == (m, 32 * segments) and got.dtype == torch.bfloat16
+    assert (got.double() - want).abs().max() <= 0.08 * want.abs().max()
 
 
 @pytest.mark.unit
@@ -287,3 +317,28 @@ def test_fused_decoder_layer_launches_fewer_kernels_and_computes_the_same():
     assert fused.torch == {"linear": 4}, "no copies or other PyTorch ops between kernels"
     for a, b in zip(fused_out, plain_out, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parity
+def test_fp8_decoder_layer_quantizes_in_its_norms_and_computes_the_same(monkeypatch):
+    """With FP8 linears on FP8 tensor cores (torch._scaled_mm: its CPU kernels stand in
+    here), the norms before qkv_proj and gate_up_proj hand over FP8 rows in their own
+    launch instead of a norm and the activation quantization's PyTorch ops."""
+    from kvray.testing.kernel_count import decode_layer_launches, tiny_llama, unfuse
+
+    monkeypatch.setattr(triton_quant, "scaled_mm_possible",
+                        lambda seg, device, dtype: seg.kind == triton_quant.QuantKind.F8)
+    fused_model, plan = tiny_llama(dtype=torch.bfloat16, quantization="fp8")
+    plain_model, _ = tiny_llama(dtype=torch.bfloat16, quantization="fp8")
+    unfuse(plain_model)
+    attn = fused_model.model.layers[1].self_attn
+    assert attn.qkv_proj.takes_fp8_rows and attn.o_proj.takes_fp8_rows
+    fused, fused_out = decode_layer_launches(fused_model, plan, context_len=20)
+    plain, plain_out = decode_layer_launches(plain_model, plan, context_len=20)
+    assert fused.torch == plain.torch == {"_scaled_mm": 4}, "no copies, no PyTorch quantizing"
+    # two of the four linears' activations come quantized from the norm's kernel
+    assert fused.triton["fp8_rows_kernel"] == 2 and plain.triton["fp8_rows_kernel"] == 4
+    assert fused.total == plain.total - 3  # and rotary + KV write in one
+    for a, b in zip(fused_out, plain_out, strict=True):
+        assert torch.equal(a, b)
+

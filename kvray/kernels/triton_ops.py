@@ -22,8 +22,8 @@ from kvray.kernels.triton_kv import encode_fp8, rotary_write_kv, rotated_head
 from kvray.quant.fp8 import FP8_E4M3_MAX, MIN_ACTIVATION_SCALE, Fp8Rows
 from kvray.quant.tensor import BLOCK, round_up
 
-__all__ = ["fused_moe", "rms_norm", "rms_norm_fp8", "rotary_inplace", "rotary_write_kv",
-           "self_check", "silu_and_mul"]
+__all__ = ["fused_moe", "quantize_fp8_rows", "rms_norm", "rms_norm_fp8", "rotary_inplace",
+           "rotary_write_kv", "self_check", "silu_and_mul"]
 
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
@@ -47,15 +47,50 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scales_ptr, stride_x, strid
     normed = (x32 * rstd).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (normed * w).to(dtype)
-    if FP8_OUT:  # quantize_fp8_activations' codes (zero-padded to N_PADDED) and scale
-        yf = tl.where(mask, y.to(tl.float32), 0.0)
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(yf), 0), _FP8_MAX), min_scale)
-        v = tl.minimum(tl.maximum(tl.div_rn(yf, scale), -_FP8_MAX), _FP8_MAX)
-        codes = encode_fp8(v, 3, 7, 0x7E).to(tl.int8)
-        tl.store(out_ptr + row * stride_o + offs, codes, mask=offs < N_PADDED)
-        tl.store(scales_ptr + row, scale)
+    if FP8_OUT:
+        _store_fp8_row(y, mask, offs, out_ptr + row * stride_o, scales_ptr + row, min_scale,
+                       N_PADDED)
     else:
         tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+
+@triton.jit
+def _store_fp8_row(y, mask, offs, codes_row, scale_ptr, min_scale, N_PADDED: tl.constexpr):
+    """quantize_fp8_activations of one row: its e4m3 codes (zero-padded to N_PADDED) and
+    fp32 scale, rounded as torch rounds."""
+    yf = tl.where(mask, y.to(tl.float32), 0.0)
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(yf), 0), _FP8_MAX), min_scale)
+    v = tl.minimum(tl.maximum(tl.div_rn(yf, scale), -_FP8_MAX), _FP8_MAX)
+    tl.store(codes_row + offs, encode_fp8(v, 3, 7, 0x7E).to(tl.int8), mask=offs < N_PADDED)
+    tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def _fp8_rows_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, min_scale,
+                     N: tl.constexpr, BLOCK_N: tl.constexpr, N_PADDED: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    _store_fp8_row(x, mask, offs, codes_ptr + row * stride_c, scales_ptr + row, min_scale,
+                   N_PADDED)
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> Fp8Rows:
+    """``quantize_fp8_activations(x)`` of the rows of ``x`` [M, K] in one launch, bit for
+    bit (the activations of an FP8 linear that no norm quantized: o_proj, down_proj)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, n = x.shape
+    n_out = round_up(n, BLOCK)
+    codes = torch.empty((rows, n_out), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(n_out)
+        _fp8_rows_kernel[(rows,)](x, codes.view(torch.int8), scales, x.stride(0),
+                                  codes.stride(0), MIN_ACTIVATION_SCALE, N=n, BLOCK_N=block,
+                                  N_PADDED=n_out, num_warps=min(16, max(4, block // 1024)))
+    return Fp8Rows(codes, scales, x.dtype, n)
 
 
 def _norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -190,10 +225,10 @@ def self_check(device: torch.device | str, dtype: torch.dtype = torch.float32) -
     torch.testing.assert_close(rotary_inplace(qk, pos, freqs.cos(), freqs.sin()), want,
                                rtol=tol, atol=tol)
     want_codes, want_scales = quantize_fp8_activations(rms_norm(x, w, 1e-6))
-    rows = rms_norm_fp8(x, w, 1e-6)
-    if not (torch.equal(rows.codes.view(torch.uint8), want_codes.view(torch.uint8))
-            and torch.equal(rows.scales, want_scales)):
-        raise RuntimeError("Triton rms_norm_fp8 differs from the norm's quantized output")
+    for rows in (rms_norm_fp8(x, w, 1e-6), quantize_fp8_rows(rms_norm(x, w, 1e-6))):
+        if not (torch.equal(rows.codes.view(torch.uint8), want_codes.view(torch.uint8))
+                and torch.equal(rows.scales, want_scales)):
+            raise RuntimeError("Triton FP8 activations differ from quantize_fp8_activations")
     gate_up = torch.randn(3, 80, generator=g).to(device, dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, rtol=tol, atol=tol)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvray.quant.fp8 import Fp8Rows, quantize_fp8_activations
+from kvray.quant.fp8 import Fp8Rows
 from kvray.quant.tensor import QuantKind, QuantSegment, QuantTensor
 
 
@@ -225,16 +225,24 @@ def takes_fp8_rows(qt: QuantTensor, device: torch.device, dtype: torch.dtype) ->
                                          for seg in qt.segments)
 
 
-def _segment_scaled_mm(rows: Fp8Rows, seg: QuantSegment, bias: torch.Tensor | None,
-                       y: torch.Tensor) -> None:
-    """FP8 x FP8 on tensor cores: per-token e4m3 activations, per-channel weight scales."""
+def _scaled_mm(rows: Fp8Rows, seg: QuantSegment, bias: torch.Tensor | None) -> torch.Tensor:
+    """FP8 x FP8 on tensor cores: per-token e4m3 activations, per-channel weight scales ->
+    bf16 (a bf16 bias added in the GEMM's epilogue)."""
     w = seg.codes.view(torch.float8_e4m3fn)
     if w.stride(-1) != 1:
         w = w.contiguous()
     w_scales = seg.scales.to(torch.float32).reshape(1, -1)
+    in_epilogue = bias is None or bias.dtype == torch.bfloat16
     out = torch._scaled_mm(rows.codes, w.t(), scale_a=rows.scales, scale_b=w_scales,
-                           out_dtype=torch.bfloat16)
-    y.copy_(out if bias is None else out + bias)
+                           bias=bias if in_epilogue else None, out_dtype=torch.bfloat16)
+    return out if in_epilogue else out + bias
+
+
+def _fp8_rows(x: torch.Tensor) -> Fp8Rows:
+    """x's rows quantized per token in one launch (``quantize_fp8_activations``'s codes)."""
+    from kvray.kernels.triton_ops import quantize_fp8_rows
+
+    return quantize_fp8_rows(x)
 
 
 def linear_quant(x: torch.Tensor | Fp8Rows, qt: QuantTensor, bias: torch.Tensor | None = None
@@ -252,8 +260,12 @@ def linear_quant(x: torch.Tensor | Fp8Rows, qt: QuantTensor, bias: torch.Tensor 
         x = _row_contiguous(x)
     like = rows.codes if rows is not None else x
     m, n = like.shape[0], qt.shape[0]
-    y = torch.empty(m, n, dtype=rows.dtype if rows is not None else x.dtype,
-                    device=like.device)
+    out_dtype = rows.dtype if rows is not None else x.dtype
+    single = qt.segments[0].basic() if len(qt.segments) == 1 else None
+    if m and out_dtype == torch.bfloat16 and single is not None \
+            and (rows is not None or scaled_mm_supported(single, x)):
+        return _scaled_mm(rows or _fp8_rows(x), single, bias)  # no copy into y
+    y = torch.empty(m, n, dtype=out_dtype, device=like.device)
     if m == 0:
         return y
     row0 = 0
@@ -263,9 +275,8 @@ def linear_quant(x: torch.Tensor | Fp8Rows, qt: QuantTensor, bias: torch.Tensor 
         y_seg = y.narrow(1, row0, seg.rows)
         b_seg = None if bias is None else bias.narrow(0, row0, seg.rows)
         if rows is not None or scaled_mm_supported(seg, x):
-            if quantized is None:
-                quantized = Fp8Rows(*quantize_fp8_activations(x), x.dtype, width)
-            _segment_scaled_mm(quantized, seg, b_seg, y_seg)
+            quantized = quantized or _fp8_rows(x)
+            y_seg.copy_(_scaled_mm(quantized, seg, b_seg))
         else:
             _segment_gemm(x, seg, b_seg, y_seg)
         row0 += seg.rows

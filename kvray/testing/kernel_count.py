@@ -55,9 +55,19 @@ class _TorchOps(TorchDispatchMode):
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.paused and not func.is_view and func._schema.name not in _NO_KERNEL:
+        out = func(*args, **(kwargs or {}))
+        if not self.paused and func._schema.name not in _NO_KERNEL \
+                and (not func.is_view or not _aliases(out, args)):
             self.counts[func._schema.name.removeprefix("aten::")] += 1
-        return func(*args, **(kwargs or {}))
+        return out
+
+
+def _aliases(out, args) -> bool:
+    """Whether a view-like op's output shares its input's memory (``to`` copies when the
+    dtype changes, ``reshape`` when the strides do not allow a view)."""
+    if not (isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor)):
+        return True
+    return out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()
 
 
 class _CountedKernel:
@@ -100,14 +110,17 @@ def count_launches() -> Iterator[LaunchCount]:
             setattr(module, name, obj)
 
 
-def tiny_llama(num_layers: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0):
+def tiny_llama(num_layers: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0,
+               quantization: str | None = None):
     """A random Llama (hidden 64, 4 query / 2 KV heads of 16, MLP 96) on CPU with the Triton
-    kernels installed (needs ``TRITON_INTERPRET=1``)."""
+    kernels installed as on a GPU (needs ``TRITON_INTERPRET=1``); ``quantization`` (``fp8``,
+    ``int8``) quantizes its linears online, read by the Triton GEMMs."""
     import transformers
 
     from kvray.kernels.plan import choose_kernel_plan
     from kvray.models.kernel_install import install_kernel_plan
     from kvray.models.loader import build_model
+    from kvray.models.quantized import quantize_online
     from kvray.models.spec import ModelSpec
     from kvray.parallel import ParallelContext
 
@@ -119,9 +132,12 @@ def tiny_llama(num_layers: int = 2, dtype: torch.dtype = torch.float32, seed: in
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    if quantization is not None:
+        quantize_online(model, quantization, torch.device("cpu"))
     # the GPU's plan: no CPU linear kernels (each linear one GEMM launch, F.linear here)
     plan = dataclasses.replace(choose_kernel_plan("triton", torch.device("cpu"), dtype, None, 1),
-                               linear_routes=None, onednn_bf16=False, huge_pages=False)
+                               linear_routes=None, onednn_bf16=False, huge_pages=False,
+                               quant_backend="triton")
     install_kernel_plan(model, plan)
     return model, plan
 
