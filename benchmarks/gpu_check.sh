@@ -5,13 +5,16 @@
 #   1. print the environment (GPU, CPU, Python and library versions) and check that
 #      kvray's offline path imports without ray, gguf and fastapi;
 #   2. the GPU tests: pytest tests/test_gpu.py, test_triton_kernels.py, test_triton_ops.py,
-#      test_triton_quant.py, test_cuda_graphs.py (those that exist; KVRAY_GPU_CHECK_TESTS
-#      overrides the list), under `timeout`;
+#      test_triton_quant.py, test_triton_fused.py, test_cuda_graphs.py (those that exist;
+#      KVRAY_GPU_CHECK_TESTS overrides the list), under `timeout`;
 #   3. the benchmark, benchmarks/gpu_bench.py (kvray vs transformers, roofline), under
 #      `timeout`; it writes gpu_bench.md / gpu_bench.json;
-#   4. the quantization benchmark, benchmarks/gpu_quant_bench.py (bf16 / fp8 / int4 weights
-#      and bf16 / int8 / fp8 KV caches on a Llama-8B shape, roofline), under `timeout`; it
-#      writes gpu_quant_bench.md / gpu_quant_bench.json.
+#   4. the quantization benchmark, benchmarks/gpu_quant_bench.py: bf16 / fp8 / int4 (AWQ and
+#      GPTQ's layout) weights on a 1.1B and an 8B Llama shape, the whole decode step at
+#      batch 1 and 64 (TPOT, tokens/s, % of the roofline of the bytes it reads, the step's
+#      parts, kernels per layer by the profiler), and bf16 / int8 / fp8 KV caches, under
+#      `timeout`; it writes gpu_quant_bench.md / gpu_quant_bench.json.
+# The default timeouts on a GPU (150 + 150 + 270 s) keep the whole check under 10 minutes.
 # Every step runs even if an earlier one failed; the exit status is non-zero if any failed.
 # Logs and results go to $OUT (default /tmp/kvray-gpu-check): env.log, pytest.log, bench.log,
 # gpu_bench.md, gpu_bench.json, quant.log, gpu_quant_bench.md, gpu_quant_bench.json,
@@ -23,8 +26,8 @@
 #
 # Knobs (environment): PYTHON (default: .venv/bin/python if present, else python3),
 # KVRAY_GPU_CHECK_SITE (wheel target, default /tmp/site), KVRAY_GPU_CHECK_TEST_TIMEOUT (s,
-# default 240), KVRAY_GPU_CHECK_BENCH_TIMEOUT (s, default 300), KVRAY_GPU_CHECK_QUANT_TIMEOUT
-# (s, default 240; 0 skips step 4).
+# default 150; smoke 240), KVRAY_GPU_CHECK_BENCH_TIMEOUT (s, default 150; smoke 300),
+# KVRAY_GPU_CHECK_QUANT_TIMEOUT (s, default 270; smoke 240; 0 skips step 4).
 set -uo pipefail
 
 START=$(date +%s)
@@ -52,9 +55,11 @@ else
     PY=python3
 fi
 SITE=${KVRAY_GPU_CHECK_SITE:-/tmp/site}
-TEST_TIMEOUT=${KVRAY_GPU_CHECK_TEST_TIMEOUT:-240}
-BENCH_TIMEOUT=${KVRAY_GPU_CHECK_BENCH_TIMEOUT:-300}
-QUANT_TIMEOUT=${KVRAY_GPU_CHECK_QUANT_TIMEOUT:-240}
+# A CPU smoke run (Triton's interpreter) is slower than a GPU's: longer defaults there.
+if [ "$SMOKE" = 1 ]; then DEFAULTS=(240 300 240); else DEFAULTS=(150 150 270); fi
+TEST_TIMEOUT=${KVRAY_GPU_CHECK_TEST_TIMEOUT:-${DEFAULTS[0]}}
+BENCH_TIMEOUT=${KVRAY_GPU_CHECK_BENCH_TIMEOUT:-${DEFAULTS[1]}}
+QUANT_TIMEOUT=${KVRAY_GPU_CHECK_QUANT_TIMEOUT:-${DEFAULTS[2]}}
 
 FAILED=()
 STEPS=()
@@ -152,7 +157,7 @@ if [ -n "${KVRAY_GPU_CHECK_TESTS:-}" ]; then
     read -r -a CANDIDATES <<< "$KVRAY_GPU_CHECK_TESTS"
 else
     CANDIDATES=(tests/test_gpu.py tests/test_triton_kernels.py tests/test_triton_ops.py
-                tests/test_triton_quant.py tests/test_cuda_graphs.py)
+                tests/test_triton_quant.py tests/test_triton_fused.py tests/test_cuda_graphs.py)
 fi
 TESTS=()
 for f in "${CANDIDATES[@]}"; do
@@ -171,7 +176,7 @@ fi
 
 # ---- 3. benchmark -------------------------------------------------------------------------
 banner "benchmark"
-BENCH_ARGS=(--out "$OUT")
+BENCH_ARGS=(--out "$OUT" --time-budget $(( BENCH_TIMEOUT * 2 / 3 )))
 [ "$SMOKE" = 1 ] && BENCH_ARGS+=(--smoke)
 timeout -k 10 "$BENCH_TIMEOUT" "$PY" benchmarks/gpu_bench.py "${BENCH_ARGS[@]}" \
     2>&1 | tee "$OUT/bench.log"

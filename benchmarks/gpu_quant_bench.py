@@ -1,26 +1,30 @@
 """Quantized weights and KV cache on one GPU: what each format costs per linear, per decode
 step and per batch-64 step, against the HBM roofline of the bytes it reads.
 
-A Llama-3-8B-shaped stack (hidden 4096, 32 layers, 32 heads / 8 KV heads of 128, MLP 14336,
-vocab 128256) is generated on the device in each weight format — distinct random weights
-per layer, so nothing stays in L2 — and run through kvray's kernels:
+Two Llama-shaped stacks — a 1.1B one (hidden 2048, 16 layers, 32 heads / 8 KV heads of 64,
+MLP 8192, vocab 32000) and a Llama-3-8B one (hidden 4096, 32 layers, 32 / 8 heads of 128, MLP
+14336, vocab 128256) — are generated on the device in each weight format (distinct random
+weights per layer, so nothing stays in L2) and run through kvray's kernels:
 
 - ``bf16``: ``F.linear`` (cuBLAS);
 - ``fp8``: online FP8 (:func:`kvray.quant.fp8.quantize_fp8`, per-channel e4m3) through
-  :func:`kvray.kernels.triton_quant.linear_quant` (``torch._scaled_mm`` with per-token
-  activation scales on capability >= 8.9, else the Triton dequant GEMM);
-- ``int4 g128``: U4 codes with fp16 scales and mins per 128 columns (AWQ's format) through
-  the Triton dequant GEMM.
+  :func:`kvray.kernels.triton_quant.linear_quant` (``torch._scaled_mm`` on per-token e4m3
+  rows on capability >= 8.9 — the norms before qkv and gate_up hand them over quantized —
+  else the Triton dequant GEMM);
+- ``int4 g128``: U4 codes with fp16 scales and mins per 128 columns (the layout AWQ and
+  GPTQ checkpoints load into) through the Triton dequant GEMM.
 
-Measured (CUDA events; the step replayed from a CUDA graph where capture works):
+Measured (CUDA events; replayed from a CUDA graph where capture works):
 
-1. per linear (qkv, o, gate_up, down) at M = 1 and M = 64: microseconds, bytes read
-   (weights + activations) and % of the roofline (bytes / measured copy bandwidth);
-2. the step: per layer RMSNorm -> qkv -> o (the attention output stood in by q) -> RMSNorm ->
-   gate_up -> SiLU-and-mul -> down, then the bf16 LM head: batch-1 TPOT and its roofline
-   floor (every weight read once), batch-64 output tokens/s. Attention is left out (it is
-   the same in every weight format; table 3 measures it);
-3. paged decode attention (batch 64, 1024-token contexts) on a bf16 / int8 / fp8 KV cache.
+1. the decode step (:mod:`benchmarks.quant_step`: norms, linears, rotary + KV write,
+   paged attention over ``context`` cached tokens, LM head) at batch 1 and 64: ms per step,
+   output tokens/s, and % of the roofline of the bytes it reads (weights + K/V) at the
+   measured copy bandwidth; each part timed alone over all layers (the breakdown); CUDA
+   kernels per layer by the profiler;
+2. per linear (qkv, o, gate_up, down) at M = 1 and M = 64: microseconds, bytes read
+   (weights + activations) and % of the roofline;
+3. paged decode attention (batch 64, 1024-token contexts, 8B shape) on a bf16 / int8 / fp8
+   KV cache.
 
 Prints markdown tables, writes ``gpu_quant_bench.md`` / ``.json`` under ``--out`` (rewritten
 after every part). ``--smoke`` runs tiny shapes on CPU under Triton's interpreter (the
@@ -44,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 # Without a GPU, Triton's kernels run in its interpreter (chosen before Triton is imported).
 if not torch.cuda.is_available():
@@ -52,6 +55,14 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.quant_step import (  # noqa: E402
+    PARTS,
+    DecodeStep,
+    cuda_kernels,
+    linear,
+    new_caches,
+    weight_bytes,
+)
 from kvray.quant.tensor import QuantKind, QuantSegment, QuantTensor  # noqa: E402
 
 FORMATS = ("bf16", "fp8", "int4 g128")
@@ -83,10 +94,14 @@ class Shape:
                 "down": (self.hidden, self.intermediate)}
 
 
+LLAMA_1B = Shape("Llama 1.1B shape", hidden=2048, layers=16, heads=32, kv_heads=8,
+                 head_dim=64, intermediate=8192, vocab=32000)
 LLAMA_8B = Shape("Llama-3-8B shape", hidden=4096, layers=32, heads=32, kv_heads=8,
                  head_dim=128, intermediate=14336, vocab=128256)
-SMOKE = Shape("smoke", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32,
-              intermediate=256, vocab=256, batch=4, context=40)
+SMOKE_SHAPES = (Shape("smoke 1B-like", hidden=128, layers=2, heads=4, kv_heads=1,
+                      head_dim=32, intermediate=384, vocab=256, batch=4, context=40),
+                Shape("smoke 8B-like", hidden=128, layers=2, heads=4, kv_heads=2,
+                      head_dim=32, intermediate=256, vocab=256, batch=4, context=40))
 
 
 # ---- weights ---------------------------------------------------------------------------------
@@ -108,18 +123,6 @@ def make_weight(fmt: str, n: int, k: int, device: torch.device, dtype: torch.dty
         return QuantTensor((n, k), (QuantSegment(QuantKind.U4, group, codes, scales, mins),),
                            source="int4 g128")
     raise ValueError(f"unknown weight format {fmt}")
-
-
-def weight_bytes(w: torch.Tensor | QuantTensor) -> int:
-    return w.nbytes if isinstance(w, QuantTensor) else w.numel() * w.element_size()
-
-
-def linear(x: torch.Tensor, w: torch.Tensor | QuantTensor) -> torch.Tensor:
-    if isinstance(w, QuantTensor):
-        from kvray.kernels.triton_quant import linear_quant
-
-        return linear_quant(x, w)
-    return F.linear(x, w)
 
 
 # ---- timing ----------------------------------------------------------------------------------
@@ -201,50 +204,34 @@ def bench_linears(fmt: str, layers: list[dict[str, Any]], shape: Shape, device: 
     return rows
 
 
-def decode_step_fn(layers: list[dict[str, Any]], lm_head: torch.Tensor, shape: Shape,
-                   x: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """One forward of the stack's linears (attention excluded) for the rows of ``x``."""
-    from kvray.kernels import triton_ops
-
-    norm_w = torch.ones(shape.hidden, device=x.device, dtype=x.dtype)
-    q_width = shape.heads * shape.head_dim
-
-    def step() -> torch.Tensor:
-        h = x
-        for layer in layers:
-            qkv = linear(triton_ops.rms_norm(h, norm_w, 1e-5), layer["qkv"])
-            h = h + linear(qkv[:, :q_width], layer["o"])
-            gate_up = linear(triton_ops.rms_norm(h, norm_w, 1e-5), layer["gate_up"])
-            h = h + linear(triton_ops.silu_and_mul(gate_up), layer["down"])
-        return F.linear(triton_ops.rms_norm(h, norm_w, 1e-5), lm_head)
-
-    return step
-
-
 def bench_format(fmt: str, shape: Shape, device: torch.device, dtype: torch.dtype,
-                 lm_head: torch.Tensor, bandwidth: float, smoke: bool) -> dict[str, Any]:
-    """Build the stack in ``fmt``, time its linears and its step at batch 1 and batch."""
+                 lm_head: torch.Tensor, caches: dict[int, list[torch.Tensor]],
+                 bandwidth: float, smoke: bool) -> dict[str, Any]:
+    """Build the stack in ``fmt``; time its step at batch 1 and ``shape.batch`` (whole and by
+    part), count its kernels per layer, and time its linears."""
     t0 = time.perf_counter()
     layers = [{name: make_weight(fmt, n, k, device, dtype)
                for name, (n, k) in shape.linears().items()} for _ in range(shape.layers)]
     synchronize(device)
-    built_s = time.perf_counter() - t0
-    layer_bytes = sum(weight_bytes(w) for w in layers[0].values())
-    step_bytes = layer_bytes * shape.layers + lm_head.numel() * lm_head.element_size()
-    result: dict[str, Any] = {"format": fmt, "build_s": round(built_s, 2),
-                              "weight_bytes": step_bytes,
-                              "tpot_floor_ms": step_bytes / bandwidth * 1e3}
+    result: dict[str, Any] = {"format": fmt, "build_s": round(time.perf_counter() - t0, 2)}
+    iters = 1 if smoke else 10
+    for m, kv in caches.items():
+        step = DecodeStep(layers, lm_head, shape, m, kv, device, dtype)
+        seconds, graphed = time_call(step.step, device, iters, use_graph=True)
+        floor = step.bytes_read() / bandwidth
+        parts = {name: time_call(fn, device, iters, use_graph=True)[0] * 1e3
+                 for name, fn in step.parts().items()}
+        kernels = cuda_kernels(step.step)
+        head = cuda_kernels(step.parts()["lm_head"])
+        result[f"b{m}"] = {
+            "step_ms": seconds * 1e3, "tokens_per_s": m / seconds, "cuda_graph": graphed,
+            "bytes_read": step.bytes_read(), "floor_ms": floor * 1e3,
+            "roofline_pct": 100 * floor / seconds, "parts_ms": parts,
+            "kernels_per_layer": None if kernels is None
+            else (kernels - head) / shape.layers}
+        del step
     result["linears"] = bench_linears(fmt, layers, shape, device, dtype, bandwidth,
                                       iters=1 if smoke else 5)
-    for label, m in (("b1", 1), (f"b{shape.batch}", shape.batch)):
-        x = torch.randn(m, shape.hidden, device=device, dtype=dtype)
-        seconds, graphed = time_call(decode_step_fn(layers, lm_head, shape, x), device,
-                                     iters=1 if smoke else 10, use_graph=True)
-        result[f"{label}_step_ms"] = seconds * 1e3
-        result[f"{label}_cuda_graph"] = graphed
-    result["b1_tokens_per_s"] = 1e3 / result["b1_step_ms"]
-    result["batch_tokens_per_s"] = shape.batch * 1e3 / result[f"b{shape.batch}_step_ms"]
-    result["roofline_pct"] = 100 * result["tpot_floor_ms"] / result["b1_step_ms"]
     return result
 
 
@@ -285,46 +272,65 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-    shape, bw = report["shape"], report["copy_bandwidth_bytes_per_s"]
-    b = shape["batch"]
+    bw = report["copy_bandwidth_bytes_per_s"]
     lines = [f"{report['device_name']} | copy bandwidth {fmt(bw / 1e12, 2)} TB/s (read + "
-             f"write) | {shape['name']}: hidden {shape['hidden']}, {shape['layers']} layers, "
-             f"MLP {shape['intermediate']}, vocab {shape['vocab']} | activations "
-             f"{report['dtype']}", "",
-             "Decode step of the linears (+ norms, SiLU, bf16 LM head; no attention):", "",
-             f"| weights | GB read | b1 TPOT ms | floor ms | % of roofline | b1 tok/s "
-             f"| b{b} step ms | b{b} tok/s | CUDA graph |", "|---|" + "---:|" * 8]
-    for r in report["formats"]:
+             f"write) | activations {report['dtype']}"]
+    for run in report["runs"]:
+        lines += [""] + render_run(run)
+    return "\n".join(lines)
+
+
+def render_run(run: dict[str, Any]) -> list[str]:
+    """One shape's tables: the step, its parts, its linears, its KV caches."""
+    shape = run["shape"]
+    lines = [f"## {shape['name']}: hidden {shape['hidden']}, {shape['layers']} layers, "
+             f"{shape['heads']} / {shape['kv_heads']} heads of {shape['head_dim']}, MLP "
+             f"{shape['intermediate']}, vocab {shape['vocab']}; {shape['context']}-token "
+             "contexts", "",
+             "Decode step (norms, linears, rotary + KV write, attention, LM head):", "",
+             "| weights | batch | GB read | ms/step | floor ms | % of roofline | tok/s "
+             "| kernels/layer | CUDA graph |", "|---|---:|" + "---:|" * 6 + "---|"]
+    for r in run["formats"]:
         if r.get("error"):
             lines.append(f"| {r['format']} | failed: {r['error'][:120]} |" + " |" * 7)
             continue
-        lines.append(
-            f"| {r['format']} | {fmt(r['weight_bytes'] / 1e9, 2)} | {fmt(r['b1_step_ms'], 3)} "
-            f"| {fmt(r['tpot_floor_ms'], 3)} | {fmt(r['roofline_pct'])} "
-            f"| {fmt(r['b1_tokens_per_s'])} | {fmt(r[f'b{b}_step_ms'], 3)} "
-            f"| {fmt(r['batch_tokens_per_s'])} | {'yes' if r['b1_cuda_graph'] else 'no'} |")
+        for key in sorted((k for k in r if k.startswith("b") and k[1:].isdigit()),
+                          key=lambda k: int(k[1:])):
+            b = r[key]
+            lines.append(
+                f"| {r['format']} | {key[1:]} | {fmt(b['bytes_read'] / 1e9, 2)} "
+                f"| {fmt(b['step_ms'], 3)} | {fmt(b['floor_ms'], 3)} "
+                f"| {fmt(b['roofline_pct'])} | {fmt(b['tokens_per_s'])} "
+                f"| {fmt(b['kernels_per_layer'])} | {'yes' if b['cuda_graph'] else 'no'} |")
+    lines += ["", "Step breakdown, ms per step (each part alone over all layers):", "",
+              "| weights | batch | " + " | ".join(PARTS) + " |",
+              "|---|---:|" + "---:|" * len(PARTS)]
+    for r in run["formats"]:
+        for key, b in r.items():
+            if isinstance(b, dict) and "parts_ms" in b:
+                lines.append(f"| {r['format']} | {key[1:]} | "
+                             + " | ".join(fmt(b["parts_ms"][p], 3) for p in PARTS) + " |")
     lines += ["", "Per linear (each call reads a different layer's copy):", "",
               "| weights | linear | N x K | M | us | MB read | % of roofline |",
               "|---|---|---|---:|---:|---:|---:|"]
-    for r in report["formats"]:
+    for r in run["formats"]:
         for lin in r.get("linears", []):
             lines.append(f"| {lin['format']} | {lin['linear']} | {lin['n']} x {lin['k']} "
                          f"| {lin['m']} | {fmt(lin['us'])} | {fmt(lin['bytes'] / 1e6, 2)} "
                          f"| {fmt(lin['roofline_pct'])} |")
-    if report["kv"]:
-        lines += ["", f"Paged decode attention, one layer: batch {b}, {shape['context']}-token "
-                  f"contexts, {shape['heads']} q / {shape['kv_heads']} KV heads of "
-                  f"{shape['head_dim']}:", "",
+    if run["kv"]:
+        lines += ["", f"Paged decode attention, one layer: batch {shape['batch']}, "
+                  f"{shape['context']}-token contexts:", "",
                   "| kv_cache_dtype | bytes/token/layer | us | MB read | % of roofline |",
                   "|---|---:|---:|---:|---:|"]
-        for r in report["kv"]:
+        for r in run["kv"]:
             if r.get("error"):
                 lines.append(f"| {r['kv_cache_dtype']} | failed: {r['error'][:120]} | | | |")
                 continue
             lines.append(f"| {r['kv_cache_dtype']} | {r['bytes_per_token_per_layer']} "
                          f"| {fmt(r['us_per_layer'])} | {fmt(r['bytes'] / 1e6, 1)} "
                          f"| {fmt(r['roofline_pct'])} |")
-    return "\n".join(lines)
+    return lines
 
 
 def write_report(report: dict[str, Any], out: Path) -> str:
@@ -342,9 +348,10 @@ def release_memory() -> None:
 
 def run_part(what: str, fn: Callable[[], dict[str, Any]], key: str, name: str,
              report: dict[str, Any], out: Path, deadline: float) -> None:
-    """Run one format's part, record it (or its error / the time budget), rewrite the report."""
+    """Run one format's part, record it in the last run (or its error / the time budget),
+    rewrite the report."""
     if time.monotonic() > deadline:
-        report[key].append({what: name, "error": "skipped: past the time budget"})
+        report["runs"][-1][key].append({what: name, "error": "skipped: past the time budget"})
     else:
         t0 = time.perf_counter()
         try:
@@ -353,7 +360,7 @@ def run_part(what: str, fn: Callable[[], dict[str, Any]], key: str, name: str,
             traceback.print_exc()
             result = {what: name, "error": f"{type(err).__name__}: {err}"}
         result["wall_s"] = round(time.perf_counter() - t0, 2)
-        report[key].append(result)
+        report["runs"][-1][key].append(result)
         print(f"[{name}] {json.dumps({k: v for k, v in result.items() if k != 'linears'})}",
               flush=True)
     release_memory()
@@ -365,34 +372,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes (on CPU: Triton's interpreter) to check the script")
-    parser.add_argument("--time-budget", type=float, default=150.0,
-                        help="seconds after which no further part starts (default 150)")
+    parser.add_argument("--time-budget", type=float, default=240.0,
+                        help="seconds after which no further part starts (default 240)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = SMOKE if args.smoke or device.type != "cuda" else LLAMA_8B
+    shapes = SMOKE_SHAPES if args.smoke or device.type != "cuda" else (LLAMA_1B, LLAMA_8B)
     out = Path(args.out)
     deadline = time.monotonic() + args.time_budget
     torch.manual_seed(0)
     bandwidth = measure_copy_bandwidth(device, (2 << 30) if device.type == "cuda" else 1 << 24)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke)"
     report: dict[str, Any] = {"device_name": name, "dtype": str(dtype).removeprefix("torch."),
-                              "shape": asdict(shape), "copy_bandwidth_bytes_per_s": bandwidth,
-                              "formats": [], "kv": []}
+                              "copy_bandwidth_bytes_per_s": bandwidth, "runs": []}
     print(f"{name}: copy bandwidth {bandwidth / 1e12:.3f} TB/s", flush=True)
-    lm_head = torch.randn(shape.vocab, shape.hidden, device=device, dtype=dtype) * 0.02
-    for fmt_name in FORMATS:
-        run_part("format", lambda f=fmt_name: bench_format(f, shape, device, dtype, lm_head,
-                                                           bandwidth, args.smoke),
-                 "formats", fmt_name, report, out, deadline)
-    for kv in KV_FORMATS:
-        run_part("kv_cache_dtype", lambda k=kv: bench_kv_attention(k, shape, device, dtype,
-                                                                  bandwidth, args.smoke),
-                 "kv", kv, report, out, deadline)
+    for shape in shapes:
+        report["runs"].append({"shape": asdict(shape), "formats": [], "kv": []})
+        bench_shape(shape, device, dtype, bandwidth, report, out, deadline, args.smoke,
+                    with_kv=shape is shapes[-1])
     text = write_report(report, out)
     print("\n" + text, flush=True)
-    failed = [r for r in report["formats"] + report["kv"] if r.get("error")]
+    failed = [r for run in report["runs"] for r in run["formats"] + run["kv"] if r.get("error")]
     return 1 if failed else 0
+
+
+def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, bandwidth: float,
+                report: dict[str, Any], out: Path, deadline: float, smoke: bool,
+                with_kv: bool) -> None:
+    """Every weight format's step and linears on ``shape`` (and the KV cache formats'
+    attention with ``with_kv``)."""
+    lm_head = torch.randn(shape.vocab, shape.hidden, device=device, dtype=dtype) * 0.02
+    caches = {m: new_caches(shape, m, device, dtype) for m in (1, shape.batch)}
+    for fmt_name in FORMATS:
+        run_part("format", lambda f=fmt_name: bench_format(f, shape, device, dtype, lm_head,
+                                                           caches, bandwidth, smoke),
+                 "formats", f"{shape.name}: {fmt_name}", report, out, deadline)
+    caches.clear()  # the formats' steps are done: free the K/V before the attention part
+    release_memory()
+    for kv in KV_FORMATS if with_kv else ():
+        run_part("kv_cache_dtype", lambda k=kv: bench_kv_attention(k, shape, device, dtype,
+                                                                  bandwidth, smoke),
+                 "kv", kv, report, out, deadline)
 
 
 if __name__ == "__main__":
