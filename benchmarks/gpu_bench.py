@@ -319,6 +319,7 @@ def run_kvray(shape: ModelShape, path: Path, dtype: str, wl: Workload, eager: bo
         if not eager:
             try:
                 m.details["step_ms"] = kvray_step_breakdown(llm, shape, wl)
+                m.details["kernels_per_layer"] = kvray_kernels_per_layer(generate, shape, wl)
             except Exception as err:  # noqa: BLE001 - a diagnostic; the row stands without
                 m.details["step_ms"] = {"error": f"{type(err).__name__}: {err}"}
 
@@ -351,6 +352,22 @@ def kvray_tpot(generate: Callable[[list[list[int]], int], list[Any]], prompt: li
     t0 = time.perf_counter()
     generate(other, 1)
     return (total - (time.perf_counter() - t0)) / (num_tokens - 1)
+
+
+def kvray_kernels_per_layer(generate: Callable[[list[list[int]], int], list[Any]],
+                            shape: ModelShape, wl: Workload, steps: int = 16) -> float | None:
+    """CUDA kernels per batch-1 decode step over the layers, by the profiler: a generate of
+    1 + ``steps`` tokens less a one-token one, over ``steps`` and the layers (the step's LM
+    head and sampling, a few kernels, are included). None without CUDA."""
+    from benchmarks.quant_step import cuda_kernels
+
+    prompt = random_prompts(1, wl.b1_prompt, shape.vocab, seed=500)
+    other = random_prompts(1, wl.b1_prompt, shape.vocab, seed=501)
+    long = cuda_kernels(lambda: generate(prompt, steps + 1))
+    short = cuda_kernels(lambda: generate(other, 1))
+    if long is None or short is None or long <= short:
+        return None
+    return (long - short) / steps / shape.layers
 
 
 def kvray_step_breakdown(llm: Any, shape: ModelShape, wl: Workload, steps: int = 64
@@ -493,7 +510,9 @@ def ratio(a: float | None, b: float | None) -> str:
 def kernels(details: dict[str, Any]) -> str:
     """The attention kernels a system ran, and CUDA graphs when kvray replayed them."""
     name = details.get("attention_backend") or details.get("attn_implementation") or "?"
-    return f"{name} + CUDA graphs" if details.get("cuda_graphs") else name
+    name = f"{name} + CUDA graphs" if details.get("cuda_graphs") else name
+    per_layer = details.get("kernels_per_layer")
+    return name if per_layer is None else f"{name}, {per_layer:.1f} kernels/layer"
 
 
 def render(report: dict[str, Any]) -> str:
