@@ -225,30 +225,42 @@ def test_a_quantized_gguf_is_held_in_its_blocks_and_read_as_their_values(quant, 
 
 
 @pytest.mark.parametrize("arch,quant", [("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_K_M"),
-                                        ("mixtral_moe", "Q4_K_M")])
+                                        ("mixtral_moe", "Q4_K_M"), ("qwen2_moe_shared", "Q8_0"),
+                                        ("qwen2_moe_shared", "Q5_K_M")])
 def test_a_moe_gguf_keeps_its_stacked_experts_quantized(arch, quant, tmp_path):
-    """A Qwen3-MoE GGUF (llama.cpp's ``qwen3moe``) or a Mixtral one (``llama`` with an
-    expert count; Q/K rows interleaved): experts stacked per layer, the router in F32.
+    """A Qwen3-MoE GGUF (llama.cpp's ``qwen3moe``), a Qwen2-MoE one (``qwen2moe``: a shared
+    expert with its 1-D gate; here also a dense layer, found by its missing router) or a
+    Mixtral one (``llama`` with an expert count; Q/K rows interleaved): experts stacked per
+    layer, the router in F32.
     Every expert is held quantized (Q8_0; Q4_K_M, whose rows too short for K-quants fall
     back to Q5_0 as in llama.cpp), the model computes the dequantized reference's logits
     before the kernels are installed, and then runs its experts on the CPU kernels."""
     from gguf import GGUFReader
 
-    from tests.helpers.tiny_gguf import Q4_K_M, dequantized_reference, write_gguf
+    from tests.helpers.tiny_gguf import Q4_K_M, Q5_K_M, dequantized_reference, write_gguf
     from tests.helpers.tiny_models import make_tiny_model
 
-    src = make_tiny_model(arch, tmp_path / "hf")
-    mapping = Q4_K_M if quant == "Q4_K_M" else {"*": quant}
+    # experts as wide as a whole number of 32-blocks, so they quantize
+    widths = dict(moe_intermediate_size=64, shared_expert_intermediate_size=96) \
+        if arch == "qwen2_moe_shared" else {}
+    src = make_tiny_model(arch, tmp_path / "hf", **widths)
+    mapping = {"Q4_K_M": Q4_K_M, "Q5_K_M": Q5_K_M}.get(quant, {"*": quant})
     path = write_gguf(src, tmp_path / "m.gguf", quant=mapping)
     types = {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
     assert types["blk.0.ffn_gate_inp.weight"] == "F32"
-    assert types["blk.0.ffn_down_exps.weight"] == ("Q8_0" if quant == "Q8_0" else "Q5_0")
+    # rows too short for a super-block fall back as in llama.cpp (Q4_K -> Q5_0, Q5_K -> Q5_1)
+    assert types["blk.0.ffn_down_exps.weight"] == {"Q8_0": "Q8_0", "Q4_K_M": "Q5_0",
+                                                   "Q5_K_M": "Q5_1"}[quant]
     model, spec = load_model(path, "float32")
-    num_experts = 8 if arch == "qwen3_moe" else 4
+    num_experts = {"qwen3_moe": 8, "qwen2_moe_shared": 6}.get(arch, 4)
     assert spec.num_experts == num_experts and spec.num_experts_per_tok == 2
     experts = _experts(model)
-    assert len(experts) == 3 and all(m.quant is not None and len(m.quant) == num_experts
-                                     for m in experts)
+    num_moe_layers = 2 if arch == "qwen2_moe_shared" else 3  # its layer 1 is dense
+    assert len(experts) == num_moe_layers and all(
+        m.quant is not None and len(m.quant) == num_experts for m in experts)
+    if arch == "qwen2_moe_shared":
+        assert types["blk.0.ffn_gate_inp_shexp.weight"] == "F32"
+        assert "blk.1.ffn_gate_inp.weight" not in types and "blk.1.ffn_up.weight" in types
     with torch.inference_mode():
         ref = dequantized_reference(src, mapping)
         ids = torch.randint(3, VOCAB_SIZE, (12,), generator=torch.Generator().manual_seed(0))

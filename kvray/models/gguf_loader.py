@@ -1,16 +1,17 @@
 """Read a llama.cpp GGUF file as a Hugging Face config plus HF-named tensors.
 
 Quantized tensors stay quantized: each block format kvray has kernels for (Q8_0, Q4_0,
-Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) is converted exactly into a
+Q4_1, Q5_0, Q5_1 and the K-quants Q2_K to Q6_K) is converted exactly into a
 :class:`~kvray.quant.tensor.QuantTensor`;
 the others (and every tensor with ``keep_quantized=False``) are dequantized with the
 ``gguf`` package to fp32 and cast to the model dtype by the loader. llama.cpp stores
 Llama-architecture Q/K rows interleaved for its rotary kernel; they are permuted back to
-the Hugging Face layout here (rows of blocks, so quantized ones too). A Qwen3-MoE file
-(``qwen3moe``), or a Mixtral one (``llama`` with an expert count), stores each layer's
-experts stacked ([experts, rows, K], quantized row by
-row): they are yielded one expert at a time under the hub's per-expert names, quantized
-ones as row ranges of one converted matrix.
+the Hugging Face layout here (rows of blocks, so quantized ones too). A Qwen3-MoE or
+Qwen2-MoE file (``qwen3moe``, ``qwen2moe``: its shared expert and that expert's gate as
+tensors of their own), or a Mixtral one (``llama`` with an expert count), stores each
+layer's experts stacked ([experts, rows, K], quantized row by row): they are yielded one
+expert at a time under the hub's per-expert names, quantized ones as row ranges of one
+converted matrix. A layer without a router is a dense one (``mlp_only_layers``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _ARCHS = {
     "llama": ("LlamaForCausalLM", "LlamaConfig", True),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", False),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", False),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", False),
 }
 # stacked expert tensors: GGUF name -> the per-expert HF projection
@@ -54,6 +56,11 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
+    # Qwen2-MoE's shared expert and its sigmoid gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -113,9 +120,9 @@ class GGUFCheckpoint:
             raise UnsupportedModelError(
                 "GGUF with precomputed rope_freqs (Llama-3.1 rope scaling) is not supported; "
                 "load the Hugging Face checkpoint instead")
-        self.hf_config = self._build_config(tied="output.weight" not in names)
+        self.hf_config = self._build_config(names)
 
-    def _build_config(self, tied: bool) -> Any:
+    def _build_config(self, names: set[str]) -> Any:
         import transformers
 
         a, r = self.arch, self.reader
@@ -138,16 +145,24 @@ class GGUFCheckpoint:
             rms_norm_eps=float(_field(r, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
             max_position_embeddings=int(_field(r, f"{a}.context_length", 2048)),
             rope_theta=float(_field(r, f"{a}.rope.freq_base", 10000.0)),
-            tie_word_embeddings=tied,
+            tie_word_embeddings="output.weight" not in names,
             bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
             eos_token_id=_field(r, "tokenizer.ggml.eos_token_id"),
             torch_dtype="bfloat16",
         )
-        if a == "qwen3moe":  # llama.cpp always renormalises its top-k weights here
-            kwargs.update(num_experts=experts,
-                          num_experts_per_tok=int(_field(r, f"{a}.expert_used_count")),
-                          moe_intermediate_size=int(_field(r, f"{a}.expert_feed_forward_length")),
-                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        if a in ("qwen2moe", "qwen3moe"):
+            layers = kwargs["num_hidden_layers"]
+            kwargs.update(
+                num_experts=experts,
+                num_experts_per_tok=int(_field(r, f"{a}.expert_used_count")),
+                moe_intermediate_size=int(_field(r, f"{a}.expert_feed_forward_length")),
+                # llama.cpp renormalises Qwen3-MoE's top-k weights, never Qwen2-MoE's
+                norm_topk_prob=a == "qwen3moe", decoder_sparse_step=1,
+                mlp_only_layers=[i for i in range(layers)
+                                 if f"blk.{i}.ffn_gate_inp.weight" not in names])
+            if a == "qwen2moe":
+                kwargs.update(shared_expert_intermediate_size=int(
+                    _field(r, f"{a}.expert_shared_feed_forward_length")))
         elif experts:  # Mixtral: the experts' width is feed_forward_length
             kwargs.update(num_local_experts=experts, sliding_window=None,
                           num_experts_per_tok=int(_field(r, f"{a}.expert_used_count")))
@@ -169,6 +184,10 @@ class GGUFCheckpoint:
                 continue
             name = _hf_name(t.name)
             shape = tuple(reversed(t.shape.tolist()))
+            if name.endswith("shared_expert_gate.weight"):  # one row; llama.cpp keeps it 1-D
+                data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+                yield name, torch.from_numpy(np.array(data.reshape(1, -1), copy=True))
+                continue
             qt = (to_quant_tensor(t.data, t.tensor_type, shape)
                   if keep_quantized and len(shape) == 2 else None)
             if qt is not None:

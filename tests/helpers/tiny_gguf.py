@@ -20,7 +20,9 @@ _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
@@ -227,9 +229,9 @@ def _chosen_type(name: str, quant: Mapping[str, str | gguf.GGMLQuantizationType]
 
 def write_gguf(model_dir: str | Path, out: str | Path,
                quant: Mapping[str, str | gguf.GGMLQuantizationType] | None = None) -> Path:
-    """Convert the HF model in ``model_dir`` (llama, qwen2, qwen3, qwen3_moe or mixtral) to a
-    GGUF. A MoE router stays F32 and expert tensors are stacked per layer, as llama.cpp's
-    converter does.
+    """Convert the HF model in ``model_dir`` (llama, qwen2, qwen3, qwen2_moe, qwen3_moe or
+    mixtral) to a GGUF. A MoE router (and Qwen2-MoE's shared-expert gate, 1-D) stays F32 and
+    expert tensors are stacked per layer, as llama.cpp's converter does.
 
     ``quant`` maps fnmatch patterns of Hugging Face tensor names to GGUF types ("Q4_K" or
     ``GGMLQuantizationType.Q4_K``); the first matching pattern wins, unmatched tensors stay
@@ -239,7 +241,7 @@ def write_gguf(model_dir: str | Path, out: str | Path,
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     cfg = model.config
     arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-            "qwen3_moe": "qwen3moe", "mixtral": "llama"}[cfg.model_type]
+            "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}[cfg.model_type]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -253,10 +255,12 @@ def write_gguf(model_dir: str | Path, out: str | Path,
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    if arch == "qwen3moe":
+    if arch in ("qwen2moe", "qwen3moe"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     elif cfg.model_type == "mixtral":  # llama.cpp writes Mixtral as llama with experts
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -275,6 +279,9 @@ def write_gguf(model_dir: str | Path, out: str | Path,
             continue
         if name.endswith("mlp.gate.weight"):  # the router: F32, as llama.cpp keeps it
             w.add_tensor(_gguf_name(name), data)
+            continue
+        if name.endswith("shared_expert_gate.weight"):  # [1, H]: llama.cpp's is 1-D, F32
+            w.add_tensor(_gguf_name(name), data.reshape(-1))
             continue
         if arch == "llama" and name.endswith("q_proj.weight"):
             data = _llama_cpp_permute(data, cfg.num_attention_heads)
@@ -301,7 +308,8 @@ def dequantized_reference(model_dir: str | Path,
         str(model_dir), dtype=torch.float32, local_files_only=True).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() not in (2, 3) or name.endswith("mlp.gate.weight"):
+            if p.dim() not in (2, 3) or name.endswith(("mlp.gate.weight",
+                                                         "shared_expert_gate.weight")):
                 continue
             rows = p.reshape(-1, p.shape[-1]).numpy()  # stacked experts: row by row
             data, qtype = quantize(rows, _chosen_type(name, quant))
