@@ -70,6 +70,26 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+_REQUIRED = object()
+
+
+def _number(reader: Any, key: str, cast: type, default: Any = _REQUIRED) -> Any:
+    """A numeric metadata value as ``cast``; UnsupportedModelError naming the key when it
+    is missing (and required) or not one number (e.g. a per-layer array)."""
+    value = _field(reader, key)
+    if value is None:
+        if default is _REQUIRED:
+            raise UnsupportedModelError(f"GGUF metadata '{key}' is missing; the file cannot "
+                                        "be read as this architecture")
+        return default
+    try:
+        return cast(value)
+    except (TypeError, ValueError):
+        raise UnsupportedModelError(f"GGUF metadata '{key}' = {str(value)[:60]}: expected "
+                                    f"one {cast.__name__} (per-layer values are not "
+                                    "supported)") from None
+
+
 def _hf_name(gguf_name: str, expert: int | None = None) -> str:
     """The Hugging Face name of a GGUF tensor (of one ``expert`` of a stacked one)."""
     if gguf_name in _GLOBAL_NAMES:
@@ -127,24 +147,26 @@ class GGUFCheckpoint:
 
         a, r = self.arch, self.reader
         hf_arch, config_cls, _ = _ARCHS[a]
-        experts = int(_field(r, f"{a}.expert_count", 0) or 0)
+        experts = _number(r, f"{a}.expert_count", int, 0)
         if a == "llama" and experts:  # Mixtral: Llama's layout with an MoE MLP
             hf_arch, config_cls = "MixtralForCausalLM", "MixtralConfig"
-        embd = next(t for t in r.tensors if t.name == "token_embd.weight")
-        n_head = int(_field(r, f"{a}.attention.head_count"))
-        hidden = int(_field(r, f"{a}.embedding_length"))
+        embd = next((t for t in r.tensors if t.name == "token_embd.weight"), None)
+        if embd is None:
+            raise UnsupportedModelError("GGUF without a 'token_embd.weight' tensor")
+        n_head = _number(r, f"{a}.attention.head_count", int)
+        hidden = _number(r, f"{a}.embedding_length", int)
         kwargs = dict(
             architectures=[hf_arch],
             vocab_size=int(embd.shape[1]),
             hidden_size=hidden,
-            intermediate_size=int(_field(r, f"{a}.feed_forward_length")),
-            num_hidden_layers=int(_field(r, f"{a}.block_count")),
+            intermediate_size=_number(r, f"{a}.feed_forward_length", int),
+            num_hidden_layers=_number(r, f"{a}.block_count", int),
             num_attention_heads=n_head,
-            num_key_value_heads=int(_field(r, f"{a}.attention.head_count_kv", n_head)),
-            head_dim=int(_field(r, f"{a}.attention.key_length", hidden // n_head)),
-            rms_norm_eps=float(_field(r, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-            max_position_embeddings=int(_field(r, f"{a}.context_length", 2048)),
-            rope_theta=float(_field(r, f"{a}.rope.freq_base", 10000.0)),
+            num_key_value_heads=_number(r, f"{a}.attention.head_count_kv", int, n_head),
+            head_dim=_number(r, f"{a}.attention.key_length", int, hidden // n_head),
+            rms_norm_eps=_number(r, f"{a}.attention.layer_norm_rms_epsilon", float, 1e-6),
+            max_position_embeddings=_number(r, f"{a}.context_length", int, 2048),
+            rope_theta=_number(r, f"{a}.rope.freq_base", float, 10000.0),
             tie_word_embeddings="output.weight" not in names,
             bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
             eos_token_id=_field(r, "tokenizer.ggml.eos_token_id"),
@@ -154,18 +176,18 @@ class GGUFCheckpoint:
             layers = kwargs["num_hidden_layers"]
             kwargs.update(
                 num_experts=experts,
-                num_experts_per_tok=int(_field(r, f"{a}.expert_used_count")),
-                moe_intermediate_size=int(_field(r, f"{a}.expert_feed_forward_length")),
+                num_experts_per_tok=_number(r, f"{a}.expert_used_count", int),
+                moe_intermediate_size=_number(r, f"{a}.expert_feed_forward_length", int),
                 # llama.cpp renormalises Qwen3-MoE's top-k weights, never Qwen2-MoE's
                 norm_topk_prob=a == "qwen3moe", decoder_sparse_step=1,
                 mlp_only_layers=[i for i in range(layers)
                                  if f"blk.{i}.ffn_gate_inp.weight" not in names])
             if a == "qwen2moe":
-                kwargs.update(shared_expert_intermediate_size=int(
-                    _field(r, f"{a}.expert_shared_feed_forward_length")))
+                kwargs.update(shared_expert_intermediate_size=_number(
+                    r, f"{a}.expert_shared_feed_forward_length", int))
         elif experts:  # Mixtral: the experts' width is feed_forward_length
             kwargs.update(num_local_experts=experts, sliding_window=None,
-                          num_experts_per_tok=int(_field(r, f"{a}.expert_used_count")))
+                          num_experts_per_tok=_number(r, f"{a}.expert_used_count", int))
         return getattr(transformers, config_cls)(**kwargs)
 
     def iter_weights(self, keep_quantized: bool = True
