@@ -69,8 +69,10 @@ def test_outputs_equal_the_synchronous_engines_with_every_kind_of_stop(tiny_mode
         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=1),
     ]
     want, got, llm = _both(model, prompts, params, max_num_seqs=8)
-    sched = llm.llm_engine.scheduler
+    sched, stats = llm.llm_engine.scheduler, llm.llm_engine.stats
     llm.shutdown()
+    assert (stats.async_placeholder_tokens, stats.async_wasted_tokens) == \
+        (sched.num_placeholders, sched.num_wasted_placeholders)  # exported as metrics
     _assert_same(got, want)
     for g, w in zip(got, want, strict=True):
         _assert_close(g.prompt_logprobs, w.prompt_logprobs)

@@ -575,6 +575,8 @@ class LLMEngine:
         s.num_swaps_in = sched.swap.num_swaps_in
         s.spec_decode_num_draft_tokens = sched.num_draft_tokens
         s.spec_decode_num_accepted_tokens = sched.num_accepted_tokens
+        s.async_placeholder_tokens = sched.num_placeholders
+        s.async_wasted_tokens = sched.num_wasted_placeholders
         if self.kv_tier is not None:
             s.kv_tier = dataclasses.asdict(sched.tier_stats)
         if self.loras is not None:
