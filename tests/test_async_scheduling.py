@@ -6,6 +6,7 @@ test_distributed.py, the scheduler's rules in test_scheduler.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 
@@ -13,10 +14,11 @@ import jsonschema
 import pytest
 
 from kvray import LLM, SamplingParams
+from kvray.config import config_from_flat
+from kvray.engine.async_engine import AsyncLLM
+from kvray.sampling_params import RequestOutputKind
 from tests.helpers.tiny_models import transformers_greedy
 from tests.test_spec_decode import NGRAM, _repetitive_prompts
-
-pytestmark = pytest.mark.parity
 
 
 def _both(model: str, prompts: list, params: SamplingParams | list[SamplingParams],
@@ -50,6 +52,7 @@ def _assert_same(got: list, want: list) -> None:
                 assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
 
 
+@pytest.mark.parity
 def test_outputs_equal_the_synchronous_engines_with_every_kind_of_stop(tiny_model_dir):
     """Requests end mid-batch by max_tokens, stop strings, stop tokens and EOS while the
     rest run ahead; seeded samples, penalties and logprobs see the placeholders' tokens."""
@@ -82,6 +85,7 @@ def test_outputs_equal_the_synchronous_engines_with_every_kind_of_stop(tiny_mode
     assert sched.num_placeholders > 0 and sched.num_wasted_placeholders > 0
 
 
+@pytest.mark.parity
 def test_stop_strings_end_requests_whose_next_step_already_runs(tiny_model_dir):
     model = str(tiny_model_dir("llama_gqa"))
     prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(4, seed=6)]
@@ -99,6 +103,7 @@ def test_stop_strings_end_requests_whose_next_step_already_runs(tiny_model_dir):
     assert all(o.outputs[0].finish_reason == "stop" for o in got)
 
 
+@pytest.mark.parity
 def test_drafts_and_grammars_wait_for_real_tokens_beside_requests_running_ahead(
         tiny_model_dir):
     """n-gram drafts and a JSON schema's masks need the real last token: those requests
@@ -128,6 +133,7 @@ def test_drafts_and_grammars_wait_for_real_tokens_beside_requests_running_ahead(
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
 
 
+@pytest.mark.parity
 def test_steps_run_on_the_step_thread_while_the_engine_schedules(tiny_model_dir):
     """The overlap is real: with async scheduling the forward runs on `kvray-step`, and
     the engine keeps a step in flight beside the one it waits for."""
@@ -148,3 +154,39 @@ def test_steps_run_on_the_step_thread_while_the_engine_schedules(tiny_model_dir)
     llm.shutdown()
     assert seen == {"kvray-step"}
     assert stats.num_overlapped_steps >= 6
+
+
+@pytest.mark.engine
+def test_streams_under_async_scheduling_equal_the_synchronous_ones_and_a_cancel_frees_all(
+        tiny_model_dir):
+    """The serving engine (AsyncLLM) with async scheduling: concurrent DELTA streams fold
+    to the synchronous engine's outputs; a stream the client leaves mid-way (its request
+    aborted while its next step may already run) frees its blocks and the rest finish."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    prompts = ["The capital of France", "One two three", "Hello world", "a b c d e"]
+
+    async def run(engine: AsyncLLM, leave_after: int | None) -> list[list[int]]:
+        async def one(i: int) -> list[int]:
+            ids: list[int] = []
+            async for out in engine.generate(f"r{i}", prompts[i], params):
+                ids += out.outputs[0].token_ids
+                if i == 0 and leave_after is not None and len(ids) >= leave_after:
+                    break  # the client goes away: the request is aborted
+            return ids
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    got = {}
+    for mode in (False, True):
+        engine = AsyncLLM(config_from_flat({"model": str(tiny_model_dir("llama_gqa")),
+                                            "dtype": "float32", "async_scheduling": mode}))
+        try:
+            got[mode] = asyncio.run(run(engine, None))
+            left = asyncio.run(run(engine, 5)) if mode else None
+            stats = engine.engine.published_stats
+        finally:
+            engine.shutdown()
+    assert got[True] == got[False] and all(len(ids) == 24 for ids in got[True])
+    assert left[1:] == got[True][1:] and 5 <= len(left[0]) < 24
+    assert stats.kv_cache_usage == 0.0 and stats.num_running == 0
+    assert stats.async_placeholder_tokens > 0
