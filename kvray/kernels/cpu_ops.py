@@ -1,6 +1,7 @@
 """kvray's CPU ops: a small C++ extension built on first use.
 
-- ``paged_decode``: paged decode attention. The PyTorch reference (``attention._decode``)
+- ``paged_decode`` / ``paged_prefill``: paged decode and prefill attention (optionally with
+  Gemma 2's soft-capped scores). The PyTorch reference (``attention._decode``)
   must first gather each sequence's blocks into a contiguous tensor, which on CPU costs more
   memory traffic than the attention itself; the kernel reads K/V straight from the paged
   cache, one pass over K for the scores and one over V, parallel over (sequence, kv head).
@@ -188,24 +189,27 @@ def _build_tag() -> str:
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None
-                 ) -> torch.Tensor:
-    """q: [B, Hq, D]; kv_cache: [2, Hk, num_blocks, block_size, D] -> [B, Hq, D]."""
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
+                 softcap: float | None = None) -> torch.Tensor:
+    """q: [B, Hq, D]; kv_cache: [2, Hk, num_blocks, block_size, D] -> [B, Hq, D]. With
+    ``softcap`` (Gemma 2) each scaled score s becomes ``softcap * tanh(s / softcap)``."""
     ext = load_ops()
     assert ext is not None, "call load_ops() first and check it is available"
     return ext.paged_decode(q.contiguous(), kv_cache, block_tables.contiguous(),
-                            seq_lens.contiguous(), float(scale), sliding_window or -1)
+                            seq_lens.contiguous(), float(scale), sliding_window or -1,
+                            float(softcap or 0.0))
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                  scale: float, sliding_window: int | None) -> torch.Tensor:
+                  scale: float, sliding_window: int | None, softcap: float | None = None
+                  ) -> torch.Tensor:
     """q: [T, Hq, D], the new tokens of B sequences (sequence b's at
     ``query_start_loc[b]:query_start_loc[b + 1]``, the last of its ``seq_lens[b]``
     positions, their K/V already written), attended causally over the paged cache ->
-    [T, Hq, D]. Dtypes or head sizes the C++ kernel does not take (fp16, a head size that is
-    not a whole number of vectors, a build without AVX2) go through the PyTorch reference,
-    one sequence at a time."""
+    [T, Hq, D], scores capped as :func:`paged_decode`'s. Dtypes or head sizes the C++
+    kernel does not take (fp16, a head size that is not a whole number of vectors, a build
+    without AVX2) go through the PyTorch reference, one sequence at a time."""
     ext = load_ops()
     assert ext is not None, "call load_ops() first and check it is available"
     # (windows of 2^22 tokens or more: the kernel compares distances as floats)
@@ -214,11 +218,11 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
             q = q.contiguous()
         return ext.paged_prefill(q, kv_cache, block_tables.contiguous(),
                                  seq_lens.contiguous(), query_start_loc.contiguous(),
-                                 float(scale), sliding_window or -1)
+                                 float(scale), sliding_window or -1, float(softcap or 0.0))
     from kvray.kernels.attention import prefill_reference
 
     return prefill_reference(q, kv_cache, block_tables, seq_lens, query_start_loc,
-                             max_query_len, scale, sliding_window)
+                             max_query_len, scale, sliding_window, softcap)
 
 
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

@@ -64,15 +64,17 @@ inline int64_t chunk_for_threads(int64_t n, int64_t per_thread = 4) {
 }
 
 // Paged decode attention: q [B, Hq, D] against the paged cache [2, Hk, blocks, bs, D]
-// (D + 4 for an int8 / fp8 cache: codes and a scale per row, kv_quant.h).
+// (D + 4 for an int8 / fp8 cache: codes and a scale per row, kv_quant.h); softcap > 0 caps
+// the scaled scores at softcap * tanh(s / softcap) (Gemma 2), 0 leaves them.
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
-                        double scale, int64_t window);
+                        double scale, int64_t window, double softcap);
 
 // Paged prefill attention: the new tokens q [T, Hq, D] of B sequences (sequence b's at
 // query_start[b]..query_start[b + 1], the last of its seq_lens[b] positions) attend causally
-// to their K/V in the paged cache -> [T, Hq, D]. Only where paged_prefill_supported says so.
+// to their K/V in the paged cache -> [T, Hq, D], scores capped as paged_decode's. Only where
+// paged_prefill_supported says so.
 at::Tensor paged_prefill(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
-                         at::Tensor query_start, double scale, int64_t window);
+                         at::Tensor query_start, double scale, int64_t window, double softcap);
 bool paged_prefill_supported(const at::Tensor& q, const at::Tensor& kv);
 
 // y = x w^T (+ bias) for a few rows of x (fp32): every weight row is read once for all rows.
