@@ -19,6 +19,8 @@
   (half the bytes), widened exactly in registers: the same results as fp32 panels.
 - ``rms_norm``, ``rotary_inplace``, ``silu_and_mul``: a decoder layer's elementwise work,
   one call each.
+- ``moe_experts``: a MoE layer's routed experts for a few tokens in one call (dense or
+  quantized), the linears' own kernels run over every active expert in one parallel pass.
 - ``decode_layer`` (the extension's, used by :func:`kvray.models.llama.use_fused_decode_layer`):
   a whole decoder layer of a decode batch in one call, the kernels above back to back;
   ``decode_layers`` all of a pipeline stage's layers in one call.
@@ -51,8 +53,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("cpu_paged_attention.cpp", "cpu_paged_prefill.cpp", "cpu_linear.cpp",
             "cpu_fused.cpp", "cpu_layer.cpp", "cpu_sampling.cpp", "cpu_quant.cpp",
-            "cpu_lora.cpp", "bindings.cpp")
-_HEADERS = ("ops.h", "vec.h", "kv_quant.h")
+            "cpu_lora.cpp", "cpu_moe.cpp", "bindings.cpp")
+_HEADERS = ("ops.h", "vec.h", "kv_quant.h", "kernel_parts.h")
 _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 # The instruction set the kernels are built for: this CPU's own by default. Tests set
 # KVRAY_CPU_MARCH=haswell on AVX-512 machines to run the AVX2 code paths too.
@@ -247,6 +249,30 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.shape[0] <= small_m_max_rows():
         return linear_small_m(x, weight, None)
     return linear_tiled(x, weight, None)
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                local_index: torch.Tensor, w13: torch.Tensor | list[torch.Tensor],
+                w2: torch.Tensor | list[torch.Tensor],
+                perms: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """A MoE layer's experts for a few tokens in one call: for x [T, H] routed to
+    ``experts`` (global ids [T, k]) with ``weights`` [T, k], the sum over each token's
+    experts held here (``local_index``: global id -> row of w13 / w2, -1 for none) of
+    ``weight * down(silu(gate) * up)``, in x's dtype (fp32 inside). ``w13`` [local, 2I, H]
+    and ``w2`` [local, H, I] stacked fp32 / bf16, or per local expert a quantized blob each
+    (:func:`linear_q`'s), with ``perms`` their input permutations (w13's and w2's per
+    expert, None for none). The products are :func:`linear_small_m`'s and
+    :func:`linear_q`'s kernels: each expert's rows get the same values as through them."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    dtype = x.dtype
+    x32 = x.float().contiguous()
+    weights, experts = weights.float().contiguous(), experts.contiguous()
+    if isinstance(w13, torch.Tensor):
+        out = ext.moe_experts(x32, weights, experts, local_index, w13, w2)
+    else:
+        out = ext.moe_experts_q(x32, weights, experts, local_index, w13, w2, perms or [])
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
