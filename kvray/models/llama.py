@@ -419,4 +419,8 @@ def use_fused_ops(model: nn.Module, ops: ModuleType) -> None:
             module.fused_linear = getattr(ops, "expert_linear", None)
             module.fused_silu_and_mul = ops.silu_and_mul
             module.fused_moe = getattr(ops, "fused_moe", None)
+            # (builds without vector kernels have no quantized products to run there)
+            if hasattr(ops, "moe_experts") and ops.vector_lanes() >= 8:
+                module.cpu_moe = ops.moe_experts
+                module.cpu_moe_max_rows = ops.small_m_max_rows()
 
