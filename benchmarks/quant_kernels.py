@@ -6,7 +6,9 @@ layer's weights distinct so that a step streams them from memory as a real one d
 M = 1, 4, 16 rows and a prefill chunk of 256, for Q4_1 (U4, groups of 32, fp16 scales and
 mins) and Q8_0 (S8, groups of 32, fp16 scales), and with ``--formats`` the other GGUF
 layouts: Q4_0 (U4, code offset 8), Q5_0 (U5, offset 16), Q4_K (U4, two-level u8 x fp16
-scales and mins), Q6_K (U6, groups of 16, offset 32, two-level i8 x fp16). For each: the
+scales and mins), Q5_K (the same in U5), Q6_K (U6, groups of 16, offset 32, two-level i8 x
+fp16), Q3_K (3-bit codes in U4, groups of 16, offset 4, two-level i8 x fp16), Q2_K (2-bit
+codes in U4, groups of 16, two-level u8 x fp16 scales and mins). For each: the
 time of the step's linears, the GB/s of the bytes actually read (codes, scales, mins), that
 as a % of the read bandwidth measured in the same run (``torch.sum`` over 512 MiB with the
 same threads), and the step time over the read floor (bytes / bandwidth); at M = 256
@@ -51,11 +53,21 @@ def _quantized(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantTensor:
     elif fmt == "Q5_0":
         codes = torch.randint(0, 32, (n, k), generator=gen).to(torch.uint8)
         seg = QuantSegment(QuantKind.U5, 32, codes, scales, zero=16)
-    elif fmt == "Q4_K":
-        codes = pack_u4(torch.randint(0, 16, (n, k), generator=gen))
-        sub = torch.randint(0, 64, (n, k // 32), generator=gen).to(torch.uint8)
+    elif fmt in ("Q4_K", "Q5_K", "Q2_K"):
+        group, levels = (16, 4) if fmt == "Q2_K" else (32, 16 if fmt == "Q4_K" else 32)
+        raw = torch.randint(0, levels, (n, k), generator=gen)
+        kind = QuantKind.U5 if fmt == "Q5_K" else QuantKind.U4
+        codes = raw.to(torch.uint8) if kind == QuantKind.U5 else pack_u4(raw)
+        sub = torch.randint(0, 16 if fmt == "Q2_K" else 64, (n, k // group),
+                            generator=gen).to(torch.uint8)
         sup = (torch.rand(n, -(-k // 256), generator=gen) * 1e-3).half()
-        seg = QuantSegment(QuantKind.U4, 32, codes, sub, sub.flip(1), 0, 8, sup, -sup)
+        seg = QuantSegment(kind, group, codes, sub, sub.flip(1), 0, 256 // group, sup, -sup)
+    elif fmt == "Q3_K":
+        codes = pack_u4(torch.randint(0, 8, (n, k), generator=gen))
+        sub = torch.randint(-32, 32, (n, k // 16), generator=gen).to(torch.int8)
+        sup = (torch.rand(n, -(-k // 256), generator=gen) * 1e-3).half()
+        seg = QuantSegment(QuantKind.U4, 16, codes, sub, zero=4, super_group=16,
+                           super_scales=sup)
     elif fmt == "Q6_K":
         codes = torch.randint(0, 64, (n, k), generator=gen).to(torch.uint8)
         sub = torch.randint(-64, 64, (n, k // 16), generator=gen).to(torch.int8)
@@ -67,7 +79,7 @@ def _quantized(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantTensor:
         seg = QuantSegment(QuantKind.S8, 32, codes, scales)
     else:
         raise SystemExit(f"--formats: unknown format {fmt!r} (Q4_1, Q8_0, Q4_0, Q5_0, Q4_K, "
-                         "Q6_K)")
+                         "Q5_K, Q6_K, Q3_K, Q2_K)")
     return QuantTensor((n, k), (seg,))
 
 
@@ -93,7 +105,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--formats", default="Q4_1,Q8_0",
-                        help="comma-separated: Q4_1, Q8_0, Q4_0, Q5_0, Q4_K, Q6_K")
+                        help="comma-separated: Q4_1, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K, "
+                        "Q3_K, Q2_K")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     assert cpu_ops.load_ops() is not None, "the CPU kernels do not build here"

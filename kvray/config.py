@@ -222,6 +222,11 @@ class SchedulerConfig(_Section):
         "recompute", description="How a request gives up its blocks under memory pressure; "
         "auto: per victim, the cheaper of the two by costs measured at engine start-up.",
     )
+    async_scheduling: bool = Field(
+        False, description="Schedule the next step while the current one runs, assuming "
+        "each running request continues (its token is filled in by the workers); the "
+        "host's scheduling and output work then overlaps the forward pass.",
+    )
 
 
 _EXPERT_LOADS_FORMAT = ("a JSON object of each MoE layer's tokens per expert, "

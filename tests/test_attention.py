@@ -1,5 +1,6 @@
 """Paged attention against plain attention: the PyTorch reference path, and the C++ CPU
-decode kernel against the reference (fp32 exact to rounding, bf16 close)."""
+decode and prefill kernels against the reference (fp32 exact to rounding, bf16 close), with
+and without Gemma 2's soft-capped scores."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvray.kernels.attention import (
     paged_attention,
     write_kv_cache,
 )
+from kvray.kernels.kv_quant import dequantize_rows, is_quantized, quantize_rows
 
 pytestmark = pytest.mark.parity
 
@@ -227,9 +229,12 @@ def _prefill_case(head_dim, block_size, group, cache_dtype, query_lens, context_
     return cache, q, torch.tensor(tables), torch.tensor(seq_lens), torch.tensor(starts)
 
 
-def _prefill_float64(q, cache, tables, seq_lens, starts, scale, window):
+def _prefill_float64(q, cache, tables, seq_lens, starts, scale, window, softcap=None):
     """Each new token against its sequence's keys up to its own position (and within the
-    window), in float64 from the cache's values."""
+    window), in float64 from the cache's values (a quantized cache's dequantized), the
+    scaled scores capped at ``softcap * tanh(s / softcap)`` when given."""
+    if is_quantized(cache.dtype):
+        cache = dequantize_rows(cache)
     hk, block_size, head_dim = cache.shape[1], cache.shape[3], cache.shape[4]
     group = q.shape[1] // hk
     out = torch.empty(q.shape, dtype=torch.float64)
@@ -244,6 +249,8 @@ def _prefill_float64(q, cache, tables, seq_lens, starts, scale, window):
             for h in range(q.shape[1]):
                 kv_h = h // group
                 scores = k[kv_h, first:pos + 1] @ q[i, h].double() * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
                 out[i, h] = torch.softmax(scores, 0) @ v[kv_h, first:pos + 1]
     return out
 
@@ -281,19 +288,27 @@ def test_cpu_prefill_kernel_takes_an_fp32_query_over_a_bf16_cache(cpu_kernels):
         q, cache.float(), tables, lens, starts, 40, 0.125, None), rtol=1e-5, atol=1e-6)
 
 
+MIXED_CONTEXT, MIXED_QUERIES = [23, 17, 9, 30, 12], [1, 1, 1, 30, 7]
+
+
+def _mixed_step():
+    """Three decode rows, then prefill chunks with and without cached context: the setup,
+    q, and the step's new K and V (not yet written)."""
+    cache, meta, ks, vs, qs = _paged_setup(MIXED_CONTEXT, MIXED_QUERIES)
+    rows = list(zip(MIXED_CONTEXT, MIXED_QUERIES, strict=True))
+    k_new = torch.cat([k[n - nq:] for k, (n, nq) in zip(ks, rows, strict=True)])
+    v_new = torch.cat([v[n - nq:] for v, (n, nq) in zip(vs, rows, strict=True)])
+    meta.max_query_len = max(MIXED_QUERIES)
+    return cache, meta, ks, vs, qs, torch.cat(qs), k_new, v_new
+
+
 def test_mixed_step_takes_both_cpu_kernels_and_equals_the_reference(cpu_kernels):
     """A step of decode rows then prefill chunks (cached context or none), and one of
     prefill chunks only (the prefill kernel's output returned as it is)."""
-    context = [23, 17, 9, 30, 12]
-    queries = [1, 1, 1, 30, 7]
-    cache, meta, ks, vs, qs = _paged_setup(context, queries)
-    q = torch.cat(qs)
-    k_new = torch.cat([k[n - nq:] for k, n, nq in zip(ks, context, queries, strict=True)])
-    v_new = torch.cat([v[n - nq:] for v, n, nq in zip(vs, context, queries, strict=True)])
+    cache, meta, ks, vs, qs, q, k_new, v_new = _mixed_step()
     write_kv_cache(k_new, v_new, cache, meta.slot_mapping)
     want = _expected(ks, vs, qs)
     meta.decode_kernel, meta.prefill_kernel = cpu_kernels.paged_decode, cpu_kernels.paged_prefill
-    meta.max_query_len = max(queries)
     assert torch.allclose(paged_attention(q, cache, meta, D ** -0.5), want, atol=1e-5)
     prefill_meta = AttentionMetadata(
         query_start_loc=meta.query_start_loc[3:] - 3, positions=meta.positions[3:],
@@ -320,3 +335,81 @@ def test_cpu_prefill_with_a_window_past_the_kernels_float_range_uses_the_referen
     torch.testing.assert_close(got, cpu_kernels.paged_prefill(q, cache, tables, lens, starts,
                                                               20, 0.125, None))
     assert calls == [1]
+
+
+CAPPED_CACHES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8,
+                 "fp8": torch.float8_e4m3fn}
+
+
+def _capped_case(head_dim, cache_name, query_lens, context_lens, seed):
+    """A _prefill_case over a cache of ``cache_name`` (a quantized one holds the random
+    values' codes), with 2 KV heads of 3 query heads each and 16-token blocks; q in the
+    cache's dtype for bf16, else fp32."""
+    cache, q, tables, lens, starts = _prefill_case(head_dim, 16, 3, torch.float32,
+                                                   query_lens, context_lens, seed)
+    dtype = CAPPED_CACHES[cache_name]
+    cache = quantize_rows(cache, dtype) if is_quantized(dtype) else cache.to(dtype)
+    return cache, q.to(torch.bfloat16) if cache_name == "bf16" else q, tables, lens, starts
+
+
+# head sizes 64 / 128 take the one-pass decode loop, 24 / 16 the two-pass one
+@pytest.mark.parametrize("head_dim", [64, 128, 24, 16])
+@pytest.mark.parametrize("cache_name", list(CAPPED_CACHES))
+@pytest.mark.parametrize("window", [None, 11])
+def test_cpu_decode_kernel_caps_scores_like_a_float64_reference(
+        cpu_kernels, head_dim, cache_name, window):
+    """Decode rows of sequences that end inside, at and past 16-token blocks, GQA of 3: the
+    capped scores' softmax, and far from the uncapped one (the cap bites at scale 1)."""
+    context = [69, 32, 16, 14, 0]
+    cache, q, tables, lens, starts = _capped_case(head_dim, cache_name, [1] * 5, context,
+                                                  seed=head_dim)
+    got = cpu_kernels.paged_decode(q, cache, tables, lens, 1.0, window, softcap=4.0)
+    assert got.dtype == q.dtype
+    want = _prefill_float64(q, cache, tables, lens, starts, 1.0, window or -1, softcap=4.0)
+    tol = dict(rtol=1e-4, atol=1e-5) if q.dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.double(), want, **tol)
+    uncapped = cpu_kernels.paged_decode(q, cache, tables, lens, 1.0, window)
+    assert (uncapped.double() - want).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("head_dim", [64, 48, 24])
+@pytest.mark.parametrize("cache_name", list(CAPPED_CACHES))
+@pytest.mark.parametrize("window", [None, 13])
+def test_cpu_prefill_kernel_caps_scores_like_a_float64_reference(
+        cpu_kernels, head_dim, cache_name, window):
+    """Prefill rows (query tiles full and short, with and without cached context) with
+    capped scores; a head size that is not a whole number of vectors (24 with AVX-512)
+    goes through the reference, which caps too."""
+    query_lens, context_lens = [1, 17, 33, 40], [0, 40, 3, 20]
+    cache, q, tables, lens, starts = _capped_case(head_dim, cache_name, query_lens,
+                                                  context_lens, seed=head_dim + 1)
+    got = cpu_kernels.paged_prefill(q, cache, tables, lens, starts, max(query_lens), 1.0,
+                                    window, softcap=4.0)
+    want = _prefill_float64(q, cache, tables, lens, starts, 1.0, window or -1, softcap=4.0)
+    tol = dict(rtol=1e-4, atol=1e-5) if q.dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.double(), want, **tol)
+    uncapped = cpu_kernels.paged_prefill(q, cache, tables, lens, starts, max(query_lens), 1.0,
+                                         window)
+    assert (uncapped.double() - want).abs().max() > 0.1
+
+
+def test_capped_mixed_step_takes_the_cpu_kernels_and_equals_the_capped_reference(
+        cpu_kernels, monkeypatch):
+    """A step of decode rows and prefill chunks with capped scores goes through both C++
+    kernels (with the cap), not the per-sequence PyTorch path, and gives its result."""
+    from kvray.kernels import attention
+
+    cache, meta, _, _, _, q, k_new, v_new = _mixed_step()
+    want = attention.softcapped_attention(q, k_new, v_new, meta, 1.0, 6, cache.clone(), 2.0)
+    caps = []
+
+    def spy(kernel):
+        return lambda *a, softcap=None: caps.append(softcap) or kernel(*a, softcap=softcap)
+
+    meta.decode_kernel = spy(cpu_kernels.paged_decode)
+    meta.prefill_kernel = spy(cpu_kernels.paged_prefill)
+    meta.kernels_take_softcap = True
+    monkeypatch.setattr(attention, "softcapped_attention", None)  # must not be called
+    got = attention.attention(q, k_new, v_new, meta, 1.0, 6, cache, softcap=2.0)
+    assert caps == [2.0, 2.0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.tools
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = ["tests/test_cpu_linear.py", "tests/test_cpu_fused.py",
                 "tests/test_cpu_decode_layer.py", "tests/test_attention.py",
-                "tests/test_sampling.py"]
+                "tests/test_cpu_moe.py", "tests/test_sampling.py"]
 
 
 def _flags() -> set[str]:

@@ -30,6 +30,9 @@ LAYOUTS = {
     "u5_g32_fp16_zero": (QuantKind.U5, 32, torch.float16, False, 16),  # Q5_0
     "u5_g32_fp16_mins": (QuantKind.U5, 32, torch.float16, True, 0),    # Q5_1
     "u6_g16_s8_zero": (QuantKind.U6, 16, torch.int8, False, 32),       # Q6_K
+    "u5_g32_u8_mins": (QuantKind.U5, 32, torch.uint8, True, 0),        # Q5_K
+    "u4_g16_s8_zero": (QuantKind.U4, 16, torch.int8, False, 4),        # Q3_K
+    "u4_g16_u8_mins": (QuantKind.U4, 16, torch.uint8, True, 0),        # Q2_K
     "u6_g64_fp32_mins": (QuantKind.U6, 64, torch.float32, True, 0),
     "s8_g32_fp16": (QuantKind.S8, 32, torch.float16, False, 0),        # Q8_0
     "s8_g16_fp32": (QuantKind.S8, 16, torch.float32, False, 0),

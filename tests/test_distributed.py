@@ -208,6 +208,22 @@ def test_pipelined_steps_overlap_and_give_the_same_tokens(cluster, models, uncon
             llm.shutdown()
 
 
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_async_scheduling_over_ray_workers_gives_the_same_tokens(cluster, models,
+                                                                 unconstrained, tp, pp):
+    """The next step goes to the workers before the current one returns, its placeholders
+    filled from the current step's sampled tokens (which Ray hands every rank): the same
+    tokens over TP and PP, also while blocks run short (preemption after draining)."""
+    tokens, llm = _long_preemption_run(models, tensor_parallel_size=tp,
+                                       pipeline_parallel_size=pp, async_scheduling=True)
+    try:
+        assert tokens == unconstrained
+        assert llm.llm_engine.stats.num_preemptions > 0
+        assert llm.llm_engine.scheduler.num_placeholders > 0
+    finally:
+        llm.shutdown()
+
+
 def _long_preemption_run(models, path: Path | None = None, **kw) -> tuple[list[list[int]],
                                                                            LLM]:
     llm = LLM(str(path or models["gqa4"]), **{"distributed_executor_backend": "ray", **kw},

@@ -44,6 +44,10 @@ def expected(tiny_model_dir):
 SETUPS = {
     "prefix_cache_tight_memory": dict(enable_prefix_caching=True, num_gpu_blocks_override=48),
     "no_prefix_cache": dict(enable_prefix_caching=False, num_gpu_blocks_override=400),
+    # the next step scheduled while one runs: chunked prefill, preemption (draining the
+    # steps in flight first), prefix hits
+    "async_scheduling_tight_memory": dict(enable_prefix_caching=True,
+                                          num_gpu_blocks_override=48, async_scheduling=True),
 }
 
 
@@ -57,7 +61,7 @@ def test_greedy_tokens_equal_transformers(arch, setup, tiny_model_dir, expected)
     got = [o.outputs[0].token_ids for o in outs]
     assert got == expected(arch)
     stats = llm.llm_engine.stats
-    if setup == "prefix_cache_tight_memory":
+    if setup.endswith("tight_memory"):
         assert stats.num_preemptions >= 5, "the tight cache should force preemptions"
         assert stats.prefix_cache_hits > 0
     else:

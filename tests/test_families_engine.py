@@ -1,7 +1,8 @@
 """The engine's other features on the model families of issue 43: n-gram speculative
 decoding gives plain greedy decoding's tokens (its verify steps run several tokens of a
 sequence at once: capped attention, sliding windows and MoE routing over them), and JSON
-schema constraints hold, on a MoE model, Gemma 2 and Phi-3."""
+schema constraints hold, on a MoE model, Gemma 2 and Phi-3; Gemma 2's capped attention runs
+in the C++ kernels."""
 
 from __future__ import annotations
 
@@ -21,12 +22,23 @@ SCHEMA = {"type": "object", "properties": {"n": {"enum": [1, 22, 333]},
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gemma2_softcap", "phi3_longrope"])
-def test_speculative_and_structured_decoding_on_the_new_families(arch, tiny_model_dir):
+def test_speculative_and_structured_decoding_on_the_new_families(arch, tiny_model_dir,
+                                                                 monkeypatch):
+    """Every attention call, Gemma 2's capped ones included, goes through the C++ paged
+    kernels: the per-sequence PyTorch path for capped scores is never called."""
+    from kvray.kernels import attention
+
+    def no_python_path(*args, **kwargs):
+        raise AssertionError("capped attention took the PyTorch path")
+
+    monkeypatch.setattr(attention, "softcapped_attention", no_python_path)
     path = str(tiny_model_dir(arch))
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]},  # n-gram matches
                {"prompt_token_ids": list(range(10, 40))}]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     plain = LLM(path, dtype="float32", block_size=4)
+    runner = plain.llm_engine.executor.worker.runner
+    assert runner.attention_backend == "cpu" and runner.kernels["kernels_take_softcap"]
     try:
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
         constrained = plain.generate(prompts, SamplingParams(

@@ -27,8 +27,19 @@ def _reference(q, k, v, scale, cap, window):
     return torch.einsum("hqk,khd->qhd", p, v)
 
 
+@pytest.fixture(params=["torch", "cpu"])
+def kernels(request) -> dict:
+    """The attention kernels of a backend, as paged_batch takes them: none (the PyTorch
+    paths) or the C++ ones, which take the cap."""
+    if request.param == "torch":
+        return {}
+    cpu_ops = request.getfixturevalue("cpu_kernels")
+    return dict(decode_kernel=cpu_ops.paged_decode, prefill_kernel=cpu_ops.paged_prefill,
+                write_kernel=cpu_ops.write_kv, kernels_take_softcap=True)
+
+
 @pytest.mark.parametrize("window", [4, 1000])
-def test_capped_scores_over_a_paged_cache_equal_the_reference(window):
+def test_capped_scores_over_a_paged_cache_equal_the_reference(window, kernels):
     g = torch.Generator().manual_seed(window)
     lengths, block, heads, kv_heads, dim = [13, 5, 22], 4, 4, 2, 16
     seqs = [(torch.randn(n, heads, dim, generator=g), torch.randn(n, kv_heads, dim, generator=g),
@@ -43,7 +54,8 @@ def test_capped_scores_over_a_paged_cache_equal_the_reference(window):
             lo, hi = (0, split[i]) if phase == 0 else (split[i], lengths[i])
             rows.append((list(range(hi - lo)), lo, tables[i]))
             parts.append((lo, hi, q[lo:hi], k[lo:hi], v[lo:hi]))
-        _, meta, last = paged_batch(rows, block, lambda x: torch.tensor(x, dtype=torch.int64))
+        _, meta, last = paged_batch(rows, block, lambda x: torch.tensor(x, dtype=torch.int64),
+                                    **kernels)
         total = sum(hi - lo for lo, hi, *_ in parts)
         flat = [torch.empty(total, *t.shape[1:]) for t in parts[0][2:]]
         for (lo, hi, *tensors), end in zip(parts, last, strict=True):  # into batch order

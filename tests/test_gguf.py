@@ -54,3 +54,35 @@ def test_gguf_tokenizer_matches_the_original(tiny_model_dir, tmp_path):
     gguf_path = write_gguf(src, tmp_path / "m.gguf")
     text = "Hello world! The capital of France"
     assert load_tokenizer(gguf_path)(text)["input_ids"] == load_tokenizer(src)(text)["input_ids"]
+
+
+@pytest.mark.parametrize("drop,value,message", [
+    ("llama.block_count", None, "'llama.block_count' is missing"),
+    ("llama.attention.head_count", [4, 4], "expected one int"),
+])
+def test_gguf_with_missing_or_per_layer_metadata_names_the_key(tmp_path, drop, value,
+                                                               message):
+    """Regression: a GGUF lacking a required key (or holding a per-layer array) failed with
+    a bare TypeError; it is an UnsupportedModelError naming the key."""
+    import gguf
+    import numpy as np
+
+    from kvray.models.gguf_loader import GGUFCheckpoint
+    from kvray.models.spec import UnsupportedModelError
+
+    path = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    keys = {"llama.block_count": 2, "llama.embedding_length": 32,
+            "llama.feed_forward_length": 64, "llama.attention.head_count": 4}
+    for key, v in keys.items():
+        if key != drop:
+            w.add_uint32(key, v)
+        elif value is not None:
+            w.add_array(key, value)
+    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match=message):
+        GGUFCheckpoint(path)

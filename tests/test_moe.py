@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kvray.models.moe import MoEExperts
 from kvray.parallel import ParallelContext
+from tests.helpers.moe_routing import random_routing
 from tests.helpers.tiny_models import load_hf, make_tiny_model
 
 HIDDEN, INTER = 24, 20
@@ -46,15 +47,6 @@ def _reference(x, weights, routing, choice):
     return out
 
 
-def _routing(tokens: int, num_experts: int, top_k: int, allowed: list[int], seed: int):
-    g = torch.Generator().manual_seed(seed)
-    scores = torch.rand(tokens, num_experts, generator=g)
-    mask = torch.full((num_experts,), float("-inf"))
-    mask[allowed] = 0
-    weights, choice = (scores + mask).topk(top_k, dim=-1)
-    return torch.softmax(weights, dim=-1), choice
-
-
 @pytest.mark.unit
 @pytest.mark.parametrize("tokens,top_k,allowed", [
     (1, 1, list(range(8))), (1, 2, list(range(8))), (5, 2, [1, 6]),  # 6 experts get nothing
@@ -64,7 +56,7 @@ def test_grouped_experts_equal_a_per_token_loop(tokens, top_k, allowed):
     weights = _expert_weights(8, seed=tokens + top_k)
     experts = _experts(weights, ParallelContext())
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(top_k))
-    routing, choice = _routing(tokens, 8, top_k, allowed, seed=tokens)
+    routing, choice = random_routing(tokens, 8, top_k, allowed, seed=tokens)
     got = experts(x, routing, choice)
     torch.testing.assert_close(got, _reference(x, weights, routing, choice), rtol=1e-5,
                                atol=1e-5)
@@ -78,7 +70,7 @@ def test_ranks_partial_sums_add_up_to_the_whole(layout):
     the TP all-reduce's sum of the partials is the layer."""
     weights = _expert_weights(6, seed=3)
     x = torch.randn(29, HIDDEN, generator=torch.Generator().manual_seed(4))
-    routing, choice = _routing(29, 6, 2, list(range(6)), seed=5)
+    routing, choice = random_routing(29, 6, 2, list(range(6)), seed=5)
     whole = _experts(weights, ParallelContext())(x, routing, choice)
     placement = {0: ((0, 2, 5), (1, 3, 4))} if layout == "placed" else None
     held = placement[0] if placement else ((0, 1, 2), (3, 4, 5))
@@ -307,7 +299,7 @@ def test_quantized_expert_tensors_are_held_quantized_per_rank(layout):
     parts = _int8_parts(n, hidden, inter, seed=1)
     dense = [{p: q.dequantize() for p, q in w.items()} for w in parts]
     x = torch.randn(9, hidden, generator=torch.Generator().manual_seed(2))
-    routing, choice = _routing(9, n, 2, [0, 1, 3], seed=3)  # expert 2 gets nothing
+    routing, choice = random_routing(9, n, 2, [0, 1, 3], seed=3)  # expert 2 gets nothing
     whole = MoEExperts(ParallelContext(), n, hidden, inter, torch.float32)
     for e, w in enumerate(dense):
         for part, t in w.items():

@@ -168,3 +168,23 @@ def test_stream_interval_sends_the_first_token_then_chunks_of_that_many(tiny_mod
         # longer than the output: the first token (not held), then the rest at the end
         assert len(two) == 2 and two[-1].finished, [len(o.outputs[0].token_ids) for o in two]
         assert _view(_fold(two)) == _view(_fold(every))
+
+
+def test_a_request_id_is_free_again_as_soon_as_its_last_output_arrives(tiny_model_dir):
+    """Regression: the engine thread forgot a finished stream only after queueing its last
+    output, so a client reusing the id at once could be told it was still in use."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    engine = AsyncLLM(config_from_flat({**CONFIG, "model": str(tiny_model_dir("llama_gqa"))}))
+
+    async def reuse() -> int:
+        done = 0
+        for _ in range(12):
+            async for out in engine.generate("same-id", "Hello", params):
+                done += out.finished
+        return done
+
+    try:
+        assert asyncio.run(reuse()) == 12
+    finally:
+        engine.shutdown()

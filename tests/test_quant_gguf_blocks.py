@@ -1,6 +1,7 @@
-"""GGUF block formats kept quantized: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K tensors become
-QuantTensors that dequantize exactly as the ``gguf`` package does, through every split and
-fusion a loader applies; the test GGUF writer's quantized files read back as written."""
+"""GGUF block formats kept quantized: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K to
+Q6_K become QuantTensors that dequantize exactly as the ``gguf`` package does, through every
+split and fusion a loader applies; the test GGUF writer's quantized files read back as
+written."""
 
 from __future__ import annotations
 
@@ -15,16 +16,19 @@ from gguf import quants as gguf_quants
 from kvray.quant.gguf_blocks import KEPT_QUANTIZED, gguf_type_bytes, to_quant_tensor
 from kvray.quant.tensor import QuantKind, QuantTensor
 from tests.helpers.tiny_gguf import (
+    K_QUANTIZERS,
     Q4_K_M,
     dequantized_reference,
-    quantize_q4_k,
     quantize_q6_k,
     write_gguf,
 )
 from tests.helpers.tiny_models import VOCAB_SIZE, make_tiny_model
 
 BLOCK_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
-K_QUANTS = {T.Q4_K: 144, T.Q6_K: 210}  # type -> bytes per super-block of 256
+# type -> bytes per super-block of 256, and where its fp16 d (and dmin) sit in it
+K_QUANTS = {T.Q2_K: 84, T.Q3_K: 110, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
+K_SUPER_SCALES = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
+                  T.Q6_K: (208,)}
 
 
 def _reference(raw: np.ndarray, qtype: T, shape: tuple[int, int]) -> torch.Tensor:
@@ -48,12 +52,9 @@ def _random_k_blocks(qtype: T, n: int, k: int, rng: np.random.Generator) -> np.n
     """Random bytes (all valid codes) with sane fp16 super-block scales of both signs."""
     raw = rng.integers(0, 256, (n, k // 256 * K_QUANTS[qtype]), dtype=np.uint8)
     blocks = raw.reshape(-1, K_QUANTS[qtype])
-    d = (rng.standard_normal((blocks.shape[0], 1)) * 1e-2).astype(np.float16).view(np.uint8)
-    if qtype == T.Q4_K:
-        dmin = (rng.standard_normal((blocks.shape[0], 1)) * 1e-2).astype(np.float16)
-        blocks[:, 0:2], blocks[:, 2:4] = d, dmin.view(np.uint8)
-    else:
-        blocks[:, 208:210] = d
+    for at in K_SUPER_SCALES[qtype]:
+        d = rng.standard_normal((blocks.shape[0], 1)) * 1e-2
+        blocks[:, at:at + 2] = d.astype(np.float16).view(np.uint8)
     return raw
 
 
@@ -83,15 +84,22 @@ def test_k_quants_of_random_blocks_convert_exactly(qtype, shape):
     _assert_exact(_converted(raw, qtype, shape).dequantize(), _reference(raw, qtype, shape))
 
 
+def _k_quantize(x: np.ndarray, qtype: T) -> np.ndarray:
+    return K_QUANTIZERS.get(qtype.name, quantize_q6_k)(x)
+
+
 @pytest.mark.unit
-@pytest.mark.parametrize("qtype", list(K_QUANTS), ids=lambda t: t.name)
-def test_k_quants_of_real_looking_weights_convert_exactly_and_approximate_them(qtype):
+@pytest.mark.parametrize("qtype,tolerance", [(T.Q2_K, 0.5), (T.Q3_K, 0.3), (T.Q4_K, 0.1),
+                                             (T.Q5_K, 0.05), (T.Q6_K, 0.03)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_k_quants_of_real_looking_weights_convert_exactly_and_approximate_them(qtype,
+                                                                               tolerance):
     w = _real_looking(33, 512, np.random.default_rng(1))
-    raw = quantize_q4_k(w) if qtype == T.Q4_K else quantize_q6_k(w)
+    raw = _k_quantize(w, qtype)
     want = _reference(raw, qtype, w.shape)
     _assert_exact(_converted(raw, qtype, w.shape).dequantize(), want)
     rel = ((want - torch.from_numpy(w)).norm() / np.linalg.norm(w)).item()
-    assert rel < (0.1 if qtype == T.Q4_K else 0.03)  # the helper quantizer is sane
+    assert rel < tolerance  # the helper quantizer is sane
 
 
 @pytest.mark.unit
@@ -106,18 +114,21 @@ def test_segments_use_the_documented_layouts_and_hold_about_the_file_bytes():
         T.Q5_1: (QuantKind.U5, 32, torch.float16, True, 0, 160 + 8 * 4),  # file: 192
         # two-level: 8-bit sub-block scales (and mins) times an fp16 per super-block
         T.Q4_K: (QuantKind.U4, 32, torch.uint8, True, 0, 128 + 8 + 8 + 2 + 2),  # file: 144
+        T.Q5_K: (QuantKind.U5, 32, torch.uint8, True, 0, 160 + 8 + 8 + 2 + 2),  # file: 176
         T.Q6_K: (QuantKind.U6, 16, torch.int8, False, 32, 192 + 16 + 2),  # file: 210
+        # 3- and 2-bit codes in U4's nibbles: bigger than their files
+        T.Q3_K: (QuantKind.U4, 16, torch.int8, False, 4, 128 + 16 + 2),  # file: 110
+        T.Q2_K: (QuantKind.U4, 16, torch.uint8, True, 0, 128 + 16 + 16 + 2 + 2),  # file: 84
     }
     for qtype, (kind, group, sdtype, has_min, zero, held) in layouts.items():
-        raw = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}.get(
-            qtype, lambda x, q=qtype: gguf_quants.quantize(x, q))(w)
+        raw = _k_quantize(w, qtype) if qtype in K_QUANTS else gguf_quants.quantize(w, qtype)
         qt = _converted(raw, qtype, w.shape)
         (seg,) = qt.segments
         assert (seg.kind, seg.group, seg.scales.dtype, seg.mins is not None, seg.zero) == (
             kind, group, sdtype, has_min, zero), qtype.name
         assert qt.source == f"GGUF {qtype.name}"
         assert qt.nbytes == held * w.size // 256  # no hidden copy
-        assert qt.nbytes <= 1.03 * raw.nbytes
+        assert qt.nbytes <= (2.0 if qtype in (T.Q2_K, T.Q3_K) else 1.03) * raw.nbytes
         # the blob adds its header and the alignment of each array, nothing per value
         assert qt.to_blob().numel() <= qt.nbytes + 64 + 128 + 5 * 64 + 8 * 512
 
@@ -190,8 +201,8 @@ def test_q4_k_m_fused_qkv_with_q6_k_values_dequantizes_to_the_concatenation():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q2_K, T.Q3_K, T.Q5_K, T.IQ4_NL,
-                                   T.IQ4_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS],
+                         ids=lambda t: t.name)
 def test_types_without_an_exact_kind_are_left_to_the_dequantizing_loader(qtype):
     assert qtype not in KEPT_QUANTIZED
     assert to_quant_tensor(np.zeros(4096, np.uint8), qtype, (4, 256)) is None

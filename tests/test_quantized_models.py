@@ -182,25 +182,29 @@ def kquant_model(tmp_path_factory):
                            hidden_size=256, intermediate_size=512)
 
 
-@pytest.mark.parametrize("quant", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M"])
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M",
+                                   "Q3_K_M", "Q2_K"])
 def test_a_quantized_gguf_is_held_in_its_blocks_and_read_as_their_values(quant, kquant_model,
                                                                          tmp_path):
-    """A GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K + Q6_K tensors (the embedding too)
-    load without dequantizing, within 10 % of the file's bytes (and so do the blobs the CPU
-    kernels read), give the logits of their dequantized values, and the CPU kernels stay
-    close to those."""
+    """A GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / K-quant tensors (the embedding too) load
+    without dequantizing, within 10 % of the file's bytes (Q3_K and Q2_K: their codes take
+    4 bits, within 1.35x and 2x; so do the blobs the CPU kernels read), give the logits of
+    their dequantized values, and the CPU kernels stay close to those."""
     from gguf import GGUFReader
 
-    from tests.helpers.tiny_gguf import Q4_K_M, dequantized_reference, write_gguf
+    from tests.helpers import tiny_gguf
+    from tests.helpers.tiny_gguf import dequantized_reference, write_gguf
 
-    mapping = Q4_K_M if quant == "Q4_K_M" else {"*": quant}
+    mapping = {"Q4_K_M": tiny_gguf.Q4_K_M, "Q5_K_M": tiny_gguf.Q5_K_M,
+               "Q3_K_M": tiny_gguf.Q3_K_M, "Q2_K": tiny_gguf.Q2_K_MIX}.get(quant, {"*": quant})
+    bound = {"Q3_K_M": 1.35, "Q2_K": 2.0}.get(quant, 1.1)
     path = write_gguf(kquant_model, tmp_path / "m.gguf", quant=mapping)
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors
                      if len(t.shape) == 2)
     model, _ = load_model(path, "float32")
     held = {id(m.quant): m.quant.nbytes for m in quantized_modules(model)}
     assert len(held) == 3 * 4 + 2  # every layer's 4 linears, the embedding, the LM head
-    assert file_bytes <= sum(held.values()) <= 1.1 * file_bytes
+    assert file_bytes <= sum(held.values()) <= bound * file_bytes
     with torch.inference_mode():
         ref_model = dequantized_reference(kquant_model, mapping)
         g = torch.Generator().manual_seed(0)
@@ -212,7 +216,7 @@ def test_a_quantized_gguf_is_held_in_its_blocks_and_read_as_their_values(quant, 
         installed = _install(model)
         assert all(m.qweight is not None for m in quantized_modules(model))
         assert installed.dequantized == 0
-        assert file_bytes <= installed.bytes_held <= 1.1 * file_bytes
+        assert file_bytes <= installed.bytes_held <= bound * file_bytes
         fast = model.compute_logits(model(ids, meta))
         err, spread = fast - ref, ref.std().item()
         # int8 activations: ~1 % per linear, through 3 layers and a 4-bit LM head
@@ -221,30 +225,42 @@ def test_a_quantized_gguf_is_held_in_its_blocks_and_read_as_their_values(quant, 
 
 
 @pytest.mark.parametrize("arch,quant", [("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_K_M"),
-                                        ("mixtral_moe", "Q4_K_M")])
+                                        ("mixtral_moe", "Q4_K_M"), ("qwen2_moe_shared", "Q8_0"),
+                                        ("qwen2_moe_shared", "Q5_K_M")])
 def test_a_moe_gguf_keeps_its_stacked_experts_quantized(arch, quant, tmp_path):
-    """A Qwen3-MoE GGUF (llama.cpp's ``qwen3moe``) or a Mixtral one (``llama`` with an
-    expert count; Q/K rows interleaved): experts stacked per layer, the router in F32.
+    """A Qwen3-MoE GGUF (llama.cpp's ``qwen3moe``), a Qwen2-MoE one (``qwen2moe``: a shared
+    expert with its 1-D gate; here also a dense layer, found by its missing router) or a
+    Mixtral one (``llama`` with an expert count; Q/K rows interleaved): experts stacked per
+    layer, the router in F32.
     Every expert is held quantized (Q8_0; Q4_K_M, whose rows too short for K-quants fall
     back to Q5_0 as in llama.cpp), the model computes the dequantized reference's logits
     before the kernels are installed, and then runs its experts on the CPU kernels."""
     from gguf import GGUFReader
 
-    from tests.helpers.tiny_gguf import Q4_K_M, dequantized_reference, write_gguf
+    from tests.helpers.tiny_gguf import Q4_K_M, Q5_K_M, dequantized_reference, write_gguf
     from tests.helpers.tiny_models import make_tiny_model
 
-    src = make_tiny_model(arch, tmp_path / "hf")
-    mapping = Q4_K_M if quant == "Q4_K_M" else {"*": quant}
+    # experts as wide as a whole number of 32-blocks, so they quantize
+    widths = dict(moe_intermediate_size=64, shared_expert_intermediate_size=96) \
+        if arch == "qwen2_moe_shared" else {}
+    src = make_tiny_model(arch, tmp_path / "hf", **widths)
+    mapping = {"Q4_K_M": Q4_K_M, "Q5_K_M": Q5_K_M}.get(quant, {"*": quant})
     path = write_gguf(src, tmp_path / "m.gguf", quant=mapping)
     types = {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
     assert types["blk.0.ffn_gate_inp.weight"] == "F32"
-    assert types["blk.0.ffn_down_exps.weight"] == ("Q8_0" if quant == "Q8_0" else "Q5_0")
+    # rows too short for a super-block fall back as in llama.cpp (Q4_K -> Q5_0, Q5_K -> Q5_1)
+    assert types["blk.0.ffn_down_exps.weight"] == {"Q8_0": "Q8_0", "Q4_K_M": "Q5_0",
+                                                   "Q5_K_M": "Q5_1"}[quant]
     model, spec = load_model(path, "float32")
-    num_experts = 8 if arch == "qwen3_moe" else 4
+    num_experts = {"qwen3_moe": 8, "qwen2_moe_shared": 6}.get(arch, 4)
     assert spec.num_experts == num_experts and spec.num_experts_per_tok == 2
     experts = _experts(model)
-    assert len(experts) == 3 and all(m.quant is not None and len(m.quant) == num_experts
-                                     for m in experts)
+    num_moe_layers = 2 if arch == "qwen2_moe_shared" else 3  # its layer 1 is dense
+    assert len(experts) == num_moe_layers and all(
+        m.quant is not None and len(m.quant) == num_experts for m in experts)
+    if arch == "qwen2_moe_shared":
+        assert types["blk.0.ffn_gate_inp_shexp.weight"] == "F32"
+        assert "blk.1.ffn_gate_inp.weight" not in types and "blk.1.ffn_up.weight" in types
     with torch.inference_mode():
         ref = dequantized_reference(src, mapping)
         ids = torch.randint(3, VOCAB_SIZE, (12,), generator=torch.Generator().manual_seed(0))

@@ -10,12 +10,12 @@ from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
 from kvray.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from kvray.sampling_params import SamplingParams
+from kvray.sampling_params import SamplingParams, StructuredOutputsParams
 from kvray.scheduler.output import ModelRunnerOutput
 from kvray.scheduler.preemption import PreemptionCosts
 from kvray.scheduler.request import Request, RequestStatus
 from kvray.scheduler.scheduler import RequestTooLongError, Scheduler
-from tests.helpers.shadow_kv import ShadowKV
+from tests.helpers.shadow_kv import ShadowKV, sampled_token
 
 pytestmark = pytest.mark.unit
 
@@ -27,10 +27,11 @@ MIXED_COSTS = PreemptionCosts(prefill_s_per_token=1.0, swap_s_per_byte=3.5 / 64,
 
 def _sched(num_blocks=64, block_size=4, budget=32, max_seqs=8, policy="fcfs",
            prefix=True, max_len=256, mode="recompute", swap_blocks=0,
-           costs=MIXED_COSTS, micro_batches=1) -> Scheduler:
+           costs=MIXED_COSTS, micro_batches=1, async_scheduling=False) -> Scheduler:
     config = EngineConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                  scheduling_policy=policy, preemption_mode=mode),
+                                  scheduling_policy=policy, preemption_mode=mode,
+                                  async_scheduling=async_scheduling),
         cache=CacheConfig(block_size=block_size, enable_prefix_caching=prefix),
         parallel=ParallelConfig(pipeline_parallel_size=micro_batches))  # steps in flight
     return Scheduler(config, num_blocks, max_len, swap_capacity_blocks=swap_blocks,
@@ -62,7 +63,7 @@ def _finish_step(s: Scheduler, out, rng: random.Random | None = None,
     for rid, n in out.num_scheduled_tokens.items():
         r = s.requests.get(rid)
         done = r is not None and r.num_computed_tokens + n == r.num_tokens
-        sampled.append([rng.randrange(50) if rng else 7] if done else [])
+        sampled.append([sampled_token(rid, r.num_tokens) if rng else 7] if done else [])
     result = ModelRunnerOutput(list(out.num_scheduled_tokens), sampled, [None] * len(sampled),
                                [[0.0] * len(x) for x in sampled], failed_swaps=set(failed),
                                kv_offloaded=offloaded or {})
@@ -162,6 +163,79 @@ def test_pipelined_steps_take_disjoint_halves_and_never_preempt_a_request_in_fli
     assert list(fourth.num_scheduled_tokens) == ["a", "b"] and fourth.preempted_req_ids == {"d"}
 
 
+def test_async_scheduling_runs_a_decode_ahead_with_a_placeholder_for_the_token_in_flight():
+    s = _sched(budget=64, async_scheduling=True)
+    s.add_request(_req("a", 6, max_tokens=3))
+    first = s.schedule()  # a's prompt: samples its first token
+    ahead = s.schedule()  # before that token is back: a continues past it
+    assert ahead.num_scheduled_tokens == {"a": 1} and ahead.placeholder_req_ids == {"a"}
+    (cached,) = ahead.cached_requests
+    assert cached.new_token_ids == [] and cached.num_computed_tokens == 6
+    assert s.schedule().is_noop  # at most one step ahead
+    _finish_step(s, first, random.Random(0))
+    third = s.schedule()  # past the 2nd token (sampled by `ahead`) to sample the 3rd
+    assert third.placeholder_req_ids == {"a"}
+    assert third.cached_requests[0].num_computed_tokens == 7
+    _finish_step(s, ahead, random.Random(0))
+    assert s.schedule().is_noop  # the 3rd token, in flight, ends a: nothing runs past it
+    _finish_step(s, third, random.Random(0))
+    assert not s.has_unfinished_requests() and s.num_placeholders == 2
+    assert s.kv.pool.num_free == s.kv.num_blocks
+
+
+def test_async_scheduling_sends_each_token_once_when_a_request_stops_running_ahead():
+    s = _sched(num_blocks=64, budget=64, async_scheduling=True)
+    s.add_request(_req("a", 6, max_tokens=8))
+    first, ahead = s.schedule(), s.schedule()
+    _finish_step(s, first, random.Random(0))
+    _finish_step(s, ahead, random.Random(0))  # both back: a runs in a plain step again
+    plain = s.schedule()
+    (cached,) = plain.cached_requests
+    # the 1st token reached the workers as `ahead`'s placeholder; only the 2nd is new
+    assert cached.new_token_ids == [sampled_token("a", 7)] and not plain.placeholder_req_ids
+    assert cached.num_computed_tokens == 7
+
+
+def test_async_scheduling_holds_back_requests_that_need_their_real_token():
+    from kvray.config import ModelConfig, SpeculativeConfig
+
+    s = _sched(budget=64, async_scheduling=True)
+    grammar = Request("g", [1, 2, 3], SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]+")), 0.0, 0, 8)
+    s.add_request(grammar)
+    s.add_request(_req("plain", 3, max_tokens=8))
+    s.schedule()
+    assert set(s.schedule().num_scheduled_tokens) == {"plain"}  # g waits for its mask
+    config = EngineConfig(scheduler=SchedulerConfig(async_scheduling=True),
+                          model=ModelConfig(speculative_config=SpeculativeConfig(
+                              num_speculative_tokens=2)))
+    spec = Scheduler(config, 64, 256)
+    spec.add_request(_req("d", 3, max_tokens=8))
+    spec.schedule()
+    assert spec.schedule().is_noop  # its drafts come from the real token
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_async_scheduling_drains_the_steps_in_flight_to_preempt_and_finishes_everything(mode):
+    """Seeded workloads on caches small enough to preempt: requests run ahead (the shadow
+    cache replays the placeholders' tokens), a preemption waits until nothing is in
+    flight, every step reads only its own K/V and every request finishes."""
+    placeholders = preemptions = wasted = 0
+    for seed in range(25):
+        rng = random.Random(seed)
+        ops = [(rng.choice(["arrive", "arrive", "step", "step", "abort"]), rng.randint(1, 40),
+                rng.randint(1, 12), rng.randint(0, 3)) for _ in range(50)]
+        s = _sched(num_blocks=rng.randint(10, 30), block_size=4, budget=24,
+                   max_seqs=rng.randint(2, 5), policy=rng.choice(["fcfs", "priority"]),
+                   prefix=seed % 2 == 0, max_len=128, mode=mode,
+                   swap_blocks=rng.randint(0, 20), async_scheduling=True)
+        _drive(s, ops, rng)
+        placeholders += s.num_placeholders
+        wasted += s.num_wasted_placeholders
+        preemptions += s.num_preemptions
+    assert placeholders > 100 and preemptions > 10 and wasted > 0
+
+
 def test_request_that_can_never_fit_is_rejected_at_admission():
     s = _sched(num_blocks=4, block_size=4, max_len=256)
     with pytest.raises(RequestTooLongError, match="more KV cache than exists"):
@@ -208,9 +282,10 @@ workload = st.lists(
 
 
 class Pipeline:
-    """Steps in flight, as the engine keeps them with pipeline parallelism: a step is
-    submitted (and the shadow workers apply it, in submission order) while fewer than
-    ``num_micro_batches`` are out and a request could run; else the oldest completes."""
+    """Steps in flight, as the engine keeps them with pipeline parallelism and async
+    scheduling: a step is submitted (and the shadow workers apply it, in submission order)
+    while fewer than ``num_micro_batches`` (+ 1 with async scheduling) are out and a request
+    could run; else the oldest completes."""
 
     def __init__(self, s: Scheduler, shadow: ShadowKV, rng: random.Random,
                  lose_fetches: float = 0.0) -> None:
@@ -220,12 +295,23 @@ class Pipeline:
 
     def step(self) -> None:
         s = self.s
-        if len(self.in_flight) < s.num_micro_batches and (
+        if len(self.in_flight) < s.num_micro_batches + s.async_scheduling and (
                 not self.in_flight or s.has_schedulable_requests()):
             out = s.schedule()
-            flying = {r for o, _, _ in self.in_flight for r in o.num_scheduled_tokens}
-            assert not flying & set(out.num_scheduled_tokens), "a request in two steps"
-            assert not flying & (out.preempted_req_ids | set(out.swap_out)), \
+            if out.is_noop and self.in_flight:  # as the engine: not submitted
+                self.complete_oldest()
+                return
+            flying = [r for o, _, _ in self.in_flight for r in o.num_scheduled_tokens]
+            again = set(flying) & set(out.num_scheduled_tokens)
+            if s.async_scheduling:  # only runs ahead of the latest step, once
+                latest = set(self.in_flight[-1][0].num_scheduled_tokens) \
+                    if again else set()
+                assert all(flying.count(r) == 1 and r in latest for r in again), \
+                    "a request ran ahead of a step that is not the latest, or twice"
+                assert out.placeholder_req_ids <= again
+            else:
+                assert not again, "a request in two steps"
+            assert not set(flying) & (out.preempted_req_ids | set(out.swap_out)), \
                 "a request in flight was preempted"
             self.shadow.lose |= {r for r in out.kv_fetch
                                  if self.rng.random() < self.lose_fetches}
@@ -233,8 +319,11 @@ class Pipeline:
             self.in_flight.append((out, offloaded, set(self.shadow.failed)))
             self.shadow.lose -= self.shadow.failed
         else:
-            out, offloaded, failed = self.in_flight.pop(0)
-            _finish_step(s, out, self.rng, offloaded, failed)
+            self.complete_oldest()
+
+    def complete_oldest(self) -> None:
+        out, offloaded, failed = self.in_flight.pop(0)
+        _finish_step(self.s, out, self.rng, offloaded, failed)
 
     @property
     def idle(self) -> bool:
@@ -280,15 +369,18 @@ def _drive(s: Scheduler, ops, rng: random.Random, lose_fetches: float = 0.0) -> 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload, st.sampled_from(["fcfs", "priority"]), st.booleans(),
        st.integers(8, 40), st.sampled_from(["recompute", "swap", "auto"]), st.integers(0, 30),
-       st.integers(2, 6), st.sampled_from([1, 1, 2, 3]), st.randoms(use_true_random=False))
+       st.integers(2, 6), st.sampled_from([1, 1, 2, 3]), st.booleans(),
+       st.randoms(use_true_random=False))
 def test_random_workloads_keep_invariants_and_finish_everything(
-        ops, policy, prefix, num_blocks, mode, swap_blocks, max_seqs, micro_batches, rng):
+        ops, policy, prefix, num_blocks, mode, swap_blocks, max_seqs, micro_batches,
+        asynchronous, rng):
     # Under "priority", arrivals of priority 0..3 preempt less important running requests
     # when blocks or the max_seqs slots run short (few slots make the slot case common).
-    # With micro_batches > 1 up to that many steps are in flight (pipeline parallelism).
+    # With micro_batches > 1 up to that many steps are in flight (pipeline parallelism),
+    # one more with async scheduling (requests run ahead of the step in flight).
     s = _sched(num_blocks=num_blocks, block_size=4, budget=24, max_seqs=max_seqs,
                policy=policy, prefix=prefix, max_len=128, mode=mode, swap_blocks=swap_blocks,
-               micro_batches=micro_batches)
+               micro_batches=micro_batches, async_scheduling=asynchronous)
     _drive(s, ops, rng)
     target(float(s.num_priority_preemptions), label="preemptions for waiting requests")
 

@@ -217,9 +217,7 @@ def _reference_decode(q, cache, tables, lens, scale, window, softcap):
         query_start_loc=torch.arange(len(lens) + 1, device=DEVICE), positions=lens - 1,
         block_tables=tables, seq_lens=lens, seq_lens_list=lens.tolist(),
         num_decodes=len(lens))
-    if softcap is None:
-        return ref.paged_attention(q, cache, meta, scale, window)
-    return ref.softcapped_attention(q, None, None, meta, scale, window, cache, softcap)
+    return ref.paged_attention(q, cache, meta, scale, window, softcap)
 
 
 @pytest.mark.parity
@@ -267,32 +265,17 @@ def test_prefill_with_capped_scores_matches_reference(kv_dtype):
     starts = torch.tensor([0, 20, 25], device=DEVICE)
     got = triton_attention.paged_prefill(q, cache, tables, lens, starts, 20, dim ** -0.5,
                                          None, softcap=25.0)
-    meta = ref.AttentionMetadata(query_start_loc=starts, positions=torch.zeros(25),
-                                 block_tables=tables, seq_lens=lens, seq_lens_list=seq_lens)
-    want = ref.softcapped_attention(q, None, None, meta, dim ** -0.5, None, cache, 25.0)
+    want = ref.prefill_reference(q, cache, tables, lens, starts, 20, dim ** -0.5, None, 25.0)
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.unit
-def test_capped_scores_take_the_kernels_only_where_they_cap(monkeypatch):
-    """Gemma 2 on the Triton kernels: no fallback to the per-sequence reference; kernels
-    without a ``softcap`` parameter (the CPU ones) keep it."""
-    assert ref.takes_softcap(triton_attention.paged_decode)
-    assert ref.takes_softcap(triton_attention.paged_prefill)
-    assert not ref.takes_softcap(ref.prefill_reference)
-    calls = []
-    monkeypatch.setattr(ref, "softcapped_attention", lambda *a: calls.append(a) or a[0])
-    q, cache, tables, lens = _decode_case(4, 2, 64, 16, [5, 9], None, torch.float32, 1)
-    meta = ref.AttentionMetadata(
-        query_start_loc=torch.arange(3), positions=lens - 1, block_tables=tables,
-        seq_lens=lens, seq_lens_list=[5, 9], num_decodes=2,
-        decode_kernel=triton_attention.paged_decode,
-        prefill_kernel=triton_attention.paged_prefill)
-    ref.paged_attention(q, cache, meta, 0.125, None, softcap=30.0)
-    assert not calls
-    meta.prefill_kernel = ref.prefill_reference
-    ref.paged_attention(q, cache, meta, 0.125, None, softcap=30.0)
-    assert len(calls) == 1
+def test_the_triton_plan_hands_capped_scores_to_its_kernels():
+    """Gemma 2 on the Triton kernels: no fallback to the per-sequence reference."""
+    from kvray.kernels.plan import choose_kernel_plan
+
+    plan = choose_kernel_plan("triton", torch.device("cpu"), torch.float32, None, 1)
+    assert plan.kernels["kernels_take_softcap"]
 
 
 # ---- launches per decoder layer ------------------------------------------------------------

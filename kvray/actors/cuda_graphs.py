@@ -94,7 +94,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             seq_lens=self.seq_lens[:size], seq_lens_list=seq_lens_list, num_decodes=size,
             decode_kernel=self.decode_kernel, write_kernel=self.write_kernel,
-            max_query_len=1)
+            max_query_len=1, kernels_take_softcap=True)  # every backend's kernels cap (plan)
 
     def _capture(self) -> None:
         """Largest size first, all graphs sharing one memory pool (the smaller ones fit in

@@ -60,6 +60,23 @@ class CachedRequestState:
     lora_slot: int = -1  # its adapter's slot (-1: the base model)
 
 
+def placeholder_tokens(out: SchedulerOutput, prev: ModelRunnerOutput | None
+                       ) -> dict[str, list[int]]:
+    """The tokens the previous step sampled for ``out``'s placeholder requests (async
+    scheduling), which every rank appends before building the batch."""
+    if not out.placeholder_req_ids:
+        return {}
+    if prev is None:
+        raise RuntimeError("a step with placeholders came without the previous step's output")
+    sampled = dict(zip(prev.req_ids, prev.sampled_token_ids, strict=True))
+    flying = {r: sampled.get(r) for r in out.placeholder_req_ids}
+    missing = sorted(r for r, toks in flying.items() if not toks)
+    if missing:
+        raise RuntimeError(f"the previous step sampled no token for placeholder requests "
+                           f"{missing[:5]}")
+    return flying
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor
@@ -214,7 +231,7 @@ class ModelRunner:
                         time.perf_counter() - start, used / 2**20)
 
     # ---- per-request state --------------------------------------------------------------
-    def _update_states(self, out: SchedulerOutput) -> None:
+    def _update_states(self, out: SchedulerOutput, prev: ModelRunnerOutput | None) -> None:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
             self.generators.pop(req_id, None)
@@ -239,12 +256,14 @@ class ModelRunner:
                                                      state.output_token_ids)
             if new.seed is not None and new.req_id not in self.generators:
                 self.generators[new.req_id] = torch.Generator(self.device).manual_seed(new.seed)
+        flying = placeholder_tokens(out, prev)
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
-            state.token_ids.extend(cached.new_token_ids)
-            state.output_token_ids.extend(cached.new_token_ids)
+            new = cached.new_token_ids + flying.get(cached.req_id, [])
+            state.token_ids.extend(new)
+            state.output_token_ids.extend(new)
             if state.matcher is not None:
-                state.matcher.accept(cached.new_token_ids)
+                state.matcher.accept(new)
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
@@ -325,10 +344,12 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, out: SchedulerOutput, prev: ModelRunnerOutput | None = None
+                      ) -> ModelRunnerOutput | None:
         """Run one step. Returns the sampled tokens on the last pipeline stage's TP rank 0
         (None elsewhere, unless a swap failed here: then an empty output that names the
-        requests, for the executor to merge)."""
+        requests, for the executor to merge). ``prev``: the previous step's output (of the
+        sampling rank), where ``out`` has placeholders (async scheduling)."""
         caches = self.cache.kv_caches
         # evicted blocks first: this step may write fetched or new K/V into them
         offloaded = self.swap_pool.copy_out(caches, out.kv_offload)
@@ -337,7 +358,7 @@ class ModelRunner:
             self.swap_pool.copy_in(req_id, caches, blocks, self.ctx.world_rank)
         if out.lora_loads:
             self._load_loras(out)
-        result = self._execute(out)
+        result = self._execute(out, prev)
         failed = self.swap_pool.take_failed()
         if failed or offloaded:
             if result is None:
@@ -346,8 +367,9 @@ class ModelRunner:
             result.kv_offloaded = offloaded
         return result
 
-    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
-        self._update_states(out)
+    def _execute(self, out: SchedulerOutput, prev: ModelRunnerOutput | None
+                 ) -> ModelRunnerOutput | None:
+        self._update_states(out, prev)
         if out.is_empty:
             return ModelRunnerOutput([], [], [], []) if self.ctx.is_output_rank else None
         inputs = self._prepare_inputs(out)

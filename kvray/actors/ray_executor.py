@@ -136,8 +136,9 @@ class _RankedWorker:
         """Call the Worker's ``method`` (what :meth:`RayExecutor.collective_rpc` sends)."""
         return getattr(self.worker, method)(*args)
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.worker.execute_model(out)  # the hot path keeps a typed method
+    def execute_model(self, out: SchedulerOutput, prev: ModelRunnerOutput | None = None
+                      ) -> ModelRunnerOutput | None:
+        return self.worker.execute_model(out, prev)  # the hot path keeps a typed method
 
 
 def merge_offloaded(per_rank: list[dict[int, list]]) -> dict[int, list]:
@@ -169,6 +170,7 @@ class RayExecutor:
             raise
         self.output_rank = (self.pp - 1) * self.tp  # last stage, TP rank 0
         self.broadcast_s = 0.0  # time spent putting SchedulerOutputs in the object store
+        self._last_step: list | None = None  # the latest step's calls, one per worker
 
     def _reserve_placement(self, bundles: list[dict], strategy: str) -> int:
         """Set ``self.pg`` to the placement group the workers go in; returns the index of
@@ -288,13 +290,18 @@ class RayExecutor:
     def submit_step(self, out: SchedulerOutput) -> list:
         """Every worker's call for this step, queued behind its earlier ones (an actor runs
         one caller's calls in order), so stage 0 starts the next step while later stages
-        still run this one."""
+        still run this one. A step with placeholders (async scheduling) also takes the
+        previous step's sampled tokens, as a reference: Ray hands the step to the workers
+        as soon as those exist, without a round trip through the engine."""
         import ray
 
         start = time.perf_counter()
         ref = ray.put(out)  # once; every worker gets the same reference
         self.broadcast_s += time.perf_counter() - start
-        return [w.execute_model.remote(ref) for w in self.workers]
+        args = (ref, self._last_step[self.output_rank]) if out.placeholder_req_ids \
+            else (ref,)
+        self._last_step = [w.execute_model.remote(*args) for w in self.workers]
+        return self._last_step
 
     def collect_step(self, handle: list) -> ModelRunnerOutput:
         results = self._get(handle)

@@ -131,8 +131,10 @@ class Worker:
         """Allocate ``num_blocks`` KV blocks (the minimum over all workers)."""
         self.runner.initialize_cache(num_blocks)
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.runner.execute_model(out)
+    def execute_model(self, out: SchedulerOutput, prev: ModelRunnerOutput | None = None
+                      ) -> ModelRunnerOutput | None:
+        """Run one step (``prev``: the previous step's output, for placeholders)."""
+        return self.runner.execute_model(out, prev)
 
     def swap_objects(self) -> int:
         """How many swapped-out requests this worker still holds (for leak checks)."""

@@ -159,9 +159,11 @@ class AsyncLLM:
         if entry is None:
             return
         loop, q = entry
-        loop.call_soon_threadsafe(q.put_nowait, item)
+        # Forget a finished stream before its last item can reach the consumer: a client
+        # may reuse the id as soon as it has that item.
         if isinstance(item, BaseException) or getattr(item, "finished", False):
             self._streams.pop(request_id, None)
+        loop.call_soon_threadsafe(q.put_nowait, item)
 
     def _fail_streams(self, err: BaseException) -> None:
         logger.debug("failing all streams: %r", err)

@@ -398,9 +398,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return outputs of requests that changed.
 
-        With pipeline parallelism up to ``num_micro_batches`` steps are in flight: this
-        submits steps over the requests not already in one until the pipeline is full,
-        then waits for the oldest and applies it."""
+        With pipeline parallelism up to ``num_micro_batches`` steps are in flight, and one
+        more with async scheduling: this submits steps until that many are in flight (or
+        nothing more can run), then waits for the oldest and applies it."""
         if self.executor is None:
             raise EngineDeadError("the engine has been shut down")
         try:
@@ -424,10 +424,10 @@ class LLMEngine:
         return self._outputs_of(touched)
 
     def _advance_pipeline(self) -> tuple[SchedulerOutput, ModelRunnerOutput, float]:
-        """Submit steps until ``num_micro_batches`` are in flight (or nothing more can
-        run), then wait for the oldest: its SchedulerOutput, its result and when it was
-        submitted."""
-        depth = self.scheduler.num_micro_batches
+        """Submit steps until ``num_micro_batches`` (+ 1 under async scheduling) are in
+        flight (or nothing more can run), then wait for the oldest: its SchedulerOutput,
+        its result and when it was submitted."""
+        depth = self.scheduler.num_micro_batches + self.scheduler.async_scheduling
         while len(self._in_flight) < depth and (
                 not self._in_flight or self.scheduler.has_schedulable_requests()):
             out = self.scheduler.schedule()
@@ -475,19 +475,18 @@ class LLMEngine:
         if out.is_empty:
             return
         s.step_time_s += elapsed
+        # requests that finished or were aborted while the step ran are gone: not counted
         reqs = self.scheduler.requests
-        pure_decode = all(n == 1 and reqs[r].num_computed_tokens >= reqs[r].num_prompt_tokens
-                          for r, n in out.num_scheduled_tokens.items())
-        prompt_tokens = sum(
-            max(0, min(reqs[r].num_prompt_tokens - reqs[r].num_computed_tokens, n))
-            for r, n in out.num_scheduled_tokens.items())
-        s.prompt_tokens_total += prompt_tokens
+        live = [(reqs[r], n) for r, n in out.num_scheduled_tokens.items() if r in reqs]
+        pure_decode = all(n == 1 and req.num_computed_tokens >= req.num_prompt_tokens
+                          for req, n in live)
+        s.prompt_tokens_total += sum(
+            max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n)) for req, n in live)
         if pure_decode:
             s.num_decode_steps += 1
             s.decode_time_s += elapsed
-            s.decode_tokens += len(out.num_scheduled_tokens)
-            s.decode_context_tokens += sum(reqs[r].num_computed_tokens + 1
-                                           for r in out.num_scheduled_tokens)
+            s.decode_tokens += len(live)
+            s.decode_context_tokens += sum(req.num_computed_tokens + 1 for req, _ in live)
 
     def _apply_pooled(self, result: ModelRunnerOutput) -> set[str]:
         """Keep each pooling request's vector for its final output."""
@@ -576,6 +575,8 @@ class LLMEngine:
         s.num_swaps_in = sched.swap.num_swaps_in
         s.spec_decode_num_draft_tokens = sched.num_draft_tokens
         s.spec_decode_num_accepted_tokens = sched.num_accepted_tokens
+        s.async_placeholder_tokens = sched.num_placeholders
+        s.async_wasted_tokens = sched.num_wasted_placeholders
         if self.kv_tier is not None:
             s.kv_tier = dataclasses.asdict(sched.tier_stats)
         if self.loras is not None:

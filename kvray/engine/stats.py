@@ -22,13 +22,17 @@ class EngineStats:
     # speculative decoding: draft tokens verified, and how many of them were accepted
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # async scheduling: tokens scheduled before the step in flight sampled them, and of
+    # those the ones computed in vain (their request had ended)
+    async_placeholder_tokens: int = 0
+    async_wasted_tokens: int = 0
     # swapped-out KV objects the workers hold (objects in the Ray object store); refreshed
     # when the engine goes idle, where it must be 0 (leak check)
     num_swap_objects: int = 0
     prompt_tokens_total: int = 0  # prompt tokens computed (cache hits excluded)
     generation_tokens_total: int = 0
     num_steps: int = 0
-    num_overlapped_steps: int = 0  # submitted while another step was in flight (PP)
+    num_overlapped_steps: int = 0  # submitted while another step was in flight (PP, async)
     step_time_s: float = 0.0  # in model steps (not empty ones): the engine's busy time
     # pure-decode steps (every scheduled request advanced one generated token)
     num_decode_steps: int = 0

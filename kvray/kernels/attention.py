@@ -13,8 +13,6 @@ may read blocks that another request of the same step is filling (prefix sharing
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +42,9 @@ class AttentionMetadata:
             :func:`kvray.kernels.triton_attention.paged_prefill`'s signature (None = the
             reference, one sequence at a time).
         max_query_len: the longest row's new tokens (for ``prefill_kernel``'s grid).
+        kernels_take_softcap: ``decode_kernel`` and ``prefill_kernel`` take a ``softcap``
+            keyword (Gemma 2's capped scores); if not, capped attention runs
+            :func:`softcapped_attention`.
     """
 
     query_start_loc: torch.Tensor
@@ -57,6 +58,7 @@ class AttentionMetadata:
     write_kernel: Callable | None = None
     prefill_kernel: Callable | None = None
     max_query_len: int = 0
+    kernels_take_softcap: bool = False
 
     @classmethod
     def for_full_sequences(cls, lengths: list[int], device: torch.device | str = "cpu"):
@@ -113,27 +115,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
               kv_cache: torch.Tensor | None = None,
               softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq, D]; causal within each sequence. With
-    ``softcap`` (Gemma 2) the scores become ``tanh(s / cap) * cap`` before the mask."""
+    ``softcap`` (Gemma 2) the scores become ``tanh(s / cap) * cap`` before the mask: in the
+    paged kernels where they take a cap (``meta.kernels_take_softcap``), else in
+    :func:`softcapped_attention`, which computes the scores itself."""
+    if softcap is not None and (kv_cache is None or not meta.kernels_take_softcap):
+        return softcapped_attention(q, k, v, meta, scale, sliding_window, kv_cache, softcap)
     if kv_cache is None:
-        if softcap is not None:
-            return softcapped_attention(q, k, v, meta, scale, sliding_window, None, softcap)
         return dense_attention(q, k, v, meta, scale, sliding_window)
     (meta.write_kernel or write_kv_cache)(k, v, kv_cache, meta.slot_mapping)
     return paged_attention(q, kv_cache, meta, scale, sliding_window, softcap)
 
 
-@functools.cache
-def takes_softcap(kernel: Callable) -> bool:
-    """Whether an attention kernel caps scores itself: it has a ``softcap`` parameter."""
-    return "softcap" in inspect.signature(kernel).parameters
-
-
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          meta: AttentionMetadata, scale: float, sliding_window: int | None,
                          kv_cache: torch.Tensor | None, softcap: float) -> torch.Tensor:
-    """The PyTorch reference of attention with capped scores: each sequence's queries
-    against its keys (the batch's own ``k``/``v``, or the paged cache's, this step's K/V
-    already written)."""
+    """Attention with capped scores, each sequence's queries against its keys (the batch's
+    own, or the paged cache's after this step's K/V are written)."""
+    if kv_cache is not None:
+        (meta.write_kernel or write_kv_cache)(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for b in range(len(starts) - 1):
@@ -141,23 +140,27 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tenso
         if e == s:
             continue
         if kv_cache is None:
-            keys, values = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)  # [Hk, L, D]
-            seq_len = e - s
+            out[s:e] = _capped_one(q[s:e], k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+                                   scale, sliding_window, softcap)
         else:
-            seq_len = meta.seq_lens_list[b]
-            keys, values = _gather(kv_cache, meta.block_tables[b][None],
-                                   -(-seq_len // kv_cache.shape[3]), q.dtype)
-            keys, values = keys[:, 0, :seq_len], values[:, 0, :seq_len]
-        allowed = _query_mask(e - s, seq_len, sliding_window, q.device)
-        hk = keys.shape[0]
-        qg = q[s:e].transpose(0, 1).reshape(hk, -1, keys.shape[-1])  # [Hk, G * Lq, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
-        scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.view(hk, -1, e - s, seq_len).masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        o = torch.matmul(probs.view(hk, -1, seq_len), values)  # [Hk, G * Lq, D]
-        out[s:e] = o.view(-1, e - s, o.shape[-1]).transpose(0, 1)
+            out[s:e] = _prefill_one(q[s:e], kv_cache, meta.block_tables[b],
+                                    meta.seq_lens_list[b], scale, sliding_window, softcap)
     return out
+
+
+def _capped_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                sliding_window: int | None, softcap: float) -> torch.Tensor:
+    """One sequence's last ``Lq`` tokens q [Lq, Hq, D] against its keys and values
+    [Hk, L, D] with capped scores (SDPA takes no cap) -> [Lq, Hq, D]."""
+    num_q, (hk, seq_len, dim) = q.shape[0], keys.shape
+    allowed = _query_mask(num_q, seq_len, sliding_window, q.device)
+    qg = q.transpose(0, 1).reshape(hk, -1, dim)  # [Hk, G * Lq, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(hk, -1, num_q, seq_len).masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    o = torch.matmul(probs.view(hk, -1, seq_len), values)  # [Hk, G * Lq, D]
+    return o.view(-1, num_q, dim).transpose(0, 1)
 
 
 def dense_attention(q, k, v, meta: AttentionMetadata, scale: float,
@@ -197,30 +200,25 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     """Attend each new token to its sequence's cached context. Decode rows (one token each)
     go through the decode kernel, or batched, vectorised calls over a few length buckets;
     prefill chunks through the prefill kernel, or the reference one sequence at a time.
-    Capped scores (``softcap``) take the kernels where both cap (:func:`takes_softcap`),
-    else :func:`softcapped_attention`."""
+    A ``softcap`` goes to the kernels as a keyword (they must take it), and to the
+    references."""
     nd = meta.num_decodes
-    if softcap is not None:
-        kernels = (meta.decode_kernel, meta.prefill_kernel)
-        if not all(k is not None and takes_softcap(k) for k in kernels):
-            return softcapped_attention(q, None, None, meta, scale, sliding_window, kv_cache,
-                                        softcap)
-    capped = {} if softcap is None else {"softcap": softcap}
     prefill_kernel = None
     if nd < len(meta.seq_lens_list):
         prefill_kernel = meta.prefill_kernel or prefill_reference
+    cap = {} if softcap is None else {"softcap": softcap}  # kernels without a cap: no keyword
 
     def prefill_rows() -> torch.Tensor:
         qsl = meta.query_start_loc[nd:]
         first = int(qsl[0])
         return prefill_kernel(q[first:], kv_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
-                              qsl - first, meta.max_query_len, scale, sliding_window, **capped)
+                              qsl - first, meta.max_query_len, scale, sliding_window, **cap)
 
     if nd == 0 and prefill_kernel is not None:  # prefill rows only: no copy
         return prefill_rows()
     if nd and meta.decode_kernel is not None:
         decoded = meta.decode_kernel(q[:nd], kv_cache, meta.block_tables[:nd],
-                                     meta.seq_lens[:nd], scale, sliding_window, **capped)
+                                     meta.seq_lens[:nd], scale, sliding_window, **cap)
         if prefill_kernel is None:  # decode rows only: no copy
             return decoded
         out = torch.empty_like(q)
@@ -231,7 +229,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         nd_ref = nd
     for s, e in decode_buckets(meta.seq_lens_list[:nd_ref]):
         out[s:e] = _decode(q[s:e], kv_cache, meta.block_tables[s:e], meta.seq_lens[s:e],
-                           meta.seq_lens_list[s], scale, sliding_window)
+                           meta.seq_lens_list[s], scale, sliding_window, softcap)
     if prefill_kernel is not None:
         out[int(meta.query_start_loc[nd]):] = prefill_rows()
     return out
@@ -239,17 +237,18 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
 def prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                      max_query_len: int, scale: float,
-                      sliding_window: int | None) -> torch.Tensor:
+                      max_query_len: int, scale: float, sliding_window: int | None,
+                      softcap: float | None = None) -> torch.Tensor:
     """The PyTorch reference ``prefill_kernel`` (what runs where none is set): each
-    sequence's new tokens through SDPA over its gathered K/V (``max_query_len`` unused)."""
+    sequence's new tokens through SDPA over its gathered K/V, or with ``softcap`` through
+    explicit capped scores (``max_query_len`` unused)."""
     out = torch.empty_like(q)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for b, seq_len in enumerate(lens):
         s, e = starts[b], starts[b + 1]
         if e > s:
             out[s:e] = _prefill_one(q[s:e], kv_cache, block_tables[b], seq_len, scale,
-                                    sliding_window)
+                                    sliding_window, softcap)
     return out
 
 
@@ -287,13 +286,15 @@ def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int,
 
 
 def _decode(q, kv_cache, block_tables, seq_lens, max_len: int, scale: float,
-            sliding_window: int | None) -> torch.Tensor:
+            sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
     batch, hq, dim = q.shape
     hk, block_size = kv_cache.shape[1], kv_cache.shape[3]
     nb = -(-max_len // block_size)
     k, v = _gather(kv_cache, block_tables, nb, q.dtype)  # [Hk, B, L, D]
     qg = q.view(batch, hk, hq // hk, dim).transpose(0, 1)  # [Hk, B, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [Hk, B, G, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     key_pos = torch.arange(nb * block_size, device=q.device)
     invalid = key_pos[None, :] >= seq_lens[:, None]
     if sliding_window is not None:
@@ -317,11 +318,13 @@ def _query_mask(num_q: int, seq_len: int, sliding_window: int | None,
 
 
 def _prefill_one(q, kv_cache, block_table, seq_len: int, scale: float,
-                 sliding_window: int | None) -> torch.Tensor:
+                 sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
     num_q = q.shape[0]
     block_size = kv_cache.shape[3]
     k, v = _gather(kv_cache, block_table[None], -(-seq_len // block_size), q.dtype)
     k, v = k[:, 0, :seq_len], v[:, 0, :seq_len]  # [Hk, L, D]
+    if softcap is not None:
+        return _capped_one(q, k, v, scale, sliding_window, softcap)
     if num_q == seq_len and sliding_window is None:
         # The whole sequence is new: query i sees keys 0..i, SDPA's own causal mask, with
         # which its CPU flash kernel skips the blocks above the diagonal (1.36x faster at

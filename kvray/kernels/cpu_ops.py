@@ -1,6 +1,7 @@
 """kvray's CPU ops: a small C++ extension built on first use.
 
-- ``paged_decode``: paged decode attention. The PyTorch reference (``attention._decode``)
+- ``paged_decode`` / ``paged_prefill``: paged decode and prefill attention (optionally with
+  Gemma 2's soft-capped scores). The PyTorch reference (``attention._decode``)
   must first gather each sequence's blocks into a contiguous tensor, which on CPU costs more
   memory traffic than the attention itself; the kernel reads K/V straight from the paged
   cache, one pass over K for the scores and one over V, parallel over (sequence, kv head).
@@ -18,6 +19,8 @@
   (half the bytes), widened exactly in registers: the same results as fp32 panels.
 - ``rms_norm``, ``rotary_inplace``, ``silu_and_mul``: a decoder layer's elementwise work,
   one call each.
+- ``moe_experts``: a MoE layer's routed experts for a few tokens in one call (dense or
+  quantized), the linears' own kernels run over every active expert in one parallel pass.
 - ``decode_layer`` (the extension's, used by :func:`kvray.models.llama.use_fused_decode_layer`):
   a whole decoder layer of a decode batch in one call, the kernels above back to back;
   ``decode_layers`` all of a pipeline stage's layers in one call.
@@ -50,8 +53,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("cpu_paged_attention.cpp", "cpu_paged_prefill.cpp", "cpu_linear.cpp",
             "cpu_fused.cpp", "cpu_layer.cpp", "cpu_sampling.cpp", "cpu_quant.cpp",
-            "cpu_lora.cpp", "bindings.cpp")
-_HEADERS = ("ops.h", "vec.h", "kv_quant.h")
+            "cpu_lora.cpp", "cpu_moe.cpp", "bindings.cpp")
+_HEADERS = ("ops.h", "vec.h", "kv_quant.h", "kernel_parts.h")
 _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 # The instruction set the kernels are built for: this CPU's own by default. Tests set
 # KVRAY_CPU_MARCH=haswell on AVX-512 machines to run the AVX2 code paths too.
@@ -188,24 +191,27 @@ def _build_tag() -> str:
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None
-                 ) -> torch.Tensor:
-    """q: [B, Hq, D]; kv_cache: [2, Hk, num_blocks, block_size, D] -> [B, Hq, D]."""
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
+                 softcap: float | None = None) -> torch.Tensor:
+    """q: [B, Hq, D]; kv_cache: [2, Hk, num_blocks, block_size, D] -> [B, Hq, D]. With
+    ``softcap`` (Gemma 2) each scaled score s becomes ``softcap * tanh(s / softcap)``."""
     ext = load_ops()
     assert ext is not None, "call load_ops() first and check it is available"
     return ext.paged_decode(q.contiguous(), kv_cache, block_tables.contiguous(),
-                            seq_lens.contiguous(), float(scale), sliding_window or -1)
+                            seq_lens.contiguous(), float(scale), sliding_window or -1,
+                            float(softcap or 0.0))
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                  scale: float, sliding_window: int | None) -> torch.Tensor:
+                  scale: float, sliding_window: int | None, softcap: float | None = None
+                  ) -> torch.Tensor:
     """q: [T, Hq, D], the new tokens of B sequences (sequence b's at
     ``query_start_loc[b]:query_start_loc[b + 1]``, the last of its ``seq_lens[b]``
     positions, their K/V already written), attended causally over the paged cache ->
-    [T, Hq, D]. Dtypes or head sizes the C++ kernel does not take (fp16, a head size that is
-    not a whole number of vectors, a build without AVX2) go through the PyTorch reference,
-    one sequence at a time."""
+    [T, Hq, D], scores capped as :func:`paged_decode`'s. Dtypes or head sizes the C++
+    kernel does not take (fp16, a head size that is not a whole number of vectors, a build
+    without AVX2) go through the PyTorch reference, one sequence at a time."""
     ext = load_ops()
     assert ext is not None, "call load_ops() first and check it is available"
     # (windows of 2^22 tokens or more: the kernel compares distances as floats)
@@ -214,11 +220,11 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
             q = q.contiguous()
         return ext.paged_prefill(q, kv_cache, block_tables.contiguous(),
                                  seq_lens.contiguous(), query_start_loc.contiguous(),
-                                 float(scale), sliding_window or -1)
+                                 float(scale), sliding_window or -1, float(softcap or 0.0))
     from kvray.kernels.attention import prefill_reference
 
     return prefill_reference(q, kv_cache, block_tables, seq_lens, query_start_loc,
-                             max_query_len, scale, sliding_window)
+                             max_query_len, scale, sliding_window, softcap)
 
 
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -243,6 +249,30 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.shape[0] <= small_m_max_rows():
         return linear_small_m(x, weight, None)
     return linear_tiled(x, weight, None)
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                local_index: torch.Tensor, w13: torch.Tensor | list[torch.Tensor],
+                w2: torch.Tensor | list[torch.Tensor],
+                perms: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """A MoE layer's experts for a few tokens in one call: for x [T, H] routed to
+    ``experts`` (global ids [T, k]) with ``weights`` [T, k], the sum over each token's
+    experts held here (``local_index``: global id -> row of w13 / w2, -1 for none) of
+    ``weight * down(silu(gate) * up)``, in x's dtype (fp32 inside). ``w13`` [local, 2I, H]
+    and ``w2`` [local, H, I] stacked fp32 / bf16, or per local expert a quantized blob each
+    (:func:`linear_q`'s), with ``perms`` their input permutations (w13's and w2's per
+    expert, None for none). The products are :func:`linear_small_m`'s and
+    :func:`linear_q`'s kernels: each expert's rows get the same values as through them."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    dtype = x.dtype
+    x32 = x.float().contiguous()
+    weights, experts = weights.float().contiguous(), experts.contiguous()
+    if isinstance(w13, torch.Tensor):
+        out = ext.moe_experts(x32, weights, experts, local_index, w13, w2)
+    else:
+        out = ext.moe_experts_q(x32, weights, experts, local_index, w13, w2, perms or [])
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -101,9 +101,11 @@ class KernelPlan:
     @property
     def kernels(self) -> dict:
         """The attention kernels, as :class:`~kvray.kernels.attention.AttentionMetadata`
-        names them."""
+        names them; the C++ and Triton kernels and the PyTorch references take Gemma 2's
+        score cap."""
         return dict(decode_kernel=self.decode_kernel, write_kernel=self.write_kernel,
-                    prefill_kernel=self.prefill_kernel)
+                    prefill_kernel=self.prefill_kernel,
+                    kernels_take_softcap=self.attention_backend in ("cpu", "torch", "triton"))
 
     def for_draft(self) -> KernelPlan:
         """The plan for a draft model beside this one: on one rank, without bf16 copies,

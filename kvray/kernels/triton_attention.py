@@ -368,7 +368,7 @@ def self_check(device: torch.device | str, dtype: torch.dtype = torch.float32,
         want = ref.paged_attention(q, cache, meta, 0.125, None)
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
         got = paged_decode(q, cache, t, lens, 0.125, None, softcap=2.0)
-        want = ref.softcapped_attention(q, None, None, meta, 0.125, None, cache, 2.0)
+        want = ref.paged_attention(q, cache, meta, 0.125, None, softcap=2.0)
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     starts = torch.tensor([0, 2, 20], device=device)
     q = torch.randn(20, hq, dim, generator=g).to(device, dtype)
@@ -378,7 +378,7 @@ def self_check(device: torch.device | str, dtype: torch.dtype = torch.float32,
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     got = paged_prefill(q, cache, tables, lens, starts, 18, 0.125, None, softcap=2.0)
     meta.query_start_loc, meta.num_decodes = starts, 0
-    want = ref.softcapped_attention(q, None, None, meta, 0.125, None, cache, 2.0)
+    want = ref.paged_attention(q, cache, meta, 0.125, None, softcap=2.0)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 

@@ -1,16 +1,17 @@
 """Read a llama.cpp GGUF file as a Hugging Face config plus HF-named tensors.
 
 Quantized tensors stay quantized: each block format kvray has kernels for (Q8_0, Q4_0,
-Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) is converted exactly into a
+Q4_1, Q5_0, Q5_1 and the K-quants Q2_K to Q6_K) is converted exactly into a
 :class:`~kvray.quant.tensor.QuantTensor`;
 the others (and every tensor with ``keep_quantized=False``) are dequantized with the
 ``gguf`` package to fp32 and cast to the model dtype by the loader. llama.cpp stores
 Llama-architecture Q/K rows interleaved for its rotary kernel; they are permuted back to
-the Hugging Face layout here (rows of blocks, so quantized ones too). A Qwen3-MoE file
-(``qwen3moe``), or a Mixtral one (``llama`` with an expert count), stores each layer's
-experts stacked ([experts, rows, K], quantized row by
-row): they are yielded one expert at a time under the hub's per-expert names, quantized
-ones as row ranges of one converted matrix.
+the Hugging Face layout here (rows of blocks, so quantized ones too). A Qwen3-MoE or
+Qwen2-MoE file (``qwen3moe``, ``qwen2moe``: its shared expert and that expert's gate as
+tensors of their own), or a Mixtral one (``llama`` with an expert count), stores each
+layer's experts stacked ([experts, rows, K], quantized row by row): they are yielded one
+expert at a time under the hub's per-expert names, quantized ones as row ranges of one
+converted matrix. A layer without a router is a dense one (``mlp_only_layers``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _ARCHS = {
     "llama": ("LlamaForCausalLM", "LlamaConfig", True),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", False),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", False),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", False),
 }
 # stacked expert tensors: GGUF name -> the per-expert HF projection
@@ -54,6 +56,11 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
+    # Qwen2-MoE's shared expert and its sigmoid gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -61,6 +68,26 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
+
+
+_REQUIRED = object()
+
+
+def _number(reader: Any, key: str, cast: type, default: Any = _REQUIRED) -> Any:
+    """A numeric metadata value as ``cast``; UnsupportedModelError naming the key when it
+    is missing (and required) or not one number (e.g. a per-layer array)."""
+    value = _field(reader, key)
+    if value is None:
+        if default is _REQUIRED:
+            raise UnsupportedModelError(f"GGUF metadata '{key}' is missing; the file cannot "
+                                        "be read as this architecture")
+        return default
+    try:
+        return cast(value)
+    except (TypeError, ValueError):
+        raise UnsupportedModelError(f"GGUF metadata '{key}' = {str(value)[:60]}: expected "
+                                    f"one {cast.__name__} (per-layer values are not "
+                                    "supported)") from None
 
 
 def _hf_name(gguf_name: str, expert: int | None = None) -> str:
@@ -113,44 +140,54 @@ class GGUFCheckpoint:
             raise UnsupportedModelError(
                 "GGUF with precomputed rope_freqs (Llama-3.1 rope scaling) is not supported; "
                 "load the Hugging Face checkpoint instead")
-        self.hf_config = self._build_config(tied="output.weight" not in names)
+        self.hf_config = self._build_config(names)
 
-    def _build_config(self, tied: bool) -> Any:
+    def _build_config(self, names: set[str]) -> Any:
         import transformers
 
         a, r = self.arch, self.reader
         hf_arch, config_cls, _ = _ARCHS[a]
-        experts = int(_field(r, f"{a}.expert_count", 0) or 0)
+        experts = _number(r, f"{a}.expert_count", int, 0)
         if a == "llama" and experts:  # Mixtral: Llama's layout with an MoE MLP
             hf_arch, config_cls = "MixtralForCausalLM", "MixtralConfig"
-        embd = next(t for t in r.tensors if t.name == "token_embd.weight")
-        n_head = int(_field(r, f"{a}.attention.head_count"))
-        hidden = int(_field(r, f"{a}.embedding_length"))
+        embd = next((t for t in r.tensors if t.name == "token_embd.weight"), None)
+        if embd is None:
+            raise UnsupportedModelError("GGUF without a 'token_embd.weight' tensor")
+        n_head = _number(r, f"{a}.attention.head_count", int)
+        hidden = _number(r, f"{a}.embedding_length", int)
         kwargs = dict(
             architectures=[hf_arch],
             vocab_size=int(embd.shape[1]),
             hidden_size=hidden,
-            intermediate_size=int(_field(r, f"{a}.feed_forward_length")),
-            num_hidden_layers=int(_field(r, f"{a}.block_count")),
+            intermediate_size=_number(r, f"{a}.feed_forward_length", int),
+            num_hidden_layers=_number(r, f"{a}.block_count", int),
             num_attention_heads=n_head,
-            num_key_value_heads=int(_field(r, f"{a}.attention.head_count_kv", n_head)),
-            head_dim=int(_field(r, f"{a}.attention.key_length", hidden // n_head)),
-            rms_norm_eps=float(_field(r, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-            max_position_embeddings=int(_field(r, f"{a}.context_length", 2048)),
-            rope_theta=float(_field(r, f"{a}.rope.freq_base", 10000.0)),
-            tie_word_embeddings=tied,
+            num_key_value_heads=_number(r, f"{a}.attention.head_count_kv", int, n_head),
+            head_dim=_number(r, f"{a}.attention.key_length", int, hidden // n_head),
+            rms_norm_eps=_number(r, f"{a}.attention.layer_norm_rms_epsilon", float, 1e-6),
+            max_position_embeddings=_number(r, f"{a}.context_length", int, 2048),
+            rope_theta=_number(r, f"{a}.rope.freq_base", float, 10000.0),
+            tie_word_embeddings="output.weight" not in names,
             bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
             eos_token_id=_field(r, "tokenizer.ggml.eos_token_id"),
             torch_dtype="bfloat16",
         )
-        if a == "qwen3moe":  # llama.cpp always renormalises its top-k weights here
-            kwargs.update(num_experts=experts,
-                          num_experts_per_tok=int(_field(r, f"{a}.expert_used_count")),
-                          moe_intermediate_size=int(_field(r, f"{a}.expert_feed_forward_length")),
-                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        if a in ("qwen2moe", "qwen3moe"):
+            layers = kwargs["num_hidden_layers"]
+            kwargs.update(
+                num_experts=experts,
+                num_experts_per_tok=_number(r, f"{a}.expert_used_count", int),
+                moe_intermediate_size=_number(r, f"{a}.expert_feed_forward_length", int),
+                # llama.cpp renormalises Qwen3-MoE's top-k weights, never Qwen2-MoE's
+                norm_topk_prob=a == "qwen3moe", decoder_sparse_step=1,
+                mlp_only_layers=[i for i in range(layers)
+                                 if f"blk.{i}.ffn_gate_inp.weight" not in names])
+            if a == "qwen2moe":
+                kwargs.update(shared_expert_intermediate_size=_number(
+                    r, f"{a}.expert_shared_feed_forward_length", int))
         elif experts:  # Mixtral: the experts' width is feed_forward_length
             kwargs.update(num_local_experts=experts, sliding_window=None,
-                          num_experts_per_tok=int(_field(r, f"{a}.expert_used_count")))
+                          num_experts_per_tok=_number(r, f"{a}.expert_used_count", int))
         return getattr(transformers, config_cls)(**kwargs)
 
     def iter_weights(self, keep_quantized: bool = True
@@ -169,6 +206,10 @@ class GGUFCheckpoint:
                 continue
             name = _hf_name(t.name)
             shape = tuple(reversed(t.shape.tolist()))
+            if name.endswith("shared_expert_gate.weight"):  # one row; llama.cpp keeps it 1-D
+                data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+                yield name, torch.from_numpy(np.array(data.reshape(1, -1), copy=True))
+                continue
             qt = (to_quant_tensor(t.data, t.tensor_type, shape)
                   if keep_quantized and len(shape) == 2 else None)
             if qt is not None:

@@ -71,7 +71,8 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         num_tokens = qkv.shape[0]
         v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if kv_cache is not None and self.rotary.fused_write is not None:
+        if kv_cache is not None and self.rotary.fused_write is not None \
+                and (self.softcap is None or meta.kernels_take_softcap):
             return self.o_proj(self._rotate_write_attend(qkv, v, meta, kv_cache)
                                .reshape(-1, q_size))
         if self.q_norm is None:  # rotate q and k together: half the small ops per layer
@@ -457,4 +458,8 @@ def use_fused_ops(model: nn.Module, ops: ModuleType) -> None:
             module.fused_linear = getattr(ops, "expert_linear", None)
             module.fused_silu_and_mul = ops.silu_and_mul
             module.fused_moe = getattr(ops, "fused_moe", None)
+            # (builds without vector kernels have no quantized products to run there)
+            if hasattr(ops, "moe_experts") and ops.vector_lanes() >= 8:
+                module.cpu_moe = ops.moe_experts
+                module.cpu_moe_max_rows = ops.small_m_max_rows()
 

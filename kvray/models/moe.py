@@ -143,6 +143,12 @@ class MoEExperts(nn.Module):
     # The whole layer's experts as two grouped GEMMs on the GPU (Triton; set by
     # use_fused_ops with kvray.kernels.triton_ops): no host sync, no loop over experts.
     fused_moe: Callable[..., torch.Tensor] | None = None
+    # A few tokens' experts in one C++ call (kvray.kernels.cpu_ops.moe_experts; set by
+    # use_fused_ops on CPU), dense fp32 / bf16 or quantized blob experts, up to
+    # cpu_moe_max_rows tokens: at batch 1 the per-expert calls of the loop below cost more
+    # than the weights' bytes.
+    cpu_moe: Callable[..., torch.Tensor] | None = None
+    cpu_moe_max_rows: int = 0
     # where this layer's routing is counted (set by count_expert_tokens)
     token_counts: ExpertTokenCounts | None = None
 
@@ -298,11 +304,15 @@ class MoEExperts(nn.Module):
         """This rank's partial sum over the chosen experts: ``weights`` / ``experts``
         [tokens, k] the routing weights and global expert ids."""
         if self.fused_moe is not None and self.quant is None:  # no host sync
-            if self.token_counts is not None:
-                self.token_counts.add(self.layer_idx, experts, torch.bincount(
-                    experts.reshape(-1), minlength=self.num_experts))
+            self._count(experts)
             return self.fused_moe(x, self.w13_weight, self.w2_weight, weights, experts,
                                   self._local_index_on(x.device))
+        if self.cpu_moe is not None and x.shape[0] <= self.cpu_moe_max_rows:
+            cpu_weights = self._cpu_moe_weights()
+            if cpu_weights is not None:
+                self._count(experts)
+                return self.cpu_moe(x, weights, experts, self._local_index_on(x.device),
+                                    *cpu_weights)
         out = torch.zeros_like(x)
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
@@ -323,6 +333,32 @@ class MoEExperts(nn.Module):
             y = self._expert_linear(self._act(self._expert_linear(x[rows], i, 0)), i, 1)
             out.index_add_(0, rows, y * flat_weights[pick].unsqueeze(1).to(y.dtype))
         return out
+
+    def _count(self, experts: torch.Tensor) -> None:
+        """Add this forward's routing to the token counters, where they count."""
+        if self.token_counts is not None and self.token_counts.num_rows:
+            self.token_counts.add(self.layer_idx, experts, torch.bincount(
+                experts.reshape(-1), minlength=self.num_experts))
+
+    def _cpu_moe_weights(self) -> tuple | None:
+        """(w13, w2, input permutations) as ``cpu_moe`` takes them: the stacked fp32 / bf16
+        weights, or per local expert the blobs (kept while ``quant`` stays the same list);
+        None for experts it does not read (Triton segments, or not yet installed)."""
+        if self.quant is None:
+            if self.w13_weight.dtype not in (torch.float32, torch.bfloat16) \
+                    or not self.w13_weight.is_contiguous() or not self.w2_weight.is_contiguous():
+                return None
+            return self.w13_weight, self.w2_weight, None
+        if self.quant_kind != "blob":
+            return None
+        cached = self.__dict__.get("_blob_lists")
+        if cached is None or cached[0] is not self.quant:
+            perms = [perm for pair in self.quant for _, perm in pair]
+            cached = (self.quant, [pair[0][0] for pair in self.quant],
+                      [pair[1][0] for pair in self.quant],
+                      perms if any(p is not None for p in perms) else None)
+            self.__dict__["_blob_lists"] = cached
+        return cached[1:]
 
     def _local_index_on(self, device: torch.device) -> torch.Tensor:
         """[num_experts] global expert id -> row of w13/w2 here, or -1, on ``device``."""

@@ -17,19 +17,28 @@ Q5_1     fp16 d, fp16 m, 4 B 5th bits, 16 B nibbles;  U5, group 32, fp16 scale d
 Q4_K     super-block of 256: fp16 d, fp16 dmin,       U4, group 32, two-level: uint8 scales
          12 B of 6-bit sc/m for 8 sub-blocks of 32,   ``sc_j`` x fp16 ``d``, uint8 mins ``m_j``
          128 B nibbles; ``d sc_j q - dmin m_j``       x fp16 ``-dmin`` per 8 groups
+Q5_K     Q4_K's scales, 32 B 5th bits, 128 B          U5, group 32, two-level as Q4_K
+         nibbles; ``d sc_j q - dmin m_j``
 Q6_K     super-block of 256: 128 B low nibbles,       U6, group 16, zero 32, two-level: int8
          64 B high 2 bits, 16 int8 sc, fp16 d;        scales ``sc_j`` x fp16 ``d`` per 16 groups
          ``d sc_j (q - 32)``
+Q3_K     super-block of 256: 32 B 3rd bits, 64 B      U4 (3-bit codes), group 16, zero 4, two-
+         2-bit codes, 12 B of 6-bit sc, fp16 d;       level: int8 ``sc_j - 32`` x fp16 ``d``
+         ``d (sc_j - 32) (q - 4)``
+Q2_K     super-block of 256: 16 B of 4-bit sc/m,      U4 (2-bit codes), group 16, two-level:
+         64 B 2-bit codes, fp16 d, fp16 dmin;         uint8 ``sc_j``, ``m_j`` x fp16 ``d``,
+         ``d sc_j q - dmin m_j``                      ``-dmin``
 =======  ===========================================  ==========================================
 
-Each takes about its file's bytes (Q4_K 148 per 144; the others their own size), whatever
-the row split over tensor-parallel ranks (a split inside a K-quant super-block multiplies
-its scales out into fp32: exact, bigger).
+Each takes about its file's bytes (Q4_K 148 per 144, Q5_K 180 per 176; the others their own
+size) except Q3_K and Q2_K, whose 3- and 2-bit codes take U4's 4 bits (146 per 110 and 164
+per 84 bytes: still a third of bf16), whatever the row split over tensor-parallel ranks (a
+split inside a K-quant super-block multiplies its scales out into fp32: exact, bigger).
 
 Every conversion is exact: :meth:`QuantTensor.dequantize` equals ``gguf.quants.dequantize``
 bit for bit in fp32 (products of an fp16 by a 6- or 8-bit integer fit fp32's mantissa, and
-so do the sums). Other types (Q2_K, Q3_K, Q5_K, IQ*, TQ*, and the float types)
-have no exact kind here: :func:`to_quant_tensor` returns None and the loader dequantizes them.
+so do the sums). Other types (IQ*, TQ*, and the float types) have no exact kind here:
+:func:`to_quant_tensor` returns None and the loader dequantizes them.
 """
 
 from __future__ import annotations
@@ -127,6 +136,57 @@ def _q4_k(b: np.ndarray, n: int) -> QuantSegment:
                         super_mins=_tensor(-_f16(b, 2), n))  # fp16 negation: exact
 
 
+def _bit_planes(plane: np.ndarray, count: int) -> np.ndarray:
+    """[blocks, 32] bytes -> [blocks, count * 32]: bit i of byte l at i * 32 + l, as the
+    K-quants spread their high bits (bit i belongs to the i-th run of 32 or 16 values)."""
+    bits = plane[:, None, :] >> np.arange(count, dtype=np.uint8)[None, :, None]
+    return (bits & 1).reshape(plane.shape[0], -1)
+
+
+def _pack_u4(codes: np.ndarray) -> np.ndarray:
+    """Codes 0..15, one per byte [blocks, 256] -> U4's packing (per block of 32: byte j =
+    code j | code j + 16 << 4)."""
+    c = codes.reshape(codes.shape[0], -1, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(codes.shape[0], -1)
+
+
+def _two_bit_codes(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K's [blocks, 64] bytes -> [blocks, 256] 2-bit codes: each half of 128
+    values reads its 32 bytes four times, shifted by 0, 2, 4, 6."""
+    q = qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
+    return (q & 3).reshape(-1, 256)
+
+
+def _q5_k(b: np.ndarray, n: int) -> QuantSegment:
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    # 32 bytes of qs per pair of sub-blocks (low nibbles, then high), bit i of qh byte l
+    # the 5th bit of value l of sub-block i
+    qs = b[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8)[None, None, :, None]
+    codes = (qs & 0x0F).reshape(-1, 256) | (_bit_planes(b[:, 16:48], 8) << 4)
+    return QuantSegment(QuantKind.U5, 32, _tensor(codes, n), _tensor(sc, n), _tensor(mn, n),
+                        super_group=8, super_scales=_tensor(_f16(b, 0), n),
+                        super_mins=_tensor(-_f16(b, 2), n))
+
+
+def _q3_k(b: np.ndarray, n: int) -> QuantSegment:
+    # code = 2 low bits | 3rd bit << 2 (llama.cpp subtracts 4 where the 3rd bit is clear)
+    codes = _two_bit_codes(b[:, 32:96]) | (_bit_planes(b[:, :32], 8) << 2)
+    packed = b[:, 96:108]
+    low = np.concatenate([packed[:, :8] & 0x0F, packed[:, :8] >> 4], axis=1)
+    high = (packed[:, 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)).transpose(0, 2, 1)
+    sc = (low | ((high.reshape(-1, 16) & 3) << 4)).astype(np.int8) - np.int8(32)
+    return QuantSegment(QuantKind.U4, 16, _tensor(_pack_u4(codes), n), _tensor(sc, n),
+                        zero=4, super_group=16, super_scales=_tensor(_f16(b, 108), n))
+
+
+def _q2_k(b: np.ndarray, n: int) -> QuantSegment:
+    codes = _pack_u4(_two_bit_codes(b[:, 16:80]))
+    return QuantSegment(QuantKind.U4, 16, _tensor(codes, n), _tensor(b[:, :16] & 0x0F, n),
+                        _tensor(b[:, :16] >> 4, n), super_group=16,
+                        super_scales=_tensor(_f16(b, 80), n),
+                        super_mins=_tensor(-_f16(b, 82), n))
+
+
 def _q6_k(b: np.ndarray, n: int) -> QuantSegment:
     # Each half of 128 values: ql's 64 bytes give values 0-63 (low nibbles) and 64-127
     # (high nibbles); qh's 32 bytes give the top 2 bits of values 32 t + j at bits 2 t.
@@ -148,7 +208,10 @@ _CONVERTERS = {
     GGMLQuantizationType.Q5_0: _q5_0,
     GGMLQuantizationType.Q5_1: _q5_1,
     GGMLQuantizationType.Q4_K: _q4_k,
+    GGMLQuantizationType.Q5_K: _q5_k,
     GGMLQuantizationType.Q6_K: _q6_k,
+    GGMLQuantizationType.Q3_K: _q3_k,
+    GGMLQuantizationType.Q2_K: _q2_k,
 }
 KEPT_QUANTIZED = frozenset(_CONVERTERS)  # the GGUF types kvray holds without dequantizing
 
@@ -165,7 +228,7 @@ def to_quant_tensor(raw: np.ndarray, qtype: GGMLQuantizationType,
             reverse of GGUF's ``ReaderTensor.shape``.
     Returns:
         A one-segment :class:`QuantTensor` whose ``dequantize()`` equals
-        ``gguf.quants.dequantize`` exactly, or None (Q2_K, Q3_K, Q5_K, IQ*, float types...).
+        ``gguf.quants.dequantize`` exactly, or None (IQ*, TQ*, float types...).
     """
     convert = _CONVERTERS.get(qtype)
     if convert is None:

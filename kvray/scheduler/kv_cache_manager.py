@@ -250,6 +250,10 @@ class KVCacheManager:
                                     + len(new_computed) * self.block_size + num_new_tokens)
         return [b.block_id for b in (*new_computed, *fresh)]
 
+    def is_restoring(self, request: Request) -> bool:
+        """Whether ``request``'s blocks are being restored by a step not confirmed yet."""
+        return request.request_id in self._restoring
+
     def confirm_restored(self, request: Request) -> None:
         """The step that restored ``request``'s blocks returned and its copy arrived: key
         its computed full blocks (later ones are keyed as they are scheduled)."""

@@ -46,6 +46,10 @@ class SchedulerOutput:
     # Speculative decoding: req -> draft tokens fed after its last token this step (they
     # are the tail of its num_scheduled_tokens); the workers verify them.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Async scheduling: requests whose input this step starts with the token the previous
+    # step (in submission order) sampled for them, unknown when this step was scheduled:
+    # each worker appends it from that step's output before building the batch.
+    placeholder_req_ids: set[str] = field(default_factory=set)
     # LoRA adapters to put in worker slots before this step's forward (LoRALoad each)
     lora_loads: list = field(default_factory=list)
     # KV tier (kvray.scheduler.kv_tier), before the forward and before any swap: copy these

@@ -32,12 +32,24 @@ pipelining. Workers run steps in
 submission order, so a block a step keys before its K/V exists (a prefill in flight) is
 written before any later step reads it, and blocks freed by an abort in flight are
 rewritten only by later steps.
+
+Async scheduling (``async_scheduling``): the engine schedules step N+1 while step N runs.
+A running request that step N leaves one token short of what it knows (a decode, or the
+last chunk of its prompt) is scheduled again in N+1 at the position past that token, which
+no one has seen yet: N+1 names it in ``placeholder_req_ids`` and the workers feed it the
+token step N sampled for it. A request scheduled ahead this way is in flight in at most one
+step, the latest one; requests that need the real token before they can go on (drafts to
+verify, a grammar's mask, a restore not yet confirmed) or that step N surely ends (its
+``max_tokens`` or ``max_model_len``) wait for N's output instead. When the token ends the
+request (a stop token or string), its ahead step is wasted work and its output is dropped.
+A request that must preempt a victim in flight sets the scheduler *draining*: nothing is
+scheduled ahead until no step is in flight, so the victim can be preempted then.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 from kvray.config import EngineConfig
@@ -104,7 +116,14 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self._last_sent_len: dict[str, int] = {}
         self.num_micro_batches = config.parallel.num_micro_batches
-        self._in_flight: set[str] = set()  # scheduled in a step whose output is not back
+        # req -> steps it is scheduled in whose output is not back, and their tokens
+        self._in_flight: Counter[str] = Counter()
+        self._in_flight_tokens: defaultdict[str, int] = defaultdict(int)
+        self.async_scheduling = sched.async_scheduling
+        self._latest_step: set[str] = set()  # the requests of the latest step submitted
+        self._draining = False  # async: schedule nothing ahead until no step is in flight
+        self.num_placeholders = 0  # async: tokens scheduled before they were sampled
+        self.num_wasted_placeholders = 0  # of which the request had ended meanwhile
         self.speculation = Speculation.from_config(config.model.speculative_config)
         self.lookahead = self.speculation.lookahead  # KV slots a draft model writes ahead
         self.num_draft_tokens = 0  # speculative decoding: drafts verified
@@ -170,8 +189,25 @@ class Scheduler:
 
     def has_schedulable_requests(self) -> bool:
         """Whether a step scheduled now could run anything: a request not in flight."""
-        return len(self.waiting) > 0 or bool(self.swap) or \
-            any(r.request_id not in self._in_flight for r in self.running)
+        return len(self.waiting) > 0 or bool(self.swap) or any(
+            r.request_id not in self._in_flight or self._runs_ahead(r) for r in self.running)
+
+    def _runs_ahead(self, req: Request) -> bool:
+        """Async scheduling: whether the running ``req``, in flight in the latest step and
+        no other, may be scheduled again before that step's output is back (see the module
+        docstring for when it may not)."""
+        rid = req.request_id
+        if not self.async_scheduling or self._draining or self._in_flight[rid] != 1 \
+                or rid not in self._latest_step:
+            return False
+        if self.speculation.configured or req.sampling_params.structured_outputs is not None \
+                or self.kv.is_restoring(req):
+            return False
+        if req.num_computed_tokens + self._in_flight_tokens[rid] < req.num_tokens:
+            return True  # mid-prompt: the next chunk's tokens are known
+        # the step in flight samples its next token: it must not end the request for sure
+        return len(req.output_token_ids) + 1 < req.max_tokens and \
+            req.num_tokens + 1 < self.max_model_len
 
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -185,6 +221,8 @@ class Scheduler:
                               preempted_req_ids=self._lost_since_last_step)
         self._finished_since_last_step = set()
         self._lost_since_last_step = set()
+        if not self._in_flight:
+            self._draining = False
         if self.kv_tier is not None:
             self._look_up_tier()
         plan = StepPlan(self.config.max_num_batched_tokens, self._micro_batch_size())
@@ -193,7 +231,11 @@ class Scheduler:
             self._schedule_swapped(plan, out)
             self._schedule_waiting(plan, out)
         self._fill_output(out, plan)
-        self._in_flight.update(plan.num_scheduled)
+        for rid, num in plan.num_scheduled.items():
+            self._in_flight[rid] += 1
+            self._in_flight_tokens[rid] += num
+        if not out.is_noop:  # a no-op is not submitted while steps are in flight
+            self._latest_step = set(plan.num_scheduled)
         return out
 
     def _micro_batch_size(self) -> int:
@@ -209,28 +251,37 @@ class Scheduler:
         i = 0
         while i < len(self.running) and not plan.full:
             req = self.running[i]
+            ahead = 0  # its tokens in the step in flight (async scheduling)
             if req.request_id in self._in_flight:
-                i += 1
-                continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
-            drafts = req.spec_token_ids[:plan.budget - 1] \
-                if num_new == 1 and self.speculation.wanted(len(self.running)) else []
+                if not self._runs_ahead(req):
+                    i += 1
+                    continue
+                ahead = self._in_flight_tokens[req.request_id]
+            start = req.num_computed_tokens + ahead
+            placeholder = bool(ahead) and start == req.num_tokens  # its next token flies
+            num_new = min(req.num_tokens + placeholder - start, plan.budget)
+            drafts = req.spec_token_ids[:plan.budget - 1] if not ahead and num_new == 1 \
+                and self.speculation.wanted(len(self.running)) else []
             la = self.lookahead
             ids = self.kv.allocate_slots(req, num_new + len(drafts), lookahead=la) \
                 if drafts else None
             if ids is None:  # no drafts, or no room for them: a plain step
                 drafts = []
-                ids = self.kv.allocate_slots(req, num_new, lookahead=la)
+                ids = self.kv.allocate_slots(req, ahead + num_new, lookahead=la)
             preempted = False
             while ids is None:
                 victim = self._pick_victim()
                 if victim.request_id in self._in_flight:
-                    break  # req waits for the victim's step to return, then preempts it
+                    # req waits for the victim's step to return, then preempts it; under
+                    # async scheduling nothing runs ahead until then (the victim would be
+                    # in flight again at every step)
+                    self._draining = self.async_scheduling
+                    break
                 self._preempt(victim, plan, out)
                 preempted = True
                 if victim is req:
                     break
-                ids = self.kv.allocate_slots(req, num_new, lookahead=la)
+                ids = self.kv.allocate_slots(req, ahead + num_new, lookahead=la)
             if ids is None and req.status is not RequestStatus.RUNNING:
                 continue  # req itself was preempted; running[i] is now the next request
             # Earlier victims shift req left (rare: only then search, else O(n^2) a step).
@@ -239,6 +290,8 @@ class Scheduler:
                 plan.schedule(req, num_new + len(drafts), ids)
                 if drafts:
                     plan.spec[req.request_id] = drafts
+                if placeholder:
+                    plan.placeholders.add(req.request_id)
 
     def _pick_victim(self) -> Request:
         """Lowest priority (largest value), then latest arrival. With pipelined steps it may
@@ -394,7 +447,10 @@ class Scheduler:
         # Victims go in that order; one in flight cannot yield yet, and skipping it would
         # leave a swapped request outranking a running one.
         flying = [k for k, r in enumerate(candidates) if r.request_id in self._in_flight]
-        candidates = candidates[:flying[0]] if flying else candidates
+        if flying:
+            # async scheduling: the victims run ahead at every step unless we drain
+            self._draining = self.async_scheduling
+            candidates = candidates[:flying[0]]
         _, num_hit = self.kv.find_cached_prefix(req)
         budget = plan.budget
         freed = self.kv.num_freed_by_prefixes(candidates)
@@ -558,8 +614,11 @@ class Scheduler:
                 assert sent >= 0
                 out.cached_requests.append(CachedRequestData(
                     req_id, req.output_token_ids[sent:], plan.new_blocks[req_id],
-                    req.num_computed_tokens))
-            self._last_sent_len[req_id] = req.num_tokens
+                    req.num_computed_tokens + self._in_flight_tokens.get(req_id, 0)))
+            # a placeholder's token reaches the workers from the step in flight
+            self._last_sent_len[req_id] = req.num_tokens + (req_id in plan.placeholders)
+        out.placeholder_req_ids = plan.placeholders
+        self.num_placeholders += len(plan.placeholders)
 
     def _slot_of(self, req: Request) -> int:
         if not req.lora_id:
@@ -574,7 +633,11 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, finish requests that hit a
         length or stop-token limit. Returns the requests that got new tokens."""
         sampled = dict(zip(result.req_ids, result.sampled_token_ids, strict=True))
-        self._in_flight.difference_update(out.num_scheduled_tokens)
+        for rid, num in out.num_scheduled_tokens.items():
+            self._in_flight[rid] -= 1
+            self._in_flight_tokens[rid] -= num
+            if not self._in_flight[rid]:
+                del self._in_flight[rid], self._in_flight_tokens[rid]
         lost = self._recompute_lost(result.failed_swaps) if result.failed_swaps else set()
         if self._write_through:
             self._note_computed(out, lost | result.failed_swaps)
@@ -582,7 +645,9 @@ class Scheduler:
         for req_id, num in out.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None or req.is_finished or req_id in lost:
-                continue  # aborted while the step ran, or its KV was lost
+                # aborted (or, ahead, ended) while the step ran, or its KV was lost
+                self.num_wasted_placeholders += req_id in out.placeholder_req_ids
+                continue
             req.num_computed_tokens += num
             tokens = sampled.get(req_id) or []
             drafts = out.spec_token_ids.get(req_id)

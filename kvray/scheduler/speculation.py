@@ -20,6 +20,7 @@ class Speculation:
     proposer: NgramProposer | None = None  # n-gram drafts; None: the workers' or none
     disable_batch: int = _NEVER  # no drafts while this many requests or more run
     lookahead: int = 0  # KV slots a draft model writes past each request's tokens
+    configured: bool = False  # requests may get drafts (n-gram or a draft model)
 
     @classmethod
     def from_config(cls, spec: SpeculativeConfig | None) -> Speculation:
@@ -29,7 +30,7 @@ class Speculation:
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                  spec.prompt_lookup_max) if spec.method == "ngram" else None
         lookahead = spec.num_speculative_tokens if spec.method == "draft_model" else 0
-        return cls(proposer, spec.disable_by_batch_size or _NEVER, lookahead)
+        return cls(proposer, spec.disable_by_batch_size or _NEVER, lookahead, True)
 
     def wanted(self, num_running: int) -> bool:
         """Whether a step with ``num_running`` running requests verifies drafts."""

@@ -18,6 +18,9 @@ class StepPlan:
     num_scheduled: dict[str, int] = field(default_factory=dict)  # req -> tokens, batch order
     new_blocks: dict[str, list[int]] = field(default_factory=dict)  # req -> block ids added
     spec: dict[str, list[int]] = field(default_factory=dict)  # req -> drafts it verifies
+    # async scheduling: requests whose first token this step is the one the step in flight
+    # samples for them
+    placeholders: set[str] = field(default_factory=set)
     preempted: bool = False  # a request lost its blocks this step
     admitted_waiting: bool = False  # a waiting request joined the batch this step
 
@@ -35,3 +38,4 @@ class StepPlan:
         self.budget += self.num_scheduled.pop(request.request_id, 0)
         self.new_blocks.pop(request.request_id, None)
         self.spec.pop(request.request_id, None)
+        self.placeholders.discard(request.request_id)

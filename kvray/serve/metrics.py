@@ -40,6 +40,12 @@ class ServerMetrics:
         self.spec_accepted = Gauge("kvray:spec_decode_num_accepted_tokens_total",
                                    "Speculative decoding: draft tokens accepted.", mr,
                                    registry=r)
+        self.async_ahead = Gauge("kvray:async_placeholder_tokens_total",
+                                 "Async scheduling: tokens scheduled before the step in "
+                                 "flight sampled them.", mr, registry=r)
+        self.async_wasted = Gauge("kvray:async_wasted_tokens_total",
+                                  "Async scheduling: of those, tokens computed for a request "
+                                  "that had ended meanwhile.", mr, registry=r)
         # Step times: the busy fraction (rate of the first), the mean decode step (rate of
         # the second over the third) and decode batch (fourth over third). A decode step
         # far above what benchmarks/decode_step.py gives for that batch on the same machine
@@ -174,6 +180,8 @@ class ServerMetrics:
         self.swap_objects.labels(*labels).set(stats.get("num_swap_objects", 0))
         self.spec_drafts.labels(*labels).set(stats.get("spec_decode_num_draft_tokens", 0))
         self.spec_accepted.labels(*labels).set(stats.get("spec_decode_num_accepted_tokens", 0))
+        self.async_ahead.labels(*labels).set(stats.get("async_placeholder_tokens", 0))
+        self.async_wasted.labels(*labels).set(stats.get("async_wasted_tokens", 0))
         self.step_seconds.labels(*labels).set(stats.get("step_time_s", 0.0))
         self.decode_seconds.labels(*labels).set(stats.get("decode_time_s", 0.0))
         self.decode_steps.labels(*labels).set(stats.get("num_decode_steps", 0))

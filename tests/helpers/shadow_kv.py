@@ -3,6 +3,8 @@ tables and fails on a request reading K/V that is not its own."""
 
 from __future__ import annotations
 
+import zlib
+
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvray.scheduler.scheduler import Scheduler
 
@@ -48,17 +50,23 @@ class ShadowKV:
             for block, (handle,) in fetched:
                 for i, value in enumerate(handle):
                     self.slots[block * self.bs + i] = None if rid in self.failed else value
-        prefixes = {rid: _prefix_hashes(s.requests[rid].all_token_ids)
-                    for rid in out.num_scheduled_tokens}
+        # A placeholder (async scheduling) stands for the token the step in flight samples,
+        # which the test's workers pick by sampled_token.
+        prefixes = {rid: _prefix_hashes(s.requests[rid].all_token_ids + (
+            [sampled_token(rid, s.requests[rid].num_tokens)]
+            if rid in out.placeholder_req_ids else [])) for rid in out.num_scheduled_tokens}
+        # where each request starts: past its tokens in steps still in flight before this
+        starts = {rid: s.requests[rid].num_computed_tokens + s._in_flight_tokens[rid] - n
+                  for rid, n in out.num_scheduled_tokens.items()}
         for rid, n in out.num_scheduled_tokens.items():
-            r, table = s.requests[rid], s.kv.block_ids(rid)
-            for pos in range(r.num_computed_tokens, r.num_computed_tokens + n):
+            table = s.kv.block_ids(rid)
+            for pos in range(starts[rid], starts[rid] + n):
                 self.slots[self._slot(table, pos)] = prefixes[rid][pos]
         for rid, n in out.num_scheduled_tokens.items():
             if rid in self.failed:
                 continue  # reads junk, and the scheduler drops what it computed
-            r, table = s.requests[rid], s.kv.block_ids(rid)
-            for pos in range(r.num_computed_tokens + n):
+            table = s.kv.block_ids(rid)
+            for pos in range(starts[rid] + n):
                 assert self.slots.get(self._slot(table, pos)) == prefixes[rid][pos], \
                     f"{rid} reads wrong K/V at position {pos}"
         return offloaded
@@ -80,6 +88,12 @@ class ShadowKV:
             kv_offloaded=offloaded))
         self.lose -= self.failed
         return out
+
+
+def sampled_token(rid: str, pos: int) -> int:
+    """The token the test's workers sample for ``rid`` at position ``pos``: fixed, so that a
+    step scheduled before it is sampled (async scheduling) can be replayed."""
+    return zlib.crc32(f"{rid}:{pos}".encode()) % 50
 
 
 def _prefix_hashes(tokens: list[int]) -> list[int]:

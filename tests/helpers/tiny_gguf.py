@@ -1,7 +1,8 @@
 """Write a tiny Hugging Face model as a GGUF file the way llama.cpp's converter does
 (llama.cpp names, Q/K rows interleaved for the Llama architecture), in F32 or with chosen
-tensors quantized: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 by the ``gguf`` package, Q4_K/Q6_K by the simple K-quant
-quantizers here (``gguf`` only reads K-quants), built block by block in llama.cpp's layout."""
+tensors quantized: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 by the ``gguf`` package, Q2_K/Q3_K/Q4_K/Q5_K/Q6_K
+by the simple K-quant quantizers here (``gguf`` only reads K-quants), built block by block in
+llama.cpp's layout."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
@@ -70,6 +73,10 @@ def _add_tokenizer(w: gguf.GGUFWriter, tokenizer) -> None:
 QK_K = 256  # values per K-quant super-block
 # llama.cpp's Q4_K_M mix, simplified: V and down projections (and the head) in Q6_K.
 Q4_K_M = {"*.v_proj.*": "Q6_K", "*.down_proj.*": "Q6_K", "lm_head.weight": "Q6_K", "*": "Q4_K"}
+Q5_K_M = {**Q4_K_M, "*": "Q5_K"}
+# llama.cpp's Q3_K_M and Q2_K mixes, simplified: the rest in Q3_K / Q2_K
+Q3_K_M = {"*.v_proj.*": "Q5_K", "*.down_proj.*": "Q4_K", "lm_head.weight": "Q6_K", "*": "Q3_K"}
+Q2_K_MIX = {"*.v_proj.*": "Q4_K", "lm_head.weight": "Q6_K", "*": "Q2_K"}
 
 
 def _f16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -83,27 +90,95 @@ def _divide(x: np.ndarray, by: np.ndarray) -> np.ndarray:
         return np.where(by == 0, 0, x / np.where(by == 0, 1, by))
 
 
+def _affine_k(x: np.ndarray, groups: int, levels: int, scale_max: int
+              ) -> tuple[np.ndarray, ...]:
+    """Per sub-block (``groups`` per super-block of 256), min/max -> an affine grid of
+    ``levels`` codes whose scale and min are rounded to ``scale_max`` multiples of the
+    super-block's fp16 d and dmin: (d bytes, dmin bytes, scales, mins, codes [blocks, 256])."""
+    b = x.astype(np.float32).reshape(-1, groups, 256 // groups)
+    lo = np.minimum(b.min(axis=2), 0)
+    scale = (np.maximum(b.max(axis=2), lo) - lo) / (levels - 1)
+    d_bytes, d = _f16(scale.max(axis=1) / scale_max)
+    dmin_bytes, dmin = _f16(-lo.min(axis=1) / scale_max)
+    sc = np.clip(np.rint(_divide(scale, d)), 0, scale_max).astype(np.uint8)
+    m = np.clip(np.rint(_divide(-lo, dmin)), 0, scale_max).astype(np.uint8)
+    step, offset = (d * sc)[..., None], (dmin * m)[..., None]
+    q = np.clip(np.rint(_divide(b + offset, step)), 0, levels - 1).astype(np.uint8)
+    return d_bytes, dmin_bytes, sc, m, q.reshape(-1, 256)
+
+
+def _k_scales_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """8 6-bit scales and mins -> Q4_K / Q5_K's 12 bytes (inverse of gguf's get_scale_min)."""
+    return np.concatenate([(sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6),
+                           (m[:, :4] & 0x3F) | ((m[:, 4:] >> 4) << 6),
+                           (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)], axis=1)
+
+
+def _bits_to_plane(bits: np.ndarray) -> np.ndarray:
+    """[blocks, count * 32] bits (run i of 32) -> [blocks, 32] bytes, bit i of byte l."""
+    runs = bits.reshape(bits.shape[0], -1, 32).astype(np.uint8)
+    return np.bitwise_or.reduce(runs << np.arange(runs.shape[1], dtype=np.uint8)[None, :, None],
+                                axis=1)
+
+
+def _two_bit_bytes(q: np.ndarray) -> np.ndarray:
+    """[blocks, 256] 2-bit codes -> Q2_K / Q3_K's 64 bytes (each half's 32 bytes hold four
+    runs of 32, at shifts 0, 2, 4, 6)."""
+    runs = q.reshape(-1, 2, 4, 32) & 3
+    return np.bitwise_or.reduce(runs << np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :,
+                                                                                 None],
+                                axis=2).reshape(-1, 64)
+
+
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     """fp32 [N, K] (K % 256 == 0) -> Q4_K bytes [N, K / 256 * 144]: per sub-block of 32,
     min/max -> a 4-bit affine grid, its scale and min rounded to 6 bits of the super-block's
     fp16 d and dmin (llama.cpp's layout; a plainer fit than its make_qkx2_quants)."""
-    n = x.shape[0]
-    b = x.astype(np.float32).reshape(-1, 8, 32)
-    lo = np.minimum(b.min(axis=2), 0)
-    scale = (np.maximum(b.max(axis=2), lo) - lo) / 15
-    d_bytes, d = _f16(scale.max(axis=1) / 63)
-    dmin_bytes, dmin = _f16(-lo.min(axis=1) / 63)
-    sc = np.clip(np.rint(_divide(scale, d)), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(_divide(-lo, dmin)), 0, 63).astype(np.uint8)
-    step, offset = (d * sc)[..., None], (dmin * m)[..., None]
-    q = np.clip(np.rint(_divide(b + offset, step)), 0, 15).astype(np.uint8)
-    packed = np.concatenate([  # inverse of gguf's Q4_K.get_scale_min
-        (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6),
-        (m[:, :4] & 0x3F) | ((m[:, 4:] >> 4) << 6),
-        (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)], axis=1)
+    d_bytes, dmin_bytes, sc, m, q = _affine_k(x, 8, 16, 63)
     q = q.reshape(-1, 4, 2, 32)  # 32 bytes hold sub-blocks 2i (low) and 2i + 1 (high)
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
-    return np.concatenate([d_bytes, dmin_bytes, packed, qs], axis=1).reshape(n, -1)
+    return np.concatenate([d_bytes, dmin_bytes, _k_scales_bytes(sc, m), qs],
+                          axis=1).reshape(x.shape[0], -1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """fp32 [N, K] -> Q5_K bytes [N, K / 256 * 176]: Q4_K's fit with 32 levels, the 5th bit
+    of value l of sub-block i at bit i of qh byte l."""
+    d_bytes, dmin_bytes, sc, m, q = _affine_k(x, 8, 32, 63)
+    low = (q & 0x0F).reshape(-1, 4, 2, 32)
+    qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    return np.concatenate([d_bytes, dmin_bytes, _k_scales_bytes(sc, m),
+                           _bits_to_plane(q >> 4), qs], axis=1).reshape(x.shape[0], -1)
+
+
+def quantize_q3_k(x: np.ndarray) -> np.ndarray:
+    """fp32 [N, K] -> Q3_K bytes [N, K / 256 * 110]: per sub-block of 16 a symmetric grid
+    of codes -4..3 whose scale is a 6-bit (offset 32) multiple of the fp16 d."""
+    b = x.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(b).max(axis=2) / 4
+    d_bytes, d = _f16(scale.max(axis=1) / 31)
+    sc = np.clip(np.rint(_divide(scale, d)), -32, 31).astype(np.int16)
+    q = np.clip(np.rint(_divide(b, (d * sc)[..., None])), -4, 3).astype(np.int16) + 4
+    q = q.astype(np.uint8).reshape(-1, 256)
+    s6 = (sc + 32).astype(np.uint8)  # 6 bits: low nibbles in 8 bytes, high pairs in 4
+    packed = np.concatenate([s6[:, :8] & 0x0F | ((s6[:, 8:] & 0x0F) << 4),
+                             np.bitwise_or.reduce((s6 >> 4).reshape(-1, 4, 4) << np.array(
+                                 [0, 2, 4, 6], dtype=np.uint8)[None, :, None], axis=1)],
+                            axis=1)
+    return np.concatenate([_bits_to_plane(q >> 2), _two_bit_bytes(q), packed, d_bytes],
+                          axis=1).reshape(x.shape[0], -1)
+
+
+def quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    """fp32 [N, K] -> Q2_K bytes [N, K / 256 * 84]: per sub-block of 16 an affine grid of
+    4 levels, its scale and min 4-bit multiples of the fp16 d and dmin."""
+    d_bytes, dmin_bytes, sc, m, q = _affine_k(x, 16, 4, 15)
+    return np.concatenate([sc | (m << 4), _two_bit_bytes(q), d_bytes, dmin_bytes],
+                          axis=1).reshape(x.shape[0], -1)
+
+
+K_QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "Q4_K": quantize_q4_k,
+                "Q5_K": quantize_q5_k}
 
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
@@ -123,18 +198,22 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
                            d_bytes], axis=1).reshape(n, -1)
 
 
+# llama.cpp's type for a K-quant tensor whose rows cannot hold a super-block of 256 (Q2_K
+# and Q3_K go to IQ4_NL there, which the gguf package cannot write: Q4_0 here)
+K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
 def quantize(x: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[
         np.ndarray, gguf.GGMLQuantizationType]:
     """``x`` [N, K] as ``qtype`` bytes, following llama.cpp's fallbacks: a K-quant needs
-    K % 256 == 0 (else Q4_K becomes Q5_0 and Q6_K Q8_0), a 32-block type K % 32 == 0 (else
-    F32)."""
+    K % 256 == 0 (else :data:`K_FALLBACK`), a 32-block type K % 32 == 0 (else F32)."""
     types = gguf.GGMLQuantizationType
-    if qtype in (types.Q4_K, types.Q6_K) and x.shape[1] % QK_K:
-        qtype = types.Q5_0 if qtype == types.Q4_K else types.Q8_0
+    if qtype.name in K_FALLBACK and x.shape[1] % QK_K:
+        qtype = types[K_FALLBACK[qtype.name]]
     if qtype == types.F32 or x.shape[1] % 32:
         return np.ascontiguousarray(x, dtype=np.float32), types.F32
-    if qtype == types.Q4_K:
-        return quantize_q4_k(x), qtype
+    if qtype.name in K_QUANTIZERS:
+        return K_QUANTIZERS[qtype.name](x), qtype
     if qtype == types.Q6_K:
         return quantize_q6_k(x), qtype
     return gguf.quants.quantize(np.ascontiguousarray(x, dtype=np.float32), qtype), qtype
@@ -150,9 +229,9 @@ def _chosen_type(name: str, quant: Mapping[str, str | gguf.GGMLQuantizationType]
 
 def write_gguf(model_dir: str | Path, out: str | Path,
                quant: Mapping[str, str | gguf.GGMLQuantizationType] | None = None) -> Path:
-    """Convert the HF model in ``model_dir`` (llama, qwen2, qwen3, qwen3_moe or mixtral) to a
-    GGUF. A MoE router stays F32 and expert tensors are stacked per layer, as llama.cpp's
-    converter does.
+    """Convert the HF model in ``model_dir`` (llama, qwen2, qwen3, qwen2_moe, qwen3_moe or
+    mixtral) to a GGUF. A MoE router (and Qwen2-MoE's shared-expert gate, 1-D) stays F32 and
+    expert tensors are stacked per layer, as llama.cpp's converter does.
 
     ``quant`` maps fnmatch patterns of Hugging Face tensor names to GGUF types ("Q4_K" or
     ``GGMLQuantizationType.Q4_K``); the first matching pattern wins, unmatched tensors stay
@@ -162,7 +241,7 @@ def write_gguf(model_dir: str | Path, out: str | Path,
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     cfg = model.config
     arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-            "qwen3_moe": "qwen3moe", "mixtral": "llama"}[cfg.model_type]
+            "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}[cfg.model_type]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -176,10 +255,12 @@ def write_gguf(model_dir: str | Path, out: str | Path,
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    if arch == "qwen3moe":
+    if arch in ("qwen2moe", "qwen3moe"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     elif cfg.model_type == "mixtral":  # llama.cpp writes Mixtral as llama with experts
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -198,6 +279,9 @@ def write_gguf(model_dir: str | Path, out: str | Path,
             continue
         if name.endswith("mlp.gate.weight"):  # the router: F32, as llama.cpp keeps it
             w.add_tensor(_gguf_name(name), data)
+            continue
+        if name.endswith("shared_expert_gate.weight"):  # [1, H]: llama.cpp's is 1-D, F32
+            w.add_tensor(_gguf_name(name), data.reshape(-1))
             continue
         if arch == "llama" and name.endswith("q_proj.weight"):
             data = _llama_cpp_permute(data, cfg.num_attention_heads)
@@ -224,7 +308,8 @@ def dequantized_reference(model_dir: str | Path,
         str(model_dir), dtype=torch.float32, local_files_only=True).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() not in (2, 3) or name.endswith("mlp.gate.weight"):
+            if p.dim() not in (2, 3) or name.endswith(("mlp.gate.weight",
+                                                         "shared_expert_gate.weight")):
                 continue
             rows = p.reshape(-1, p.shape[-1]).numpy()  # stacked experts: row by row
             data, qtype = quantize(rows, _chosen_type(name, quant))

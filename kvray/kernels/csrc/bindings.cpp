@@ -48,4 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add", &lora_add, nogil(),
         "y += each row's LoRA delta (rows grouped by adapter slot), in place");
   m.def("dequantize_q", &dequantize_q, nogil(), "a quantized blob dequantized to fp32 [N, K]");
+  m.def("moe_experts", &moe_experts, nogil(),
+        "a MoE layer's routed experts (fp32 / bf16 stacked weights) for a few tokens");
+  m.def("moe_experts_q", &moe_experts_q, nogil(),
+        "a MoE layer's routed experts (a quantized blob per matrix) for a few tokens");
 }

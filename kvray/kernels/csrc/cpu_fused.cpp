@@ -11,6 +11,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "kernel_parts.h"
 #include "vec.h"
 
 namespace {
@@ -95,6 +96,10 @@ void silu_and_mul_row(const T* g, const T* u, T* o, int64_t I) {
 }
 
 }  // namespace
+
+void silu_and_mul_f32(const float* g, const float* u, float* o, int64_t I) {
+  silu_and_mul_row(g, u, o, I);
+}
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps,
                     c10::optional<at::Tensor> residual) {

@@ -174,7 +174,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_impl(
     rotary_inplace(k, positions, cos, sin);
   }
   write_kv(k, v, kv, slots);
-  at::Tensor attn = paged_decode(q, kv, tables, seq_lens, scale, window);
+  at::Tensor attn = paged_decode(q, kv, tables, seq_lens, scale, window, 0.0);
   at::Tensor o = linear(attn.view({T, q_size}), 1);
 
   x = rms_norm(o, post_norm, eps, residual);  // residual += o

@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernel_parts.h"
 #include "vec.h"
 
 using kvray::widen;
@@ -118,14 +119,27 @@ static void tile_rows(const float* x, const W* w, const float* b, float* y, int6
   }
 }
 
+int64_t linear_rows_grain(int64_t K) {
+  return std::max<int64_t>(4, 16384 / std::max<int64_t>(K, 1) / 4 * 4);
+}
+
+void linear_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+                 int64_t n0, int64_t n1) {
+  tile_rows<float>(x, w, nullptr, y, M, K, N, n0, n1);
+}
+
+void linear_rows(const float* x, const c10::BFloat16* w, float* y, int64_t M, int64_t K,
+                 int64_t N, int64_t n0, int64_t n1) {
+  tile_rows<c10::BFloat16>(x, w, nullptr, y, M, K, N, n0, n1);
+}
+
 template <typename W>
 static void run(const float* x, const W* w, const float* b, float* y, int64_t M, int64_t K,
                 int64_t N) {
   // At least ~64 KiB of weights per chunk (amortises the hand-out), about 4 chunks per
   // thread (balance when a thread loses its core for a while).
-  const int64_t grain = std::max<int64_t>(4, 16384 / std::max<int64_t>(K, 1) / 4 * 4);
   const int64_t per = chunk_for_threads(N) / 4 * 4;
-  parallel_dynamic(N, std::max(grain, per), [&](int64_t n0, int64_t n1) {
+  parallel_dynamic(N, std::max(linear_rows_grain(K), per), [&](int64_t n0, int64_t n1) {
     tile_rows<W>(x, w, b, y, M, K, N, n0, n1);
   });
 }

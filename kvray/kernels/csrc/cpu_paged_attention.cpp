@@ -13,6 +13,8 @@
 // bf16 block converted into a buffer, one block prefetched ahead, was 1.3x the plain loops
 // in a 64-sequence bf16 decode step on a 2-core AMX Xeon (11.6-11.9 -> 8.7-9.4 ms of
 // ~50 ms); the numbers for the current code are in benchmarks/RESULTS.md.
+// A soft cap (Gemma 2's attn_logit_softcapping; 0: none) turns each scaled score s into
+// cap * tanh(s / cap) before the softmax, on every path.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -267,9 +269,34 @@ static inline void softmax_rows(float* s, int64_t G, int64_t n) {
   }
 }
 
+// n scores soft-capped in place: cap * tanh(s / cap), cap > 0.
+static inline void cap_scores(float* s, int64_t n, float cap) {
+  int64_t t = 0;
+#ifdef __AVX2__
+  for (; t + kvray::Vec::kWidth <= n; t += kvray::Vec::kWidth)
+    kvray::Vec::store(s + t, kvray::softcap<kvray::Vec>(kvray::Vec::load(s + t), cap));
+#endif
+  for (; t < n; ++t) s[t] = cap * std::tanh(s[t] / cap);
+}
+
+// Scores of G query rows against one block's n_t keys (fp32), by the vector code where the
+// head size takes it, then soft-capped when cap > 0.
+template <int64_t DK>
+static inline void score_block(const float* qf, const float* kb, int64_t n_t, int64_t G,
+                               int64_t D, float* s, int64_t stride, float cap) {
+#ifdef __AVX2__
+  if constexpr (kVectorHead<DK>) block_scores_vec<DK>(qf, kb, n_t, G, s, stride);
+  else block_scores<DK>(qf, kb, n_t, G, D, s, stride);
+#else
+  block_scores<DK>(qf, kb, n_t, G, D, s, stride);
+#endif
+  if (cap > 0)
+    for (int64_t g = 0; g < G; ++g) cap_scores(s + g * stride, n_t, cap);
+}
+
 template <typename TQ, typename T, int64_t DK>
 static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
-                        const at::Tensor& seq_lens, double scale, int64_t window,
+                        const at::Tensor& seq_lens, double scale, int64_t window, float cap,
                         at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hk = kv.size(1), NB = kv.size(2), BS = kv.size(3);
@@ -318,14 +345,8 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
         fetch_until(i - first + 1 + ahead);
         const int64_t n_t = std::min(BS, len - i * BS);
         float* s_blk = scores.data() + (i - first) * BS;
-        const float* kf = as_float_block<T, DK>(kb, n_t, D, buf.data());
-#ifdef __AVX2__
-        if constexpr (kVectorHead<DK>) {
-          block_scores_vec<DK>(qf.data(), kf, n_t, G, s_blk, n);
-          continue;
-        }
-#endif
-        block_scores<DK>(qf.data(), kf, n_t, G, D, s_blk, n);
+        score_block<DK>(qf.data(), as_float_block<T, DK>(kb, n_t, D, buf.data()), n_t, G, D,
+                        s_blk, n, cap);
       }
       for (int64_t g = 0; g < G; ++g)  // the window's start may fall inside a block
         for (int64_t t = first * BS; t < start; ++t) scores[g * n + t - first * BS] =
@@ -383,7 +404,7 @@ constexpr int64_t kStepTokens = 32;
 template <typename TQ, typename T, int64_t DK>
 static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
                             const at::Tensor& seq_lens, double scale, int64_t window,
-                            at::Tensor& out) {
+                            float cap, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = DK, RW = kvray::row_width<T>(DK);
   const int64_t Hk = kv.size(1), NB = kv.size(2), BS = kv.size(3);
   const int64_t G = Hq / Hk, max_blocks = tables.size(1);
@@ -444,6 +465,7 @@ static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at:
         const int64_t masked = std::max<int64_t>(0, start - i * BS);  // before the window
         for (int64_t g = 0; g < G; ++g) {
           float* sg = s.data() + g * S;
+          if (cap > 0) cap_scores(sg + masked, n - masked, cap);
           float mx = m[g];
           for (int64_t t = masked; t < n; ++t) mx = std::max(mx, sg[t]);
           const float alpha = std::exp(m[g] - mx);
@@ -479,24 +501,26 @@ static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at:
 template <typename TQ, typename T>
 static void decode_any_d(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
                          const at::Tensor& seq_lens, double scale, int64_t window,
-                         at::Tensor& out) {
+                         float cap, at::Tensor& out) {
   const int64_t d = q.size(2);
 #ifdef __AVX2__
   if constexpr (kReadsInPlace<T> || kvray::kQuantizedKV<T>) {
     if (d == 64 && kVectorHead<64>)
-      return decode_one_pass<TQ, T, 64>(q, kv, tables, seq_lens, scale, window, out);
+      return decode_one_pass<TQ, T, 64>(q, kv, tables, seq_lens, scale, window, cap, out);
     if (d == 128 && kVectorHead<128>)
-      return decode_one_pass<TQ, T, 128>(q, kv, tables, seq_lens, scale, window, out);
+      return decode_one_pass<TQ, T, 128>(q, kv, tables, seq_lens, scale, window, cap, out);
   }
 #endif
-  if (d == 64) decode_impl<TQ, T, 64>(q, kv, tables, seq_lens, scale, window, out);
-  else if (d == 128) decode_impl<TQ, T, 128>(q, kv, tables, seq_lens, scale, window, out);
-  else decode_impl<TQ, T, 0>(q, kv, tables, seq_lens, scale, window, out);
+  if (d == 64) decode_impl<TQ, T, 64>(q, kv, tables, seq_lens, scale, window, cap, out);
+  else if (d == 128) decode_impl<TQ, T, 128>(q, kv, tables, seq_lens, scale, window, cap, out);
+  else decode_impl<TQ, T, 0>(q, kv, tables, seq_lens, scale, window, cap, out);
 }
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
-                        double scale, int64_t window) {
+                        double scale, int64_t window, double softcap) {
   TORCH_CHECK(kv.size(3) <= 256, "paged_decode: block_size must be <= 256");
+  TORCH_CHECK(softcap >= 0, "paged_decode: softcap must be >= 0 (0: none)");
+  const float cap = static_cast<float>(softcap);
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && tables.is_contiguous() &&
               seq_lens.is_contiguous(), "paged_decode: inputs must be contiguous");
   const bool fp32_q = q.scalar_type() == at::kFloat;
@@ -506,14 +530,15 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tens
                 "paged_decode: an int8/fp8 cache's rows are D codes and a 4-byte scale "
                 "(D + 4), D from q");
     if (q.scalar_type() == at::kHalf)  // rare (fp16 models): through fp32
-      return paged_decode(q.to(at::kFloat), kv, tables, seq_lens, scale, window).to(at::kHalf);
+      return paged_decode(q.to(at::kFloat), kv, tables, seq_lens, scale, window, softcap)
+          .to(at::kHalf);
     TORCH_CHECK(fp32_q || q.scalar_type() == at::kBFloat16,
                 "paged_decode: q fp32, bf16 or fp16 over an int8/fp8 cache");
     auto out = at::empty_like(q);
     const auto run = [&](auto code) {
       using T = decltype(code);
-      if (fp32_q) decode_any_d<float, T>(q, kv, tables, seq_lens, scale, window, out);
-      else decode_any_d<c10::BFloat16, T>(q, kv, tables, seq_lens, scale, window, out);
+      if (fp32_q) decode_any_d<float, T>(q, kv, tables, seq_lens, scale, window, cap, out);
+      else decode_any_d<c10::BFloat16, T>(q, kv, tables, seq_lens, scale, window, cap, out);
     };
     if (cache_type == at::kChar) run(int8_t{});
     else if (cache_type == at::kFloat8_e4m3fn) run(c10::Float8_e4m3fn{});
@@ -526,8 +551,8 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tens
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv.scalar_type(), "paged_decode",
       [&] {
-        if (fp32_q) decode_any_d<float, scalar_t>(q, kv, tables, seq_lens, scale, window, out);
-        else decode_any_d<scalar_t, scalar_t>(q, kv, tables, seq_lens, scale, window, out);
+        if (fp32_q) decode_any_d<float, scalar_t>(q, kv, tables, seq_lens, scale, window, cap, out);
+        else decode_any_d<scalar_t, scalar_t>(q, kv, tables, seq_lens, scale, window, cap, out);
       });
   return out;
 }

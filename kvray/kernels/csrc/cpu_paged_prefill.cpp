@@ -11,7 +11,8 @@
 // the row sums are lane-wise, and the output rows O [rows][D] take each probability as a
 // broadcast against a key's value vectors. Both products keep 16-24 accumulators in
 // registers, as the GEMM kernel does (cpu_linear.cpp). Only the blocks on the diagonal (and
-// at a window's edge) are masked, and masked probabilities are set to exactly zero.
+// at a window's edge) are masked, and masked probabilities are set to exactly zero. A soft
+// cap (Gemma 2; 0: none) turns each scaled score s into cap * tanh(s / cap) before the mask.
 #include "ops.h"
 
 #include <cstring>
@@ -161,7 +162,7 @@ inline const float* block_as_float(const T* src, int64_t n_t, int64_t D, float* 
 template <typename TQ, typename T>
 void prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start, double scale,
-                  int64_t window, at::Tensor& out) {
+                  int64_t window, float cap, at::Tensor& out) {
   const int64_t Hq = q.size(1), D = q.size(2), q_rows = q.stride(0);
   const int64_t Hk = kv.size(1), NB = kv.size(2), BS = kv.size(3);
   const int64_t G = Hq / Hk, B = seq_lens.size(0), max_blocks = tables.size(1);
@@ -215,6 +216,9 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& t
         const float* vb = block_as_float(vp + at, n_t, D, vbuf.data());
         for (int64_t j = 0; j < n_t; ++j) keys[j] = kb + j * D, vals[j] = vb + j * D;
         score_block(qt.data(), keys.data(), n_t, D, s.data());
+        if (cap > 0)
+          for (int64_t i = 0; i < n_t * kTileRows; i += kW)
+            Vec::store(s.data() + i, kvray::softcap<Vec>(Vec::load(s.data() + i), cap));
         // Keys past a row's position, or a window's width or more before it, are masked:
         // dist = row position - key position, lane r of vector v holding row v * kW + r.
         if (k0 + n_t - 1 > p0 || (window > 0 && p_last - k0 >= window)) {
@@ -281,7 +285,8 @@ bool paged_prefill_supported(const at::Tensor& q, const at::Tensor& kv) {
 }
 
 at::Tensor paged_prefill(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
-                         at::Tensor query_start, double scale, int64_t window) {
+                         at::Tensor query_start, double scale, int64_t window,
+                         double softcap) {
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && paged_prefill_supported(q, kv),
               "paged_prefill: unsupported dtypes or head size (see paged_prefill_supported)");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && kv.is_contiguous() &&
@@ -290,28 +295,24 @@ at::Tensor paged_prefill(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Ten
               "paged_prefill: inputs must be contiguous (q: each token's heads)");
   TORCH_CHECK(query_start.numel() == seq_lens.numel() + 1,
               "paged_prefill: query_start needs one more entry than seq_lens");
+  TORCH_CHECK(softcap >= 0, "paged_prefill: softcap must be >= 0 (0: none)");
   auto out = at::empty(q.sizes(), q.options());
 #ifdef __AVX2__
   const bool fp32_q = q.scalar_type() == at::kFloat;
   const at::ScalarType cache_type = kv.scalar_type();
-  if (kvray::is_quantized_kv(cache_type)) {
-    const auto run = [&](auto code) {
-      using T = decltype(code);
-      if (fp32_q) prefill_impl<float, T>(q, kv, tables, seq_lens, query_start, scale, window, out);
-      else prefill_impl<c10::BFloat16, T>(q, kv, tables, seq_lens, query_start, scale, window,
-                                          out);
-    };
-    if (cache_type == at::kChar) run(int8_t{});
-    else if (cache_type == at::kFloat8_e4m3fn) run(c10::Float8_e4m3fn{});
-    else run(c10::Float8_e5m2{});
-  } else if (kv.scalar_type() == at::kFloat) {
-    prefill_impl<float, float>(q, kv, tables, seq_lens, query_start, scale, window, out);
-  } else if (fp32_q) {
-    prefill_impl<float, c10::BFloat16>(q, kv, tables, seq_lens, query_start, scale, window, out);
-  } else {
-    prefill_impl<c10::BFloat16, c10::BFloat16>(q, kv, tables, seq_lens, query_start, scale,
-                                               window, out);
-  }
+  const auto run = [&](auto query, auto code) {
+    prefill_impl<decltype(query), decltype(code)>(q, kv, tables, seq_lens, query_start, scale,
+                                                  window, static_cast<float>(softcap), out);
+  };
+  const auto run_q = [&](auto code) {
+    if (fp32_q) run(float{}, code);
+    else run(c10::BFloat16{}, code);
+  };
+  if (cache_type == at::kChar) run_q(int8_t{});
+  else if (cache_type == at::kFloat8_e4m3fn) run_q(c10::Float8_e4m3fn{});
+  else if (cache_type == at::kFloat8_e5m2) run_q(c10::Float8_e5m2{});
+  else if (cache_type == at::kFloat) run(float{}, float{});
+  else run_q(c10::BFloat16{});
 #endif
   return out;
 }

@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "kernel_parts.h"
 #include "vec.h"
 
 namespace {
@@ -735,49 +736,106 @@ TilesFn pick_kernel(const Segment& s) {
   }
 }
 
-void linear_int8(const Blob& b, const float* x, int64_t ldx, int64_t M, const float* bias,
-                 float* y) {
-  const QuantizedX qx = quantize_x(x, ldx, M, b.K, b.Kp);
+// What a QuantProduct's tiles run on: the blob's segments as the kernels read them, and x
+// quantized once.
+struct ProductJob {
+  SegView view;
+  XView xv;
+  TilesFn fn;
+  int64_t tile0, tiles, row0;
+};
+
+}  // namespace
+
+struct QuantProduct::State {
+  Blob b;
+  QuantizedX qx;
   std::vector<uint8_t> qu;  // x + 128 for the S8 segments' VNNI kernel
+  std::vector<std::vector<float>> sums;
+  std::vector<ProductJob> jobs;
+  int64_t M = 0, tiles = 0;
+  const float* bias = nullptr;
+};
+
+QuantProduct::QuantProduct(const at::Tensor& blob, const float* x, int64_t ldx, int64_t M,
+                           const float* bias)
+    : state_(std::make_unique<State>()) {
+  State& st = *state_;
+  st.b = parse_blob(blob, "linear_q");
+  const Blob& b = st.b;
+  for (const Segment& s : b.segs)
+    TORCH_CHECK(s.kind != kF8, "linear_q: F8 weights have no CPU kernel (dequantize them)");
+  st.M = M, st.bias = bias;
+  st.qx = quantize_x(x, ldx, M, b.K, b.Kp);
 #ifdef KVRAY_VNNI
   for (const Segment& s : b.segs)
-    if (s.kind == kS8 && qu.empty()) {
-      qu.resize(qx.q.size());
-      for (size_t i = 0; i < qu.size(); ++i) qu[i] = static_cast<uint8_t>(qx.q[i]) ^ 0x80;
+    if (s.kind == kS8 && st.qu.empty()) {
+      st.qu.resize(st.qx.q.size());
+      for (size_t i = 0; i < st.qu.size(); ++i)
+        st.qu[i] = static_cast<uint8_t>(st.qx.q[i]) ^ 0x80;
     }
 #endif
-  struct Job { SegView view; XView xv; TilesFn fn; int64_t tile0, tiles, row0; };
-  std::vector<std::vector<float>> sums(b.segs.size());
-  std::vector<Job> jobs;
-  int64_t tiles = 0;
+  st.sums.resize(b.segs.size());
   for (size_t i = 0; i < b.segs.size(); ++i) {
     const Segment& s = b.segs[i];
     const bool offset = s.mins != nullptr || s.zero != 0;
-    if (offset) sums[i] = group_sums(qx, M, s.group);
+    if (offset) st.sums[i] = group_sums(st.qx, M, s.group);
     const SegView view{s.codes, s.scales, s.mins, s.super_scales, s.super_mins,
                        kTile * b.row_bytes(s), kTile * b.groups(s) * s.scale_bytes(),
                        kTile * b.supers(s) * 2, s.group, s.super_group, s.rows, s.zero,
                        s.scale_type == kSubS8};
-    const XView xv{qx.q.data(), qu.empty() ? nullptr : qu.data(), qx.d.data(),
-                   offset ? sums[i].data() : nullptr, qx.Kp, qx.nb, b.groups(s)};
-    jobs.push_back({view, xv, pick_kernel(s), tiles, Blob::tiles(s), s.row0});
-    tiles += Blob::tiles(s);
+    const XView xv{st.qx.q.data(), st.qu.empty() ? nullptr : st.qu.data(), st.qx.d.data(),
+                   offset ? st.sums[i].data() : nullptr, st.qx.Kp, st.qx.nb, b.groups(s)};
+    st.jobs.push_back({view, xv, pick_kernel(s), st.tiles, Blob::tiles(s), s.row0});
+    st.tiles += Blob::tiles(s);
   }
-  // chunks of at least ~16 KiB of codes, about 4 per thread (as cpu_linear.cpp's run)
-  const int64_t grain = std::max<int64_t>(1, 16384 / (kTile * b.Kp / 2));
-  const int64_t chunk = std::max(grain, chunk_for_threads(tiles));
-  parallel_streams(tiles, chunk, [&](int64_t c0, int64_t c1) {
-    for (const Job& j : jobs) {
-      const int64_t lo = std::max(c0, j.tile0), hi = std::min(c1, j.tile0 + j.tiles);
-      if (lo < hi)
-        j.fn(j.view, j.xv, M, lo - j.tile0, hi - j.tile0, y + j.row0, b.N,
-             bias ? bias + j.row0 : nullptr);
-    }
-  });
+}
+
+QuantProduct::~QuantProduct() = default;
+int64_t QuantProduct::tiles() const { return state_->tiles; }
+int64_t QuantProduct::out_features() const { return state_->b.N; }
+int64_t QuantProduct::in_features() const { return state_->b.K; }
+// chunks of at least ~16 KiB of codes (as cpu_linear.cpp's run)
+int64_t QuantProduct::grain() const {
+  return std::max<int64_t>(1, 16384 / (kTile * state_->b.Kp / 2));
+}
+
+void QuantProduct::run(int64_t t0, int64_t t1, float* y) const {
+  const State& st = *state_;
+  for (const ProductJob& j : st.jobs) {
+    const int64_t lo = std::max(t0, j.tile0), hi = std::min(t1, j.tile0 + j.tiles);
+    if (lo < hi)
+      j.fn(j.view, j.xv, st.M, lo - j.tile0, hi - j.tile0, y + j.row0, st.b.N,
+           st.bias ? st.bias + j.row0 : nullptr);
+  }
+}
+
+namespace {
+
+void linear_int8(const at::Tensor& blob, const float* x, int64_t ldx, int64_t M,
+                 const float* bias, float* y) {
+  const QuantProduct product(blob, x, ldx, M, bias);
+  // about 4 chunks per thread
+  const int64_t chunk = std::max(product.grain(), chunk_for_threads(product.tiles()));
+  parallel_streams(product.tiles(), chunk,
+                   [&](int64_t c0, int64_t c1) { product.run(c0, c1, y); });
 }
 
 }  // namespace
 #endif  // __AVX2__
+
+#ifndef __AVX2__
+struct QuantProduct::State {};
+QuantProduct::QuantProduct(const at::Tensor&, const float*, int64_t, int64_t, const float*) {
+  TORCH_CHECK(false, "QuantProduct: no quantized kernels in a build without AVX2");
+}
+QuantProduct::~QuantProduct() = default;
+int64_t QuantProduct::tiles() const { return 0; }
+int64_t QuantProduct::grain() const { return 1; }
+int64_t QuantProduct::out_features() const { return 0; }
+int64_t QuantProduct::in_features() const { return 0; }
+void QuantProduct::run(int64_t, int64_t, float*) const {}
+#endif
 
 std::string quant_dot() {
 #if defined(KVRAY_VNNI512)
@@ -849,7 +907,7 @@ at::Tensor linear_q(at::Tensor x, at::Tensor blob, c10::optional<at::Tensor> bia
   const at::Tensor xc = x.stride(1) == 1 && x.stride(0) >= b.K ? x : x.contiguous();
   const at::Tensor bc = has_bias ? bias->contiguous() : at::Tensor();
   const float* bp = has_bias ? bc.data_ptr<float>() : nullptr;
-  linear_int8(b, xc.data_ptr<float>(), xc.stride(0), M, bp, y.data_ptr<float>());
+  linear_int8(blob, xc.data_ptr<float>(), xc.stride(0), M, bp, y.data_ptr<float>());
   return y;
 #else
   // No vector kernels: the dequantized matrix through ATen's matmul.

@@ -64,15 +64,17 @@ inline int64_t chunk_for_threads(int64_t n, int64_t per_thread = 4) {
 }
 
 // Paged decode attention: q [B, Hq, D] against the paged cache [2, Hk, blocks, bs, D]
-// (D + 4 for an int8 / fp8 cache: codes and a scale per row, kv_quant.h).
+// (D + 4 for an int8 / fp8 cache: codes and a scale per row, kv_quant.h); softcap > 0 caps
+// the scaled scores at softcap * tanh(s / softcap) (Gemma 2), 0 leaves them.
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
-                        double scale, int64_t window);
+                        double scale, int64_t window, double softcap);
 
 // Paged prefill attention: the new tokens q [T, Hq, D] of B sequences (sequence b's at
 // query_start[b]..query_start[b + 1], the last of its seq_lens[b] positions) attend causally
-// to their K/V in the paged cache -> [T, Hq, D]. Only where paged_prefill_supported says so.
+// to their K/V in the paged cache -> [T, Hq, D], scores capped as paged_decode's. Only where
+// paged_prefill_supported says so.
 at::Tensor paged_prefill(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
-                         at::Tensor query_start, double scale, int64_t window);
+                         at::Tensor query_start, double scale, int64_t window, double softcap);
 bool paged_prefill_supported(const at::Tensor& q, const at::Tensor& kv);
 
 // y = x w^T (+ bias) for a few rows of x (fp32): every weight row is read once for all rows.
@@ -191,3 +193,19 @@ at::Tensor dequantize_q(at::Tensor blob);
 // -1 for rows without an adapter); x/y fp32 or bf16, a/bt fp32 or bf16. Returns y.
 at::Tensor lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor bt, at::Tensor ranks,
                     std::vector<int64_t> slice_starts, at::Tensor row_slots);
+
+// A MoE layer's experts for a few tokens in one call: fp32 x [T, H], the routing's fp32
+// weights and int64 global expert ids [T, k], local_index int64 [experts] (the row of w13 /
+// w2 holding each expert here, -1: another rank's); w13 [local, 2I, H] (gate rows, then up)
+// and w2 [local, H, I], fp32 or bf16. Returns sum over each token's experts held here of
+// weight * down(silu(gate) * up) -> fp32 [T, H].
+at::Tensor moe_experts(at::Tensor x, at::Tensor weights, at::Tensor experts,
+                       at::Tensor local_index, at::Tensor w13, at::Tensor w2);
+
+// moe_experts with each local expert's w13 and w2 a quantized blob (linear_q's), and
+// optionally their input permutations (GPTQ act-order): perms [w13 of expert 0, w2 of
+// expert 0, ...], None for none, or empty.
+at::Tensor moe_experts_q(at::Tensor x, at::Tensor weights, at::Tensor experts,
+                         at::Tensor local_index, std::vector<at::Tensor> w13,
+                         std::vector<at::Tensor> w2,
+                         std::vector<c10::optional<at::Tensor>> perms);

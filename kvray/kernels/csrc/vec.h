@@ -171,6 +171,17 @@ inline typename V::T silu(typename V::T g) {
   return V::mul(g, V::div(V::select_negative(g, t, one), V::add(one, t)));
 }
 
+// Logit soft-capping (Gemma 2): cap * tanh(x / cap), lane-wise. tanh(|y|) = (1 - t) / (1 + t)
+// from t = e^(-2|y|) in (0, 1], with y's sign: nothing overflows (see silu), and t stops at
+// e^-87 (tanh is 1 in fp32 long before; a denormal would cost a microcode assist per lane).
+template <typename V>
+inline typename V::T softcap(typename V::T x, float cap) {
+  const typename V::T y = V::mul(x, V::set1(1.f / cap)), one = V::set1(1.f);
+  const typename V::T t = V::exp(V::max(V::add(V::neg_abs(y), V::neg_abs(y)), V::set1(-87.f)));
+  const typename V::T mag = V::mul(V::set1(cap), V::div(V::sub(one, t), V::add(one, t)));
+  return V::select_negative(y, V::sub(V::zero(), mag), mag);
+}
+
 // v as a T would hold it: rounded to bf16 for bf16, unchanged for fp32.
 template <typename V, typename T>
 inline typename V::T as_stored(typename V::T v) {
