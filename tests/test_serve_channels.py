@@ -213,8 +213,17 @@ def test_follow_ups_go_to_the_replica_that_cached_their_prefix(two_replicas):
         out = client.completions.create(model=name, prompt=prompt, max_tokens=4,
                                         temperature=0)
         prompt += out.choices[0].text
-    hits = _settled(base, "kvray:prefix_cache_hits_total")
-    queries = _settled(base, "kvray:prefix_cache_queries_total")
+    # Hits and queries settled together, once they hold the follow-ups: settled one after
+    # the other, a loaded host could show the queries updated and the hits not yet.
+    last = None
+    for _ in range(60):
+        now = (_by_replica(base, "kvray:prefix_cache_hits_total"),
+               _by_replica(base, "kvray:prefix_cache_queries_total"))
+        if now == last and sum(now[1].values()) > sum(queries_before.values()):
+            break
+        last = now
+        time.sleep(0.6)
+    hits, queries = now
     gained = {r: hits.get(r, 0) - before.get(r, 0) for r in hits}
     asked = {r: queries.get(r, 0) - queries_before.get(r, 0) for r in queries}
     assert [r for r, n in asked.items() if n > 0] == [max(asked, key=asked.get)], asked

@@ -96,6 +96,7 @@ class ServerMetrics:
         self._per_replica = [self.running, self.waiting, self.swapped, self.kv_usage,
                              self.prefix_queries, self.prefix_hits, self.swap_objects,
                              self.preemptions, self.spec_drafts, self.spec_accepted,
+                             self.async_ahead, self.async_wasted,
                              self.step_seconds, self.decode_seconds, self.decode_steps,
                              self.decode_tokens, self.loras_resident, self.loras_registered,
                              self.lora_loads, self.lora_fetches, self.lora_load_seconds]
