@@ -189,13 +189,11 @@ def _q2_k(b: np.ndarray, n: int) -> QuantSegment:
 
 def _q6_k(b: np.ndarray, n: int) -> QuantSegment:
     # Each half of 128 values: ql's 64 bytes give values 0-63 (low nibbles) and 64-127
-    # (high nibbles); qh's 32 bytes give the top 2 bits of values 32 t + j at bits 2 t.
+    # (high nibbles); qh's 32 bytes give the top 2 bits of values 32 t + j at bits 2 t,
+    # laid out as Q2_K's and Q3_K's 2-bit codes.
     ql = b[:, :128].reshape(-1, 2, 1, 64)
-    qh = b[:, 128:192].reshape(-1, 2, 1, 32)
-    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 2, 128)
-    high = np.concatenate([(qh << 4) & 0x30, (qh << 2) & 0x30, qh & 0x30, (qh >> 2) & 0x30],
-                          axis=2).reshape(-1, 2, 128)
-    codes = (low | high).reshape(-1, 256)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 256)
+    codes = low | (_two_bit_codes(b[:, 128:192]) << 4)
     return QuantSegment(QuantKind.U6, 16, _tensor(codes, n),
                         _tensor(b[:, 192:208], n).view(torch.int8), zero=32, super_group=16,
                         super_scales=_tensor(_f16(b, 208), n))

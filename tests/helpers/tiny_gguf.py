@@ -192,9 +192,8 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     q = np.clip(np.rint(_divide(b, (d * sc)[..., None])), -32, 31).astype(np.int16) + 32
     q = q.astype(np.uint8).reshape(-1, 2, 128)  # two halves of 128 values
     ql = (q[:, :, :64] & 0x0F) | ((q[:, :, 64:] & 0x0F) << 4)
-    hi = (q >> 4).reshape(-1, 2, 4, 32)  # top 2 bits of value 32 t + j go to bits 2 t
-    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
-    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8),
+    qh = _two_bit_bytes((q >> 4).reshape(-1, 256))  # top 2 bits of value 32 t + j: bits 2 t
+    return np.concatenate([ql.reshape(-1, 128), qh, sc.view(np.uint8),
                            d_bytes], axis=1).reshape(n, -1)
 
 
