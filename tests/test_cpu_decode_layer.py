@@ -1,9 +1,10 @@
 """The one-call C++ decoder layer for decode batches (``cpu_ops`` ``decode_layer``) computes
 exactly what the Python layer computes with the same kernels: the output, the residual
 stream and the K/V written into the paged cache, on every architecture's variant (biases,
-per-head q/k norms, GQA, sliding window), for the first layer (no residual yet) and later
-ones; ``decode_layers`` (all of a stage's layers in one call) is those layers in turn; and
-the engine takes them only for pure-decode batches of few rows — of any size where the
+per-head q/k norms, GQA, sliding window, MoE layers with and without a shared expert), for
+the first layer (no residual yet) and later ones; ``decode_layers`` (all of a stage's layers
+in one call) is those layers in turn; and the engine takes them only for pure-decode
+batches of few rows — of any size where the
 linears have weights packed once (an fp32 run of bf16 values). A bf16 model's fused layer
 is the fp32 layer over the same values (K/V rounded into its bf16 cache)."""
 
@@ -16,14 +17,17 @@ from kvray import LLM, SamplingParams
 from kvray.kernels.attention import paged_batch
 from kvray.models.llama import LlamaDecoderLayer
 from tests.helpers.skips import NOT_THIS_HARDWARE
-from tests.helpers.tiny_models import ARCHS, UNFUSED_ARCHS
+from tests.helpers.tiny_models import ARCHS, MOE_ARCHS, UNFUSED_ARCHS
 
 pytestmark = pytest.mark.parity
 
 BLOCK = 4
-# (MoE and Gemma layers keep the Python layer: tests/test_moe.py, test_gemma.py)
+# (Gemma's layers keep the Python layer: tests/test_gemma.py)
 VARIANTS = {**{arch: (arch, {}) for arch in ARCHS if arch not in UNFUSED_ARCHS},
             "mistral_window": ("mistral", dict(sliding_window=8))}
+# the layer the tests compare: the second, or a MoE model's second MoE one (Qwen2-MoE's
+# second layer is dense)
+LAYER = {"qwen2_moe_shared": 2}
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +87,9 @@ def _python_layer(layer, hidden, residual, meta, kv):
 @pytest.mark.parametrize("first_layer", [True, False])
 def test_fused_decode_layer_equals_the_python_layer(llms, variant, rows, first_layer):
     runner = _runner(llms(variant))
-    layer = runner.model.model.layers[1]
+    layer = runner.model.model.layers[LAYER.get(variant, 1)]
     assert layer.fused_decode is not None, "the engine should have installed the fused layer"
+    assert layer.is_moe == (variant in MOE_ARCHS)
     meta, kv, hidden, residual = _decode_batch(runner, rows, seed=rows)
     res = None if first_layer else residual
 
@@ -128,6 +133,28 @@ def test_fused_decode_stack_equals_the_layers_one_by_one(llms, variant, rows, wi
     assert torch.equal(got[1], r), "residual stream"
     for i, (a, b) in enumerate(zip(caches_stack, caches_one, strict=True)):
         assert torch.equal(a, b), f"layer {i}'s cache"
+
+
+@pytest.mark.parametrize("variant", MOE_ARCHS)
+def test_fused_moe_layer_counts_the_routing_the_python_layer_counts(llms, variant):
+    """Inside ``counting`` the fused layer adds its rows' routing to the layer's expert
+    token counters (in C++), exactly as the Python layer does; outside it, nothing."""
+    runner = _runner(llms(variant))
+    layer = runner.model.model.layers[LAYER.get(variant, 1)]
+    counter = layer.mlp.experts.token_counts
+    assert counter is not None
+    meta, kv, hidden, residual = _decode_batch(runner, 5, seed=7)
+    counter.take()
+    with torch.inference_mode():
+        with counter.counting(5):
+            _python_layer(layer, hidden.clone(), residual.clone(), meta, kv.clone())
+        want = counter.take()
+        with counter.counting(5):
+            layer(hidden.clone(), residual.clone(), meta, kv.clone())
+        got = counter.take()
+        layer(hidden.clone(), residual.clone(), meta, kv.clone())  # not counting
+    assert got == want and sum(want[layer.mlp.experts.layer_idx]) == 5 * layer.mlp.top_k
+    assert all(sum(c) == 0 for c in counter.take().values())
 
 
 def test_fused_decode_layer_only_for_pure_decode_batches_of_few_rows(llms, monkeypatch):
@@ -207,7 +234,8 @@ def bf16_pairs(tiny_model_dir, cpu_kernels):
     return get
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "mistral_window"])
+@pytest.mark.parametrize("variant", [v for v in VARIANTS
+                                     if v != "mistral_window" and v not in MOE_ARCHS])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("first_layer", [True, False])
 def test_bf16_fused_decode_layer_is_the_fp32_layer_over_the_same_values(

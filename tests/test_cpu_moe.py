@@ -144,3 +144,40 @@ def test_the_layer_takes_the_one_call_up_to_its_row_limit(cpu_kernels, monkeypat
         routing, choice = random_routing(tokens, EXPERTS, 2, list(range(8)), seed=tokens)
         experts(x, routing, choice)
     assert calls == [1, 4]
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,renormalize,shared", [
+    (1, 8, 2, True, False), (5, 32, 4, True, False), (3, 60, 4, False, True),
+    (32, 8, 1, False, False), (7, 8, 8, True, True)])
+def test_one_call_routing_equals_the_layers_torch_routing(cpu_kernels, tokens, experts, top_k,
+                                                          renormalize, shared):
+    """``moe_route``: router linear, softmax, top-k, renormalisation and the shared
+    expert's sigmoid gate in one call give torch's routing (the same experts in the same
+    order, weights to fp32 rounding) for every family's options."""
+    g = torch.Generator().manual_seed(tokens * experts)
+    x = torch.randn(tokens, HIDDEN, generator=g)
+    router = torch.randn(experts + int(shared), HIDDEN, generator=g) * 0.5
+    weights, ids, scale = cpu_kernels.moe_route(x, router, top_k, renormalize, shared)
+    logits = x.double() @ router.double().T
+    want_w, want_ids = torch.softmax(logits[:, :experts], -1).topk(top_k, dim=-1)
+    if renormalize:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w.float(), rtol=1e-5, atol=1e-6)
+    if shared:
+        torch.testing.assert_close(scale, torch.sigmoid(logits[:, experts:]).float())
+    else:
+        assert scale is None
+
+
+def test_one_call_routing_breaks_ties_by_the_lower_expert_and_survives_nan(cpu_kernels):
+    x = torch.ones(2, HIDDEN)
+    router = torch.zeros(6, HIDDEN)
+    router[4] = 1.0  # expert 4 first; 0..3 and 5 tie
+    _, ids, _ = cpu_kernels.moe_route(x, router, 3, True, False)
+    assert ids.tolist() == [[4, 0, 1], [4, 0, 1]]
+    x[1, 0] = float("nan")  # a bad row routes somewhere, never out of range, no crash
+    _, ids, _ = cpu_kernels.moe_route(x, router, 3, True, False)
+    assert ids[0].tolist() == [4, 0, 1] and ((ids >= 0) & (ids < 6)).all()
+    with pytest.raises(RuntimeError, match="top_k 7 of 6"):
+        cpu_kernels.moe_route(x, router, 7, True, False)

@@ -144,28 +144,39 @@ def test_missing_expert_is_named(tmp_path):
 
 
 @pytest.mark.engine
-def test_moe_layers_keep_the_python_layer_in_an_engine(tmp_path):
-    """The fused C++ decode layer computes a dense MLP: an engine on a MoE model installs it
-    only on the dense layers (Qwen2-MoE's mlp_only_layers), never as one call per stage,
-    and still decodes as transformers does."""
+@pytest.mark.parametrize("arch", ["qwen2_moe_shared", "mixtral_moe"])
+def test_moe_models_decode_a_stage_in_one_fused_call_in_an_engine(tmp_path, arch):
+    """An engine on a MoE model (Qwen2-MoE's shared expert and a dense mlp_only layer
+    among them) runs its decode steps as one ``decode_layers_moe`` call per stage, and
+    decodes as transformers does."""
     from kvray import LLM, SamplingParams
     from kvray.models.llama import LlamaMLP
     from kvray.models.moe import SparseMoeBlock
     from tests.helpers.tiny_models import transformers_greedy
 
-    path = make_tiny_model("qwen2_moe_shared", tmp_path / "m")
+    path = make_tiny_model(arch, tmp_path / "m")
     prompts = [{"prompt_token_ids": [5, 9, 77, 3, 41]}, {"prompt_token_ids": [8] * 13}]
     llm = LLM(str(path), dtype="float32", block_size=4)
     try:
         model = llm.llm_engine.executor.worker.runner.model.model
-        kinds = [type(layer.mlp) for layer in model.layers]
-        assert kinds == [SparseMoeBlock, LlamaMLP, SparseMoeBlock]
-        assert model.layers[0].fused_decode is None and model.layers[2].fused_decode is None
-        assert model.fused_decode_stack is None
+        if arch == "qwen2_moe_shared":
+            kinds = [type(layer.mlp) for layer in model.layers]
+            assert kinds == [SparseMoeBlock, LlamaMLP, SparseMoeBlock]
+        assert all(layer.fused_decode is not None for layer in model.layers)
+        stack = model.fused_decode_stack
+        assert stack is not None and "moe" in stack.__name__
+        calls = []
+
+        def counted(*args):
+            calls.append(args[0].shape[0])
+            return stack(*args)
+
+        model.fused_decode_stack = counted
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.shutdown()
+    assert len(calls) >= 9, "every pure decode step is one call"
     assert got == transformers_greedy(path, prompts, 10)
 
 

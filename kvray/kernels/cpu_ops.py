@@ -20,10 +20,12 @@
 - ``rms_norm``, ``rotary_inplace``, ``silu_and_mul``: a decoder layer's elementwise work,
   one call each.
 - ``moe_experts``: a MoE layer's routed experts for a few tokens in one call (dense or
-  quantized), the linears' own kernels run over every active expert in one parallel pass.
+  quantized), the linears' own kernels run over every active expert in one parallel pass;
+  ``moe_route`` its routing (router linear, softmax, top-k, shared-expert gate) in one call.
 - ``decode_layer`` (the extension's, used by :func:`kvray.models.llama.use_fused_decode_layer`):
   a whole decoder layer of a decode batch in one call, the kernels above back to back;
-  ``decode_layers`` all of a pipeline stage's layers in one call.
+  ``decode_layers`` all of a pipeline stage's layers in one call (``decode_layer_moe`` /
+  ``decode_layers_moe`` with MoE layers: ``moe_route`` and ``moe_experts`` inside).
 
 The sources under ``csrc/`` are compiled with the system C++ compiler through
 ``torch.utils.cpp_extension`` the first time they are needed (cached under
@@ -273,6 +275,19 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     else:
         out = ext.moe_experts_q(x32, weights, experts, local_index, w13, w2, perms or [])
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+def moe_route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
+              shared_gate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A MoE layer's routing of x [T, H] (1..32 rows) in one call: fp32 ``router`` [E, H]
+    (with ``shared_gate`` one more row, Qwen2-MoE's shared-expert gate) -> (fp32 weights
+    [T, top_k] of softmax over the E logits, renormalised over the k when asked; int64
+    expert ids [T, top_k], largest first; the shared gate's sigmoid [T, 1] or None)."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    weights, experts, scale = ext.moe_route(x.float().contiguous(), router, top_k,
+                                            renormalize, shared_gate)
+    return weights, experts, scale if shared_gate else None
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

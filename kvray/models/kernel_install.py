@@ -80,7 +80,8 @@ def install_kernel_plan(model: nn.Module, plan: KernelPlan) -> InstalledKernels:
                                      for m in model.modules()):
         ops = cpu_ops.load_ops()
         use_fused_decode_layer(model, ops.decode_layer, fused_decode_max_rows(model, plan.dtype),
-                               ops.decode_layers, (ops.decode_layer_lora, ops.decode_layers_lora))
+                               ops.decode_layers, (ops.decode_layer_lora, ops.decode_layers_lora),
+                               (ops.decode_layer_moe, ops.decode_layers_moe))
     return done
 
 
@@ -122,9 +123,13 @@ def fused_decode_max_rows(model: nn.Module, dtype: torch.dtype) -> int:
     kernel's range (:func:`min_small_m_rows`), or any size where every decoder linear also
     has its weights packed once (the fused layer takes those past the small-M kernel's rows:
     the same kernels as the Python layer, without the Python between them). bf16:
-    :data:`~kvray.kernels.plan.BF16_FUSED_ROWS`."""
+    :data:`~kvray.kernels.plan.BF16_FUSED_ROWS`. A model with MoE layers: at most the
+    small-M kernel's rows (the routing and the experts run on it)."""
     layers = [m for m in model.modules()
               if isinstance(m, LlamaDecoderLayer) and m.takes_fused_kernel()]
+    if any(layer.is_moe for layer in layers):
+        rows = min(min_small_m_rows(model), cpu_ops.small_m_max_rows())
+        return rows if dtype == torch.float32 else min(rows, BF16_FUSED_ROWS)
     if layers and all(m.qweight is not None for layer in layers for m in _linears(layer)):
         return 1 << 30  # the quantized kernel takes any rows, as the Python layer would
     if dtype != torch.float32:

@@ -137,6 +137,10 @@ class LlamaDecoderLayer(nn.Module):
     fused_decode_max_rows: int = 0
     # ... and with the rows' LoRA adapters added (decode_layer_lora's signature)
     fused_decode_lora: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # Whether the fused call may take weights packed once for batches past the small-M rows
+    # (off in a model with MoE layers: their fused batches stay within those rows, and a
+    # stage's layers share one set of dims).
+    fused_packed: bool = True
 
     def __init__(self, spec: ModelSpec, ctx: ParallelContext, layer_idx: int,
                  rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
@@ -159,18 +163,28 @@ class LlamaDecoderLayer(nn.Module):
         self._lora_args: list[torch.Tensor] | None = None
 
     def takes_fused_kernel(self) -> bool:
-        """Whether the fused C++ layer computes this layer: a dense SwiGLU MLP, Llama's
+        """Whether the fused C++ layer computes this layer: a dense SwiGLU MLP or a MoE
+        block the fused layer reads (:meth:`SparseMoeBlock.takes_fused_kernel`), Llama's
         norms, no score capping, whole heads rotated, one rotary table for the stack."""
         attn = self.self_attn
-        return isinstance(self.mlp, LlamaMLP) and self.mlp.act == "silu" \
-            and not self.sandwich and attn.softcap is None \
+        mlp_ok = (isinstance(self.mlp, LlamaMLP) and self.mlp.act == "silu") \
+            or (isinstance(self.mlp, SparseMoeBlock) and self.mlp.takes_fused_kernel())
+        return mlp_ok and not self.sandwich and attn.softcap is None \
             and attn.scale == attn.head_dim ** -0.5 and attn.rotary.rot_dim == attn.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.mlp, SparseMoeBlock)
 
     def takes_fused_decode(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                            meta: AttentionMetadata, kv_cache: torch.Tensor | None) -> bool:
         """Whether this batch runs the layer as ``fused_decode``: a pure-decode batch of at
         most ``fused_decode_max_rows`` rows, contiguous, over a paged cache (rows with LoRA
         adapters where the kernel takes them)."""
+        if self.is_moe:  # the fused layer counts every row's routing, or none
+            counts = self.mlp.experts.token_counts
+            if counts is not None and 0 < counts.num_rows < hidden.shape[0]:
+                return False
         return self.fused_decode is not None and kv_cache is not None \
             and (self.fused_decode_lora is not None
                  or not self.self_attn.qkv_proj.lora_active()) \
@@ -217,6 +231,8 @@ class LlamaDecoderLayer(nn.Module):
         cos, sin = self.self_attn.rotary.tables(meta.positions)
         args = (hidden, residual, weights, biases, dims, eps, meta.positions, cos, sin,
                 kv_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping, scale, window)
+        if self.is_moe:  # (decode_layer_moe)
+            return self.fused_decode(*args, self.mlp.fused_args(), self.mlp.fused_dims())
         if self.self_attn.qkv_proj.lora_active():
             rows = self.self_attn.qkv_proj.lora.batch.row_slots
             return self.fused_decode_lora(*args, self.lora_args(), rows)
@@ -241,8 +257,11 @@ class LlamaDecoderLayer(nn.Module):
         if self._decode_args is None:  # the weights the small-M kernel reads, once
             norm = self.input_layernorm
             qkv, o = attn.qkv_proj, attn.o_proj
-            gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
             none = torch.empty(0)  # an empty weight: the model has no q/k norms
+            if self.is_moe:  # (the MoE block's arguments are fused_args')
+                gate_up = down = None
+            else:
+                gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
 
             def f32(t: torch.Tensor | None) -> torch.Tensor | None:
                 # norms and biases in fp32, the layer's activations (a bf16 model's once)
@@ -252,18 +271,21 @@ class LlamaDecoderLayer(nn.Module):
                        f32(attn.q_norm.weight) if attn.q_norm is not None else none,
                        f32(attn.k_norm.weight) if attn.k_norm is not None else none,
                        o.kernel_weight, f32(self.post_attention_layernorm.weight),
-                       gate_up.kernel_weight, down.kernel_weight]
+                       none if gate_up is None else gate_up.kernel_weight,
+                       none if down is None else down.kernel_weight]
             dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim]
             linears = (qkv, o, gate_up, down)
-            if all(m.prepacked_weight is not None for m in linears):
+            if self.fused_packed and gate_up is not None \
+                    and all(m.prepacked_weight is not None for m in linears):
                 # batches past the small-M kernel's rows: the weights packed once (gate_up
                 # paired where it could be: the activation from the GEMM)
                 weights += [m.prepacked_weight for m in linears]
                 dims += [min(m.small_m_max_rows if m.small_m_kernel is not None else 0
                              for m in linears)] + [m.out_features for m in linears]
                 dims.append(int(gate_up.prepacked_silu_mul is not None))
+            mlp_biases = [None, None] if gate_up is None else [f32(gate_up.bias), f32(down.bias)]
             self._decode_args = (
-                weights, [f32(qkv.bias), f32(o.bias), f32(gate_up.bias), f32(down.bias)],
+                weights, [f32(qkv.bias), f32(o.bias), *mlp_biases],
                 dims, norm.eps, attn.scale, attn.sliding_window or -1)
         return self._decode_args
 
@@ -358,6 +380,15 @@ class LlamaModel(nn.Module):
         cos, sin = first.self_attn.rotary.tables(meta.positions)
         args = (hidden, residual, weights, biases, dims, eps, meta.positions, cos, sin, caches,
                 meta.block_tables, meta.seq_lens, meta.slot_mapping, scale, windows)
+        layers = [self.layers[i] for i in range(self.start_layer, self.end_layer)]
+        moe = [layer.mlp for layer in layers if layer.is_moe]
+        if moe:  # (decode_layers_moe; a dense layer's MoE arguments are none)
+            counts = moe[0].experts.token_counts  # (one for every layer)
+            if counts is not None and 0 < counts.num_rows < hidden.shape[0]:
+                return None
+            return self.fused_decode_stack(
+                *args, [layer.mlp.fused_args() if layer.is_moe else [] for layer in layers],
+                moe[0].fused_dims())
         if first.self_attn.qkv_proj.lora_active():
             if self.fused_decode_stack_lora is None:
                 return None
@@ -409,6 +440,8 @@ class LlamaForCausalLM(nn.Module):
 def use_fused_decode_layer(model: nn.Module, kernel: Callable[..., tuple], max_rows: int,
                            stack: Callable[..., tuple] | None = None,
                            lora_kernels: tuple[Callable[..., tuple], Callable[..., tuple]]
+                           | None = None,
+                           moe_kernels: tuple[Callable[..., tuple], Callable[..., tuple]]
                            | None = None) -> None:
     """Run each decoder layer of decode batches of at most ``max_rows`` rows as one call of
     ``kernel`` (``decode_layer`` of :mod:`kvray.kernels.cpu_ops`' extension, which computes
@@ -417,24 +450,32 @@ def use_fused_decode_layer(model: nn.Module, kernel: Callable[..., tuple], max_r
     and the small-M kernel's input). Only for one tensor-parallel rank (a TP layer
     all-reduces mid-layer, in Python) and the CPU kernels' paged cache; inputs that are not
     contiguous take the Python layer. With ``stack`` (``decode_layers``) a batch that every
-    layer would take that way runs all of the stage's layers in one call. MoE layers keep
-    the Python layer (the fused one computes a dense MLP), as do Gemma's (sandwich norms,
-    GELU, capped scores); then no stage is one call. ``lora_kernels`` (``decode_layer_lora``,
-    ``decode_layers_lora``) take batches with LoRA adapter rows the same way, once the
-    layers have adapter slots (:class:`kvray.lora.layers.LoRAModel`); without them such
-    batches take the Python layer."""
+    layer would take that way runs all of the stage's layers in one call. A model with MoE
+    layers takes ``moe_kernels`` (``decode_layer_moe``, ``decode_layers_moe``: routing,
+    experts and shared expert in the same call) where its blocks allow
+    (:meth:`SparseMoeBlock.takes_fused_kernel`), without adapters; else, like Gemma's
+    layers (sandwich norms, GELU, capped scores), the Python layer, and then no stage is
+    one call. ``lora_kernels`` (``decode_layer_lora``, ``decode_layers_lora``) take batches
+    with LoRA adapter rows the same way, once the layers have adapter slots
+    (:class:`kvray.lora.layers.LoRAModel`); without them such batches take the Python
+    layer."""
     layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
-    fusable = [m for m in layers if m.takes_fused_kernel()]
-    all_dense = len(fusable) == len(layers)
+    has_moe = any(m.is_moe for m in layers)
+    fusable = [m for m in layers
+               if m.takes_fused_kernel() and (moe_kernels is not None or not m.is_moe)]
+    all_fused = len(fusable) == len(layers)
     for module in fusable:
-        module.fused_decode, module.fused_decode_max_rows = kernel, max_rows
-        module.fused_decode_lora = lora_kernels[0] if lora_kernels else None
+        module.fused_decode, module.fused_decode_max_rows = \
+            (moe_kernels[0] if module.is_moe else kernel), max_rows
+        module.fused_decode_lora = lora_kernels[0] if lora_kernels and not has_moe else None
+        module.fused_packed = not has_moe
         module._decode_args = module._lora_args = None
     for module in model.modules():
         if isinstance(module, LlamaModel):
-            module.fused_decode_stack = stack if all_dense else None
+            module.fused_decode_stack = (moe_kernels[1] if has_moe else stack) \
+                if all_fused else None
             module.fused_decode_stack_lora = lora_kernels[1] \
-                if all_dense and lora_kernels else None
+                if all_fused and lora_kernels and not has_moe else None
             module._stack_args = None
 
 
@@ -454,6 +495,9 @@ def use_fused_ops(model: nn.Module, ops: ModuleType) -> None:
             module.fused_write = getattr(ops, "rotary_write_kv", None)
         elif isinstance(module, LlamaMLP):
             module.fused_silu_and_mul = ops.silu_and_mul
+        elif isinstance(module, SparseMoeBlock):
+            if hasattr(ops, "moe_route") and ops.vector_lanes() >= 8:
+                module.fused_route = ops.moe_route
         elif isinstance(module, MoEExperts):
             module.fused_linear = getattr(ops, "expert_linear", None)
             module.fused_silu_and_mul = ops.silu_and_mul

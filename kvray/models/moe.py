@@ -307,12 +307,10 @@ class MoEExperts(nn.Module):
             self._count(experts)
             return self.fused_moe(x, self.w13_weight, self.w2_weight, weights, experts,
                                   self._local_index_on(x.device))
-        if self.cpu_moe is not None and x.shape[0] <= self.cpu_moe_max_rows:
-            cpu_weights = self._cpu_moe_weights()
-            if cpu_weights is not None:
-                self._count(experts)
-                return self.cpu_moe(x, weights, experts, self._local_index_on(x.device),
-                                    *cpu_weights)
+        if self.takes_cpu_moe(x):
+            self._count(experts)
+            return self.cpu_moe(x, weights, experts, self._local_index_on(x.device),
+                                *self._cpu_moe_weights())
         out = torch.zeros_like(x)
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
@@ -334,11 +332,27 @@ class MoEExperts(nn.Module):
             out.index_add_(0, rows, y * flat_weights[pick].unsqueeze(1).to(y.dtype))
         return out
 
+    def takes_cpu_moe(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s rows run as one ``cpu_moe`` call: few enough, and experts it
+        reads."""
+        return self.cpu_moe is not None and x.shape[0] <= self.cpu_moe_max_rows \
+            and self._cpu_moe_weights() is not None
+
     def _count(self, experts: torch.Tensor) -> None:
         """Add this forward's routing to the token counters, where they count."""
         if self.token_counts is not None and self.token_counts.num_rows:
             self.token_counts.add(self.layer_idx, experts, torch.bincount(
                 experts.reshape(-1), minlength=self.num_experts))
+
+    def cpu_moe_tensors(self) -> list[torch.Tensor]:
+        """The experts as the fused decode layer's ``moe_mlp`` takes them: stacked w13, w2;
+        or each local expert's w13 blob, then each one's w2 blob, then (where any has one)
+        their input permutations, w13's and w2's per expert (empty: none)."""
+        w13, w2, perms = self._cpu_moe_weights()
+        if isinstance(w13, torch.Tensor):
+            return [w13, w2]
+        none = torch.empty(0, dtype=torch.int64)
+        return [*w13, *w2, *(none if p is None else p for p in perms or [])]
 
     def _cpu_moe_weights(self) -> tuple | None:
         """(w13, w2, input permutations) as ``cpu_moe`` takes them: the stacked fp32 / bf16
@@ -399,6 +413,12 @@ class MoEExperts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen2-MoE's shared expert); in the decoder layer's ``mlp`` slot."""
 
+    # The routing of a few fp32 rows in one C++ call (kvray.kernels.cpu_ops.moe_route; set
+    # by use_fused_ops on CPU) where the experts take their one-call path: the router's
+    # linear, softmax, top-k, renormalisation and the shared expert's gate, as the fused
+    # decode layer computes them (the same values either way).
+    fused_route: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+
     def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype,
                  shared_expert: nn.Module | None = None, layer_idx: int = 0) -> None:
         super().__init__()
@@ -425,8 +445,71 @@ class SparseMoeBlock(nn.Module):
         return weights, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(x)
+        if self.fused_route is not None and self.experts.takes_cpu_moe(x):
+            weights, experts, scale = self.fused_route(
+                x, self.router_weight(), self.top_k, self.renormalize,
+                self.shared_expert is not None)
+        else:
+            weights, experts = self.route(x)
+            scale = None if self.shared_expert is None \
+                else torch.sigmoid(self.shared_expert_gate(x))
         out = self.ctx.all_reduce(self.experts(x, weights, experts))
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + scale.to(out.dtype) * self.shared_expert(x)
         return out
+
+    def router_weight(self) -> torch.Tensor:
+        """The router's rows in fp32, the shared expert's gate as one more row, as
+        ``fused_route`` and the fused decode layer read them (built once)."""
+        cached = self.__dict__.get("_router_weight")
+        if cached is None:
+            rows = [self.gate.weight] + ([self.shared_expert_gate.weight]
+                                         if self.shared_expert_gate is not None else [])
+            cached = torch.cat([r.detach().float() for r in rows]).contiguous()
+            self.__dict__["_router_weight"] = cached
+        return cached
+
+    def takes_fused_kernel(self) -> bool:
+        """Whether the fused C++ decode layer computes this block (``moe_mlp``): routed
+        through ``fused_route``, experts the one-call path reads, and a shared expert (if
+        any) of plain SwiGLU linears the small-M or quantized kernel reads."""
+        if self.fused_route is None or self.experts.cpu_moe is None \
+                or self.experts._cpu_moe_weights() is None:
+            return False
+        shared = self.shared_expert
+        if shared is None:
+            return True
+
+        def readable(m: nn.Module) -> bool:  # the fused layer's kernels read its weight
+            if m.bias is not None or getattr(m, "input_perm", None) is not None:
+                return False
+            w = m.kernel_weight
+            return m.qweight is not None or (w.dtype in (torch.float32, torch.bfloat16)
+                                             and w.is_contiguous() and w.numel() > 0)
+
+        return getattr(shared, "act", None) == "silu" and all(
+            readable(m) for m in (shared.gate_up_proj, shared.down_proj))
+
+    def fused_args(self) -> list[torch.Tensor]:
+        """This block as the fused decode layer's ``moe_mlp`` takes it: [router, local
+        index, token counts row (empty: none), shared gate_up, shared down (empty: none),
+        experts...] (rebuilt when the counters or the experts' weights change)."""
+        experts, counts = self.experts, self.experts.token_counts
+        cached = self.__dict__.get("_fused_args")
+        if cached is None or cached[0] is not counts or cached[1] is not experts.quant:
+            none = torch.empty(0)
+            shared = self.shared_expert
+            row = none if counts is None else counts.counts[counts.row[experts.layer_idx]]
+            tensors = [self.router_weight(), experts._local_index_on(torch.device("cpu")), row,
+                       none if shared is None else shared.gate_up_proj.kernel_weight,
+                       none if shared is None else shared.down_proj.kernel_weight,
+                       *experts.cpu_moe_tensors()]
+            cached = (counts, experts.quant, tensors)
+            self.__dict__["_fused_args"] = cached
+        return cached[2]
+
+    def fused_dims(self) -> list[int]:
+        """``moe_mlp``'s dims for this step: [top_k, renormalize, local experts, count]."""
+        counts = self.experts.token_counts
+        return [self.top_k, int(self.renormalize), self.experts.num_local,
+                int(counts is not None and counts.num_rows > 0)]

@@ -86,9 +86,9 @@ ARCHS: dict[str, tuple[str, dict]] = {
                                             "rope_theta": 1000000.0}})),
 }
 MOE_ARCHS = ("mixtral_moe", "qwen2_moe_shared", "qwen3_moe")
-# layers the fused C++ decode layer does not compute (MoE, Gemma's norms / GELU / caps,
-# partial rotary)
-UNFUSED_ARCHS = (*MOE_ARCHS, "gemma2_softcap", "gemma3_text", "phi4_partial_rotary")
+# layers the fused C++ decode layer does not compute (Gemma's norms / GELU / caps, partial
+# rotary)
+UNFUSED_ARCHS = ("gemma2_softcap", "gemma3_text", "phi4_partial_rotary")
 
 
 def build_tokenizer() -> transformers.PreTrainedTokenizerFast:

@@ -41,6 +41,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode_layer with each row's LoRA adapter added to its linears' outputs");
   m.def("decode_layers_lora", &decode_layers_lora, nogil(),
         "decode_layers with each row's LoRA adapter added to its linears' outputs");
+  m.def("decode_layer_moe", &decode_layer_moe, nogil(),
+        "decode_layer whose MLP may be a MoE layer's (routing, experts, shared expert)");
+  m.def("decode_layers_moe", &decode_layers_moe, nogil(),
+        "decode_layers whose layers' MLPs may be MoE layers'");
   m.def("linear_q", &linear_q, nogil(),
         "x [M, K] @ W^T (+ bias) with W a quantized blob read in place");
   m.def("quant_dot", &quant_dot, "the integer dot product of linear_q's kernel: vnni512, vnni, avx2, none");
@@ -48,6 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add", &lora_add, nogil(),
         "y += each row's LoRA delta (rows grouped by adapter slot), in place");
   m.def("dequantize_q", &dequantize_q, nogil(), "a quantized blob dequantized to fp32 [N, K]");
+  m.def("moe_route", &moe_route, nogil(),
+        "a MoE layer's routing: (top-k weights, expert ids, shared-expert gate) of x");
   m.def("moe_experts", &moe_experts, nogil(),
         "a MoE layer's routed experts (fp32 / bf16 stacked weights) for a few tokens");
   m.def("moe_experts_q", &moe_experts_q, nogil(),

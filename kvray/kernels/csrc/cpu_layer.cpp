@@ -103,7 +103,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_impl(
     double eps, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     at::Tensor kv, const at::Tensor& tables, const at::Tensor& seq_lens,
     const at::Tensor& slots, double scale, int64_t window,
-    const std::vector<at::Tensor>* lora, const at::Tensor* lora_rows) {
+    const std::vector<at::Tensor>* lora, const at::Tensor* lora_rows,
+    const std::vector<at::Tensor>* moe = nullptr, const std::vector<int64_t>* moe_dims = nullptr) {
+  // a MoE layer: moe_mlp's arguments in place of a dense MLP (no adapters)
+  const bool sparse = moe != nullptr && !moe->empty();
+  TORCH_CHECK(!sparse || (lora == nullptr && moe_dims != nullptr),
+              "decode_layer: a MoE layer takes no adapters");
   TORCH_CHECK(lora == nullptr || (lora->size() == 16 && lora_rows != nullptr),
               "decode_layer_lora: [a, bt, ranks, slice starts] for qkv, o, gate_up and down "
               "and the rows' slots expected");
@@ -178,6 +183,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_impl(
   at::Tensor o = linear(attn.view({T, q_size}), 1);
 
   x = rms_norm(o, post_norm, eps, residual);  // residual += o
+  if (sparse) return {moe_mlp(x, *moe, *moe_dims), residual};
   at::Tensor act;
   if (lora != nullptr) {  // the adapters' delta goes in before the activation
     at::Tensor gate_up;
@@ -230,15 +236,20 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_impl(
     const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kv,
     const at::Tensor& tables, const at::Tensor& seq_lens, const at::Tensor& slots,
     double scale, const std::vector<int64_t>& windows,
-    const std::vector<std::vector<at::Tensor>>* lora, const at::Tensor* lora_rows) {
+    const std::vector<std::vector<at::Tensor>>* lora, const at::Tensor* lora_rows,
+    const std::vector<std::vector<at::Tensor>>* moe = nullptr,
+    const std::vector<int64_t>* moe_dims = nullptr) {
   const size_t n = w.size();
-  TORCH_CHECK(n > 0 && bias.size() == n && kv.size() == n && windows.size() == n,
-              "decode_layers: weights, biases, caches and windows for each layer expected");
+  TORCH_CHECK(n > 0 && bias.size() == n && kv.size() == n && windows.size() == n &&
+                  (moe == nullptr || moe->size() == n),
+              "decode_layers: weights, biases, caches and windows (and MoE arguments) for each "
+              "layer expected");
   c10::optional<at::Tensor> res = residual;
   for (size_t i = 0; i < n; ++i) {
     auto out = decode_layer_impl(hidden, res, w[i], bias[i], dims, eps, positions, cos, sin,
                                  kv[i], tables, seq_lens, slots, scale, windows[i],
-                                 lora == nullptr ? nullptr : &(*lora)[i], lora_rows);
+                                 lora == nullptr ? nullptr : &(*lora)[i], lora_rows,
+                                 moe == nullptr ? nullptr : &(*moe)[i], moe_dims);
     hidden = std::get<0>(out);
     res = std::get<1>(out);
   }
@@ -267,4 +278,27 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_lora(
   TORCH_CHECK(lora.size() == w.size(), "decode_layers_lora: adapter slots for each layer");
   return decode_layers_impl(hidden, residual, w, bias, dims, eps, positions, cos, sin, kv,
                             tables, seq_lens, slots, scale, windows, &lora, &lora_rows);
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layer_moe(
+    at::Tensor hidden, c10::optional<at::Tensor> residual_in, std::vector<at::Tensor> w,
+    std::vector<c10::optional<at::Tensor>> bias, std::vector<int64_t> dims, double eps,
+    at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor tables,
+    at::Tensor seq_lens, at::Tensor slots, double scale, int64_t window,
+    std::vector<at::Tensor> moe, std::vector<int64_t> moe_dims) {
+  return decode_layer_impl(hidden, residual_in, w, bias, dims, eps, positions, cos, sin, kv,
+                           tables, seq_lens, slots, scale, window, nullptr, nullptr, &moe,
+                           &moe_dims);
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layers_moe(
+    at::Tensor hidden, c10::optional<at::Tensor> residual, std::vector<std::vector<at::Tensor>> w,
+    std::vector<std::vector<c10::optional<at::Tensor>>> bias, std::vector<int64_t> dims,
+    double eps, at::Tensor positions, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kv,
+    at::Tensor tables, at::Tensor seq_lens, at::Tensor slots, double scale,
+    std::vector<int64_t> windows, std::vector<std::vector<at::Tensor>> moe,
+    std::vector<int64_t> moe_dims) {
+  return decode_layers_impl(hidden, residual, w, bias, dims, eps, positions, cos, sin, kv,
+                            tables, seq_lens, slots, scale, windows, nullptr, nullptr, &moe,
+                            &moe_dims);
 }

@@ -10,7 +10,13 @@
 // into the output scaled by their routing weights, experts in ascending order (as the
 // Python loop's index_add). The products are linear_small_m's and linear_q's own kernels
 // (kernel_parts.h): the same values as those ops give each expert's rows.
+//
+// moe_route computes the routing itself (router linear, softmax, top-k, renormalisation and
+// Qwen2-MoE's shared-expert gate) and moe_mlp a whole MoE MLP (routing, experts, shared
+// expert) for the fused decode layer (cpu_layer.cpp); the Python layer routes through the
+// same moe_route, so both paths give the same values.
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -186,7 +192,100 @@ at::Tensor moe_experts_impl(const at::Tensor& x, const at::Tensor& weights,
   return out;
 }
 
+// Each row's top_k of softmax(logits[:E]) (k passes of a strict >: the first of equal
+// values wins, and a NaN is never picked over a number), renormalised over the k when asked;
+// with a shared gate, sigmoid(logits[E]) per row.
+void route_rows(const at::Tensor& logits, int64_t E, int64_t top_k, bool renormalize,
+                float* weights, int64_t* experts, float* shared_scale) {
+  const int64_t T = logits.size(0), width = logits.size(1);
+  const float* lp = logits.data_ptr<float>();
+  std::vector<float> p(E);
+  std::vector<char> taken(E);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = lp + t * width;
+    float mx = l[0], sum = 0.f;
+    for (int64_t e = 1; e < E; ++e) mx = l[e] > mx ? l[e] : mx;
+    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(l[e] - mx));
+    std::fill(taken.begin(), taken.end(), 0);
+    float chosen = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+      taken[best] = 1;
+      experts[t * top_k + j] = best;
+      chosen += (weights[t * top_k + j] = p[best] / sum);
+    }
+    if (renormalize)
+      for (int64_t j = 0; j < top_k; ++j) weights[t * top_k + j] /= chosen;
+    if (shared_scale != nullptr) shared_scale[t] = 1.f / (1.f + std::exp(-l[E]));
+  }
+}
+
+// y = x w^T for a quantized blob (linear_q) or a dense fp32 / bf16 weight (linear_small_m).
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) {
+  return w.scalar_type() == at::kByte ? linear_q(x, w, c10::nullopt)
+                                      : linear_small_m(x, w, c10::nullopt);
+}
+
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(at::Tensor x, at::Tensor router,
+                                                         int64_t top_k, bool renormalize,
+                                                         bool shared_gate) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "moe_route: contiguous fp32 x [T, H] expected");
+  TORCH_CHECK(router.dim() == 2 && router.size(1) == x.size(1),
+              "moe_route: router weights [experts (+ 1 shared gate), H] expected");
+  const int64_t T = x.size(0), E = router.size(0) - (shared_gate ? 1 : 0);
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "moe_route: top_k ", top_k, " of ", E, " experts");
+  const at::Tensor logits = linear_small_m(x, router, c10::nullopt);
+  auto weights = at::empty({T, top_k}, x.options());
+  auto experts = at::empty({T, top_k}, x.options().dtype(at::kLong));
+  at::Tensor scale = shared_gate ? at::empty({T, 1}, x.options()) : at::Tensor();
+  route_rows(logits, E, top_k, renormalize, weights.data_ptr<float>(),
+             experts.data_ptr<int64_t>(), shared_gate ? scale.data_ptr<float>() : nullptr);
+  return {weights, experts, scale};
+}
+
+at::Tensor moe_mlp(const at::Tensor& x, const std::vector<at::Tensor>& moe,
+                   const std::vector<int64_t>& dims) {
+  TORCH_CHECK(dims.size() == 4 && moe.size() >= 7,
+              "moe_mlp: [router, local_index, counts, shared gate_up, shared down, experts...] "
+              "and dims [top_k, renormalize, local experts, count] expected");
+  const at::Tensor &router = moe[0], &local_index = moe[1], &counts = moe[2],
+                   &shared_gate_up = moe[3], &shared_down = moe[4];
+  const bool shared = shared_gate_up.numel() > 0;
+  const int64_t num_local = dims[2];
+  auto [weights, experts, scale] = moe_route(x, router, dims[0], dims[1] != 0, shared);
+  if (dims[3] != 0) {  // the routing into this layer's token counters
+    TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 &&
+                    counts.is_contiguous() && counts.numel() == local_index.numel(),
+                "moe_mlp: int64 counts [experts] expected");
+    int64_t* cp = counts.data_ptr<int64_t>();
+    const int64_t* ep = experts.data_ptr<int64_t>();
+    for (int64_t i = 0; i < experts.numel(); ++i) ++cp[ep[i]];
+  }
+  at::Tensor out;
+  if (moe[5].dim() == 3) {  // stacked dense experts
+    TORCH_CHECK(moe.size() == 7, "moe_mlp: stacked w13 and w2 expected");
+    out = moe_experts(x, weights, experts, local_index, moe[5], moe[6]);
+  } else {  // a blob per matrix, then optionally their input permutations (none: empty)
+    const int64_t n = static_cast<int64_t>(moe.size()) - 5;
+    TORCH_CHECK(n == 2 * num_local || n == 4 * num_local,
+                "moe_mlp: a w13 and a w2 blob per local expert (and two permutations each)");
+    std::vector<at::Tensor> w13(moe.begin() + 5, moe.begin() + 5 + num_local),
+        w2(moe.begin() + 5 + num_local, moe.begin() + 5 + 2 * num_local);
+    std::vector<c10::optional<at::Tensor>> perms;
+    for (int64_t i = 5 + 2 * num_local; i < static_cast<int64_t>(moe.size()); ++i)
+      perms.emplace_back(moe[i].numel() ? c10::optional<at::Tensor>(moe[i]) : c10::nullopt);
+    out = moe_experts_q(x, weights, experts, local_index, w13, w2, perms);
+  }
+  if (!shared) return out;
+  // as the Python layer adds it: out + sigmoid(gate) * shared_expert(x), ATen's ops
+  const at::Tensor y = small_linear(silu_and_mul(small_linear(x, shared_gate_up)), shared_down);
+  return at::add(out, at::mul(scale, y));
+}
 
 at::Tensor moe_experts(at::Tensor x, at::Tensor weights, at::Tensor experts,
                        at::Tensor local_index, at::Tensor w13, at::Tensor w2) {

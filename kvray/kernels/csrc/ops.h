@@ -167,6 +167,24 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_lora(
     std::vector<int64_t> windows, std::vector<std::vector<at::Tensor>> lora,
     at::Tensor lora_rows);
 
+// decode_layer / decode_layers where a layer's MLP may be a MoE layer's: moe (moe[i] for
+// layer i, empty for a dense one) holds moe_mlp's arguments, moe_dims its dims (one set for
+// the model; w's gate_up and down of a MoE layer are unused).
+std::tuple<at::Tensor, at::Tensor> decode_layer_moe(
+    at::Tensor hidden, c10::optional<at::Tensor> residual, std::vector<at::Tensor> w,
+    std::vector<c10::optional<at::Tensor>> bias, std::vector<int64_t> dims, double eps,
+    at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor tables,
+    at::Tensor seq_lens, at::Tensor slots, double scale, int64_t window,
+    std::vector<at::Tensor> moe, std::vector<int64_t> moe_dims);
+std::tuple<at::Tensor, at::Tensor> decode_layers_moe(
+    at::Tensor hidden, c10::optional<at::Tensor> residual,
+    std::vector<std::vector<at::Tensor>> w,
+    std::vector<std::vector<c10::optional<at::Tensor>>> bias, std::vector<int64_t> dims,
+    double eps, at::Tensor positions, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kv,
+    at::Tensor tables, at::Tensor seq_lens, at::Tensor slots, double scale,
+    std::vector<int64_t> windows, std::vector<std::vector<at::Tensor>> moe,
+    std::vector<int64_t> moe_dims);
+
 // Index of each row's largest value of x [B, V] (fp32/bf16/fp16, unit stride along V), as
 // torch.argmax(dim=-1) picks it: the first of equal maxima; a NaN beats everything.
 at::Tensor argmax_rows(at::Tensor x);
@@ -209,3 +227,21 @@ at::Tensor moe_experts_q(at::Tensor x, at::Tensor weights, at::Tensor experts,
                          at::Tensor local_index, std::vector<at::Tensor> w13,
                          std::vector<at::Tensor> w2,
                          std::vector<c10::optional<at::Tensor>> perms);
+
+// A MoE layer's routing for a few fp32 rows x [T, H]: router [E (+ 1), H] fp32 / bf16 (with
+// shared_gate its last row is Qwen2-MoE's shared-expert gate) -> (fp32 weights [T, top_k]
+// of softmax over the E logits, renormalised over the k when asked; int64 expert ids
+// [T, top_k], largest first, the lower id of equal values first; fp32 sigmoid of the shared
+// gate [T, 1], or undefined).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(at::Tensor x, at::Tensor router,
+                                                         int64_t top_k, bool renormalize,
+                                                         bool shared_gate);
+
+// A whole MoE MLP for a few fp32 rows (the fused decode layer's, cpu_layer.cpp): moe_route,
+// the experts (moe_experts / moe_experts_q) and the shared expert. moe: [router,
+// local_index, counts (int64 [experts], added to when dims[3]), shared gate_up, shared down
+// (empty: none; dense or a blob), then stacked w13, w2 or a w13 blob per local expert, a w2
+// blob per local expert and optionally their permutations (moe_experts_q's order, empty:
+// none)]; dims: [top_k, renormalize, local experts, count].
+at::Tensor moe_mlp(const at::Tensor& x, const std::vector<at::Tensor>& moe,
+                   const std::vector<int64_t>& dims);
