@@ -182,7 +182,7 @@ def test_moe_models_decode_a_stage_in_one_fused_call_in_an_engine(tmp_path, arch
 
 @pytest.mark.unit
 def test_expert_token_counts_count_only_the_real_rows_inside_counting():
-    from kvray.models.moe import ExpertTokenCounts
+    from kvray.models.expert_stats import ExpertTokenCounts
 
     counter = ExpertTokenCounts([0, 3], num_experts=4, device="cpu")
     experts = torch.tensor([[0, 1], [1, 2], [3, 1]])  # three rows, top-2

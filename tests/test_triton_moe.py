@@ -103,7 +103,8 @@ def test_a_moe_layer_with_the_fused_kernel_computes_its_grouped_loop(rank, exper
     what its grouped loop returns: one rank of two, experts sliced or whole (EP), and the
     routing still counted."""
     from kvray.kernels import triton_ops
-    from kvray.models.moe import ExpertTokenCounts, MoEExperts
+    from kvray.models.expert_stats import ExpertTokenCounts
+    from kvray.models.moe import MoEExperts
     from kvray.parallel import ParallelContext
 
     g = torch.Generator().manual_seed(rank)

@@ -34,9 +34,9 @@ from kvray.kernels.sampling import (
     sample_speculative,
 )
 from kvray.lora.layers import LoRAModel, lora_kernel, resolve_lora_dtype
+from kvray.models.expert_stats import count_expert_tokens
 from kvray.models.kernel_install import install_kernel_plan
 from kvray.models.loader import load_model, resolve_max_model_len
-from kvray.models.moe import count_expert_tokens
 from kvray.parallel import ParallelContext
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput

@@ -104,10 +104,10 @@ class Worker:
         """Seconds this rank spent loading its shard (the kernels' build or fetch
         included), how it got the CPU kernels, the quantized weights its shard holds
         (tensors, bytes, kinds; zeros for a dense model) and, for a MoE model, its expert
-        weights' bytes and the expert placement (:func:`~kvray.models.moe.expert_report`;
+        weights' bytes and the expert placement (:func:`~kvray.models.expert_stats.expert_report`;
         None for a dense model)."""
         from kvray.kernels import cpu_ops
-        from kvray.models.moe import expert_report
+        from kvray.models.expert_stats import expert_report
 
         return {"load_s": round(self.load_s, 3), "kernels": cpu_ops.build_report(),
                 "quantized": self.runner.quantized.report(),

@@ -126,7 +126,7 @@ def plan_placement(loads: Mapping[int, Sequence[int]], moe_layers: Sequence[int]
 
 def placement_summary(reports: Sequence[Mapping[str, Any] | None]) -> str | None:
     """One line on a MoE model's experts from its ranks' start-up reports
-    (:func:`kvray.models.moe.expert_report`; None for a dense model): the layout, under a
+    (:func:`kvray.models.expert_stats.expert_report`; None for a dense model): the layout, under a
     measured-load placement the predicted rank imbalance (busiest rank's tokens over the
     mean, averaged over layers, and the worst layer) against the contiguous ranges', and
     each rank's expert weights."""

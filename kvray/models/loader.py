@@ -20,8 +20,9 @@ from safetensors import safe_open
 
 from kvray.hardware import machine_dtype
 from kvray.models.expert_placement import plan_placement
+from kvray.models.expert_stats import expert_report
 from kvray.models.llama import STACKED_PARAMS, LlamaForCausalLM
-from kvray.models.moe import MoEExperts, expert_report
+from kvray.models.moe import MoEExperts
 from kvray.models.quantized import QUANTIZATION_METHODS, assemble_quantized, quantize_online
 from kvray.models.spec import ModelSpec
 from kvray.parallel import ParallelContext
