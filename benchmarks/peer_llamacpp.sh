@@ -87,7 +87,14 @@ EOF
 fi
 LLAMA="$PEER_DIR/src/vendor/llama.cpp"
 
-# 2. llama-server, llama-quantize and llama-perplexity, native to this CPU
+# 2. llama-server, llama-quantize and llama-perplexity, native to this CPU: a build made on
+# another CPU (these machines change between sessions; $PEER_DIR may be kept) is rebuilt
+CPU_TAG="$(grep -m1 '^model name' /proc/cpuinfo; grep -m1 '^cpu family' /proc/cpuinfo;
+           grep -m1 '^model\s' /proc/cpuinfo; grep -m1 '^flags' /proc/cpuinfo)"
+if [ -d build ] && [ "$(cat build/cpu_tag 2>/dev/null)" != "$CPU_TAG" ]; then
+    echo "llama.cpp was built on another CPU: rebuilding it for this one" >&2
+    rm -rf build
+fi
 TARGETS=(llama-server llama-quantize llama-perplexity)
 for t in "${TARGETS[@]}"; do
     if [ ! -x "build/bin/$t" ]; then
@@ -96,6 +103,7 @@ for t in "${TARGETS[@]}"; do
             -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF \
             -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >build.log
         cmake --build build --target "${TARGETS[@]}" -j "$(nproc)" >>build.log
+        echo "$CPU_TAG" >build/cpu_tag
         break
     fi
 done
