@@ -5,8 +5,8 @@
 #   1. print the environment (GPU, CPU, Python and library versions) and check that
 #      kvray's offline path imports without ray, gguf and fastapi;
 #   2. the GPU tests: pytest tests/test_gpu.py, test_triton_kernels.py, test_triton_ops.py,
-#      test_triton_quant.py, test_triton_fused.py, test_cuda_graphs.py (those that exist;
-#      KVRAY_GPU_CHECK_TESTS overrides the list), under `timeout`;
+#      test_triton_quant.py, test_triton_fused.py, test_triton_moe.py, test_cuda_graphs.py
+#      (those that exist; KVRAY_GPU_CHECK_TESTS overrides the list), under `timeout`;
 #   3. the benchmark, benchmarks/gpu_bench.py (kvray vs transformers, roofline), under
 #      `timeout`; it writes gpu_bench.md / gpu_bench.json;
 #   4. the quantization benchmark, benchmarks/gpu_quant_bench.py: bf16 / fp8 / int4 (AWQ and
@@ -157,7 +157,8 @@ if [ -n "${KVRAY_GPU_CHECK_TESTS:-}" ]; then
     read -r -a CANDIDATES <<< "$KVRAY_GPU_CHECK_TESTS"
 else
     CANDIDATES=(tests/test_gpu.py tests/test_triton_kernels.py tests/test_triton_ops.py
-                tests/test_triton_quant.py tests/test_triton_fused.py tests/test_cuda_graphs.py)
+                tests/test_triton_quant.py tests/test_triton_fused.py tests/test_triton_moe.py
+                tests/test_cuda_graphs.py)
 fi
 TESTS=()
 for f in "${CANDIDATES[@]}"; do

@@ -75,6 +75,18 @@ def test_engine_on_gpu_gives_transformers_greedy_tokens_with_cuda_graphs(arch, t
     assert got == want
 
 
+@pytest.mark.parametrize("arch", ["mixtral_moe", "qwen2_moe_shared", "qwen3_moe"])
+def test_moe_engine_on_gpu_gives_transformers_greedy_tokens(arch, tiny_model_dir):
+    """fp32 on CUDA: every MoE layer's experts as the Triton fused-MoE kernel's two grouped
+    GEMMs (IEEE fp32 dots), each family's routing, Qwen2-MoE's shared expert and dense
+    layer: greedy tokens equal transformers' on the GPU."""
+    prompts = _prompts(8, seed=3)
+    want = _hf_greedy(tiny_model_dir(arch), prompts)
+    got, runner = _kvray(tiny_model_dir(arch), prompts, dtype="float32")
+    assert runner.attention_backend == "triton" and runner.fused_moe
+    assert got == want
+
+
 def test_cuda_graphs_give_the_eager_tokens(tiny_model_dir):
     """The same requests, replayed graphs vs eager, fp32: token for token; batch sizes past
     the largest captured one run eagerly in the same engine."""

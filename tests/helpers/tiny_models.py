@@ -133,8 +133,9 @@ def load_hf(path: str | Path) -> transformers.PreTrainedModel:
 def runner_facts(llm) -> SimpleNamespace:
     """What the tests check of an in-process engine's model runner, read before
     ``llm.shutdown()`` (which frees the runner's model, KV cache and CUDA graphs): attention
-    backend, pinned inputs, KV blocks allocated and the decode graphs' counters (``graphs``
-    None when the runner has none; ``graphs.captured`` lists the sizes with a CUDA graph)."""
+    backend, pinned inputs, whether every MoE layer has the fused-MoE kernel, KV blocks
+    allocated and the decode graphs' counters (``graphs`` None when the runner has none;
+    ``graphs.captured`` lists the sizes with a CUDA graph)."""
     runner = llm.llm_engine.executor.worker.runner
     graphs = None
     if runner.graphs is not None:
@@ -142,8 +143,13 @@ def runner_facts(llm) -> SimpleNamespace:
         graphs = SimpleNamespace(captured=sorted(g.graphs), steps=g.steps,
                                  padded_rows=g.padded_rows, sizes=list(g.sizes),
                                  pad_block=g.pad_block)
+    from kvray.models.moe import MoEExperts
+
+    experts = [m for m in runner.model.modules() if isinstance(m, MoEExperts)]
     return SimpleNamespace(attention_backend=runner.attention_backend,
                            pin_memory=runner.pin_memory,
+                           fused_moe=bool(experts) and all(m.fused_moe is not None
+                                                           for m in experts),
                            kv_blocks=runner.cache.kv_caches[runner.model.model.start_layer]
                            .shape[2], graphs=graphs)
 
