@@ -264,9 +264,35 @@ def test_bf16_fused_decode_layer_is_the_fp32_layer_over_the_same_values(
     torch.testing.assert_close(got[1], want[1], rtol=2e-2, atol=2e-2)
 
 
-def test_a_bf16_engine_decodes_through_the_fused_layer_and_returns_bf16(bf16_pairs,
+@pytest.mark.parametrize("variant", ["qwen2_moe_shared", "qwen3_moe"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_bf16_fused_moe_layer_is_the_fp32_layer_over_the_same_values(bf16_pairs, variant,
+                                                                    rows):
+    """A bf16 MoE model's fused layer (bf16 experts, router and shared expert widened in
+    the kernels, fp32 activations) computes what the fp32 Python layer computes on the
+    same values, up to this token's K/V read back rounded to bf16."""
+    llm16, llm32 = bf16_pairs(variant)
+    index = LAYER.get(variant, 1)
+    layer16 = _runner(llm16).model.model.layers[index]
+    layer32 = _runner(llm32).model.model.layers[index]
+    assert layer16.is_moe and layer16.fused_decode is not None
+    meta, kv, hidden, residual = _decode_batch(_runner(llm16), rows, seed=rows)
+    kv16 = kv.bfloat16()
+    kv32 = kv16.float()
+    with torch.inference_mode():
+        want = _python_layer(layer32, hidden.clone(), residual.clone(), meta, kv32)
+        kv_fused = kv16.clone()
+        got = layer16(hidden.clone(), residual.clone(), meta, kv_fused)
+    assert got[0].dtype == torch.float32
+    assert torch.equal(kv_fused, kv32.bfloat16()), "K/V written into the bf16 cache"
+    torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[1], want[1], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_moe_shared"])
+def test_a_bf16_engine_decodes_through_the_fused_layer_and_returns_bf16(bf16_pairs, variant,
                                                                         monkeypatch):
-    llm16, _ = bf16_pairs("llama_gqa")
+    llm16, _ = bf16_pairs(variant)
     runner = _runner(llm16)
     max_rows = runner.model.model.layers[0].fused_decode_max_rows
     assert 1 <= max_rows < 16, "bf16: only the smallest batches (oneDNN's matmuls beyond)"
