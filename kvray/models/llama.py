@@ -371,24 +371,25 @@ class LlamaModel(nn.Module):
                 or not first.takes_fused_decode(hidden, residual, meta, caches[0]):
             return None
         if self._stack_args is None:  # the layers' arguments, gathered once
-            args = [self.layers[i].decode_args()
-                    for i in range(self.start_layer, self.end_layer)]
+            layers = [self.layers[i] for i in range(self.start_layer, self.end_layer)]
+            args = [layer.decode_args() for layer in layers]
             _, _, dims, eps, scale, _ = args[0]
+            # each layer's MoE block (None: dense), or no list for a stage without one
+            moe = [layer.mlp if layer.is_moe else None for layer in layers]
             self._stack_args = ([a[0] for a in args], [a[1] for a in args], dims, eps, scale,
-                                [a[5] for a in args])
-        weights, biases, dims, eps, scale, windows = self._stack_args
+                                [a[5] for a in args],
+                                moe if any(b is not None for b in moe) else None)
+        weights, biases, dims, eps, scale, windows, moe = self._stack_args
         cos, sin = first.self_attn.rotary.tables(meta.positions)
         args = (hidden, residual, weights, biases, dims, eps, meta.positions, cos, sin, caches,
                 meta.block_tables, meta.seq_lens, meta.slot_mapping, scale, windows)
-        layers = [self.layers[i] for i in range(self.start_layer, self.end_layer)]
-        moe = [layer.mlp for layer in layers if layer.is_moe]
-        if moe:  # (decode_layers_moe; a dense layer's MoE arguments are none)
-            counts = moe[0].experts.token_counts  # (one for every layer)
+        if moe is not None:  # (decode_layers_moe; a dense layer's MoE arguments are none)
+            block = next(b for b in moe if b is not None)
+            counts = block.experts.token_counts  # (one for every layer)
             if counts is not None and 0 < counts.num_rows < hidden.shape[0]:
                 return None
             return self.fused_decode_stack(
-                *args, [layer.mlp.fused_args() if layer.is_moe else [] for layer in layers],
-                moe[0].fused_dims())
+                *args, [[] if b is None else b.fused_args() for b in moe], block.fused_dims())
         if first.self_attn.qkv_proj.lora_active():
             if self.fused_decode_stack_lora is None:
                 return None
