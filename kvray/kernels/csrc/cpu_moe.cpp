@@ -17,6 +17,7 @@
 // same moe_route, so both paths give the same values.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -75,12 +76,17 @@ std::vector<ExpertRows> group_rows(const at::Tensor& x, const at::Tensor& weight
       by_local[lp[e]].weights.push_back(wp[t * k + j]);
     }
   std::vector<ExpertRows> active;
+  const int64_t H = x.size(1);
+  const float* xp = x.data_ptr<float>();
   for (int64_t l = 0; l < num_local; ++l) {
     if (by_local[l].tokens.empty()) continue;
     ExpertRows r = std::move(by_local[l]);
     r.local = l;
     const int64_t M = static_cast<int64_t>(r.tokens.size());
-    r.x = x.index_select(0, at::from_blob(r.tokens.data(), {M}, at::kLong));
+    r.x = at::empty({M, H}, x.options());  // (a row copy: index_select costs ~5 us a call)
+    float* dst = r.x.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      std::memcpy(dst + m * H, xp + r.tokens[m] * H, H * sizeof(float));
     active.push_back(std::move(r));
   }
   return active;
