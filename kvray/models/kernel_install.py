@@ -124,12 +124,13 @@ def fused_decode_max_rows(model: nn.Module, dtype: torch.dtype) -> int:
     has its weights packed once (the fused layer takes those past the small-M kernel's rows:
     the same kernels as the Python layer, without the Python between them). bf16:
     :data:`~kvray.kernels.plan.BF16_FUSED_ROWS`. A model with MoE layers: at most the
-    small-M kernel's rows (the routing and the experts run on it)."""
-    layers = [m for m in model.modules()
-              if isinstance(m, LlamaDecoderLayer) and m.takes_fused_kernel()]
-    if any(layer.is_moe for layer in layers):
+    small-M kernel's rows (the routing and the experts run on it, and none of its layers
+    takes packed weights in the fused call)."""
+    decoder = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+    if any(layer.is_moe for layer in decoder):
         rows = min(min_small_m_rows(model), cpu_ops.small_m_max_rows())
         return rows if dtype == torch.float32 else min(rows, BF16_FUSED_ROWS)
+    layers = [m for m in decoder if m.takes_fused_kernel()]
     if layers and all(m.qweight is not None for layer in layers for m in _linears(layer)):
         return 1 << 30  # the quantized kernel takes any rows, as the Python layer would
     if dtype != torch.float32:
