@@ -419,3 +419,31 @@ def test_an_engine_on_packed_weights_decodes_every_batch_in_one_call_with_the_sa
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     for a, b in zip(together, unfused, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_a_moe_models_fused_rows_stay_within_the_small_m_kernels(packed_llms):
+    """In a MoE model no layer's fused call takes packed weights (a stage's layers share
+    one set of dims; the routing runs on the small-M kernel), so its fused decode rows stay
+    within the small-M kernel's, even where its MoE layers keep the Python layer and its
+    dense layers have packed weights."""
+    from kvray.kernels import cpu_ops
+    from kvray.models.kernel_install import fused_decode_max_rows
+
+    if cpu_ops.vector_lanes() < 8:
+        pytest.skip(f"{NOT_THIS_HARDWARE}: no packed weights without AVX2 kernels")
+    model = _runner(packed_llms("qwen2_moe_shared")).model
+    dense = model.model.layers[1]
+    assert not dense.is_moe and dense.self_attn.qkv_proj.prepacked_weight is not None
+    assert len(dense.decode_args()[0]) == 8, "no packed weights in a MoE model's fused call"
+    assert dense.fused_decode_max_rows <= cpu_ops.small_m_max_rows()
+    blocks = [layer.mlp for layer in model.model.layers if layer.is_moe]
+    routes = [b.fused_route for b in blocks]
+    for b in blocks:  # MoE layers the fused call does not take
+        b.fused_route = None
+    try:
+        assert not any(layer.takes_fused_kernel() for layer in model.model.layers
+                       if layer.is_moe)
+        assert fused_decode_max_rows(model, torch.float32) <= cpu_ops.small_m_max_rows()
+    finally:
+        for b, route in zip(blocks, routes, strict=True):
+            b.fused_route = route
