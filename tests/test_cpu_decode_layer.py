@@ -436,14 +436,18 @@ def test_a_moe_models_fused_rows_stay_within_the_small_m_kernels(packed_llms):
     assert not dense.is_moe and dense.self_attn.qkv_proj.prepacked_weight is not None
     assert len(dense.decode_args()[0]) == 8, "no packed weights in a MoE model's fused call"
     assert dense.fused_decode_max_rows <= cpu_ops.small_m_max_rows()
-    blocks = [layer.mlp for layer in model.model.layers if layer.is_moe]
+    layers = list(model.model.layers)
+    blocks = [layer.mlp for layer in layers if layer.is_moe]
     routes = [b.fused_route for b in blocks]
     for b in blocks:  # MoE layers the fused call does not take
         b.fused_route = None
+    for layer in layers:  # as the kernel install finds them: before use_fused_decode_layer
+        layer.fused_packed, layer._decode_args = True, None
     try:
-        assert not any(layer.takes_fused_kernel() for layer in model.model.layers
-                       if layer.is_moe)
+        assert not any(layer.takes_fused_kernel() for layer in layers if layer.is_moe)
         assert fused_decode_max_rows(model, torch.float32) <= cpu_ops.small_m_max_rows()
     finally:
         for b, route in zip(blocks, routes, strict=True):
             b.fused_route = route
+        for layer in layers:
+            layer.fused_packed, layer._decode_args = False, None
