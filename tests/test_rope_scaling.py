@@ -150,3 +150,21 @@ def test_partial_rotary_outside_phi3_or_of_odd_dims_is_an_error_naming_it():
     with pytest.raises(UnsupportedModelError, match="not a positive even number"):
         ModelSpec.from_hf_config(_phi3(0.3))  # 9.6 -> 9 dims
     assert ModelSpec.from_hf_config(_phi3(1.0)).rotary_dim == 0
+
+
+def test_tables_grow_past_the_largest_position_given_by_the_host_or_read_from_the_device():
+    """The fused kernels index the whole cos/sin tables: they grow past a step's largest
+    position, whether the caller knows it on the host (``max_position``, the metadata's
+    sequence lengths) or it is read from the positions, with the same values."""
+    from kvray.kernels.attention import AttentionMetadata
+
+    host = RotaryEmbedding(16, 10000.0, None, 8)
+    read = RotaryEmbedding(16, 10000.0, None, 8)
+    positions = torch.tensor([3, 40, 7])
+    meta = AttentionMetadata(query_start_loc=torch.tensor([0, 1, 2, 3]), positions=positions,
+                             seq_lens_list=[4, 41, 8])
+    assert meta.max_position == 40
+    cos_h, sin_h = host.tables(positions, meta.max_position)
+    cos_r, sin_r = read.tables(positions)
+    assert cos_h.shape[0] > 40 and torch.equal(cos_h, cos_r) and torch.equal(sin_h, sin_r)
+    assert AttentionMetadata(query_start_loc=positions, positions=positions).max_position is None

@@ -60,6 +60,12 @@ class AttentionMetadata:
     max_query_len: int = 0
     kernels_take_softcap: bool = False
 
+    @property
+    def max_position(self) -> int | None:
+        """The batch's largest position, known on the host (None where it is not): every
+        row's positions end at its sequence length."""
+        return max(self.seq_lens_list) - 1 if self.seq_lens_list else None
+
     @classmethod
     def for_full_sequences(cls, lengths: list[int], device: torch.device | str = "cpu"):
         """Metadata for a batch holding whole sequences (prefill, no cache)."""

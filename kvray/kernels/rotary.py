@@ -205,18 +205,23 @@ class RotaryEmbedding(torch.nn.Module):
         if f.attention_factor != 1.0:
             self.cos, self.sin = self.cos * f.attention_factor, self.sin * f.attention_factor
 
-    def _grow(self, positions: torch.Tensor) -> None:
-        """Extend the tables past the largest position, on the positions' device."""
-        if not self._fixed and positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            self._build(2 * int(positions.max()) + 1)
+    def _grow(self, positions: torch.Tensor, max_position: int | None = None) -> None:
+        """Extend the tables past the largest position (``max_position`` where the caller
+        knows it on the host: no device read), on the positions' device."""
+        if not self._fixed and positions.numel():
+            top = int(positions.max()) if max_position is None else max_position
+            if top >= self.cos.shape[0]:
+                self._build(2 * top + 1)
         if self.cos.device != positions.device:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole fp32 cos/sin tables ([max_pos, rot_dim/2]), grown past ``positions`` first:
-        what the fused kernels index themselves. Checked once per step, not per layer."""
+    def tables(self, positions: torch.Tensor, max_position: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole fp32 cos/sin tables ([max_pos, rot_dim/2]), grown past ``positions`` first
+        (``max_position``: their largest, where known on the host): what the fused kernels
+        index themselves. Checked once per step, not per layer."""
         if self._grown_for is not positions:
-            self._grow(positions)
+            self._grow(positions, max_position)
             self._grown_for = positions
         return self.cos, self.sin
 

@@ -152,6 +152,7 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = SparseMoeBlock(spec, ctx, dtype, shared, layer_idx)
         else:
             self.mlp = LlamaMLP(spec, ctx, dtype)
+        self.is_moe = isinstance(self.mlp, SparseMoeBlock)
         self.input_layernorm = make_norm(spec, spec.hidden_size, dtype)
         self.post_attention_layernorm = make_norm(spec, spec.hidden_size, dtype)
         # Gemma's sandwich: the attention's and the MLP's outputs normed before their adds
@@ -171,10 +172,6 @@ class LlamaDecoderLayer(nn.Module):
             or (isinstance(self.mlp, SparseMoeBlock) and self.mlp.takes_fused_kernel())
         return mlp_ok and not self.sandwich and attn.softcap is None \
             and attn.scale == attn.head_dim ** -0.5 and attn.rotary.rot_dim == attn.head_dim
-
-    @property
-    def is_moe(self) -> bool:
-        return isinstance(self.mlp, SparseMoeBlock)
 
     def takes_fused_decode(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                            meta: AttentionMetadata, kv_cache: torch.Tensor | None) -> bool:
@@ -228,7 +225,7 @@ class LlamaDecoderLayer(nn.Module):
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer through ``fused_decode``: no Python between its kernels."""
         weights, biases, dims, eps, scale, window = self.decode_args()
-        cos, sin = self.self_attn.rotary.tables(meta.positions)
+        cos, sin = self.self_attn.rotary.tables(meta.positions, meta.max_position)
         args = (hidden, residual, weights, biases, dims, eps, meta.positions, cos, sin,
                 kv_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping, scale, window)
         if self.is_moe:  # (decode_layer_moe)
@@ -380,7 +377,7 @@ class LlamaModel(nn.Module):
                                 [a[5] for a in args],
                                 moe if any(b is not None for b in moe) else None)
         weights, biases, dims, eps, scale, windows, moe = self._stack_args
-        cos, sin = first.self_attn.rotary.tables(meta.positions)
+        cos, sin = first.self_attn.rotary.tables(meta.positions, meta.max_position)
         args = (hidden, residual, weights, biases, dims, eps, meta.positions, cos, sin, caches,
                 meta.block_tables, meta.seq_lens, meta.slot_mapping, scale, windows)
         if moe is not None:  # (decode_layers_moe; a dense layer's MoE arguments are none)
