@@ -25,7 +25,7 @@ Usage:
         [--seed 0] [--skip-baseline]
         [--skip-kvray] [--max-num-seqs N] [--max-num-batched-tokens N] [--dtype D]
         [--json PATH]
-    python benchmarks/throughput.py --peer openvino [--kvray-variants int8,Q8_0,Q4_1,default]
+    python benchmarks/throughput.py --peer openvino [--kvray-variants int8,Q8_0,Q4_1,dense]
         [--openvino-weights int8] [--kv-cache-dtype D] [--json PATH]
 """
 
@@ -514,6 +514,8 @@ def kvray_variant(name: str) -> dict[str, Any] | str:
 
     if name == "default":
         return {}
+    if name == "dense":  # the built-in model's Hugging Face weights, not quantized
+        return {"model": str(default_model_dir())}
     if name == "int8":
         if "quantization" not in FIELD_SECTION:
             return "config key quantization not in this kvray yet"
@@ -525,7 +527,7 @@ def kvray_variant(name: str) -> dict[str, Any] | str:
         if not path.is_file():
             return f"{path} not found (benchmarks/peer_llamacpp.sh --kld makes it)"
         return {"model": str(path)}
-    return f"unknown variant {name!r} (int8, Q8_0, Q4_K_M, Q4_1, default)"
+    return f"unknown variant {name!r} (int8, Q8_0, Q4_K_M, Q4_1, dense, default)"
 
 
 def run_peer(args: argparse.Namespace, requests: list[Request], warmup: list[Request],
@@ -607,7 +609,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kvray-variants", default="int8,Q8_0",
                    help="with --peer: kvray runs, comma-separated: int8 (HF checkpoint, "
                    "quantization int8), Q8_0 / Q4_K_M (GGUFs made by peer_llamacpp.sh --kld), "
-                   "Q4_1 (the shipped GGUF), default (the engine's defaults)")
+                   "Q4_1 (the shipped GGUF), dense (its Hugging Face weights, not "
+                   "quantized), default (the engine's defaults)")
     p.add_argument("--kv-cache-dtype", default=None,
                    help="with --peer: kvray's kv_cache_dtype (default: the engine's)")
     p.add_argument("--openvino-weights", default="int8",
