@@ -178,10 +178,8 @@ class LlamaDecoderLayer(nn.Module):
         """Whether this batch runs the layer as ``fused_decode``: a pure-decode batch of at
         most ``fused_decode_max_rows`` rows, contiguous, over a paged cache (rows with LoRA
         adapters where the kernel takes them)."""
-        if self.is_moe:  # the fused layer counts every row's routing, or none
-            counts = self.mlp.experts.token_counts
-            if counts is not None and 0 < counts.num_rows < hidden.shape[0]:
-                return False
+        if self.is_moe and not self.mlp.fused_counts(hidden.shape[0]):
+            return False
         return self.fused_decode is not None and kv_cache is not None \
             and (self.fused_decode_lora is not None
                  or not self.self_attn.qkv_proj.lora_active()) \
@@ -382,8 +380,7 @@ class LlamaModel(nn.Module):
                 meta.block_tables, meta.seq_lens, meta.slot_mapping, scale, windows)
         if moe is not None:  # (decode_layers_moe; a dense layer's MoE arguments are none)
             block = next(b for b in moe if b is not None)
-            counts = block.experts.token_counts  # (one for every layer)
-            if counts is not None and 0 < counts.num_rows < hidden.shape[0]:
+            if not block.fused_counts(hidden.shape[0]):  # (one counter for every layer)
                 return None
             return self.fused_decode_stack(
                 *args, [[] if b is None else b.fused_args() for b in moe], block.fused_dims())

@@ -429,6 +429,13 @@ class SparseMoeBlock(nn.Module):
             self.__dict__["_fused_args"] = cached
         return cached[2]
 
+    def fused_counts(self, rows: int) -> bool:
+        """Whether the fused layer's counting fits a batch of ``rows``: it counts every
+        row's routing or none, so a count of only the first rows (padding after them)
+        needs the Python layer."""
+        counts = self.experts.token_counts
+        return counts is None or not 0 < counts.num_rows < rows
+
     def fused_dims(self) -> list[int]:
         """``moe_mlp``'s dims for this step: [top_k, renormalize, local experts, count]."""
         counts = self.experts.token_counts
