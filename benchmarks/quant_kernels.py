@@ -3,7 +3,7 @@
 Every linear of one decode step of the built-in model (SmolLM2-135M: hidden 576,
 intermediate 1536, 9 heads x 64, 3 KV heads, 30 layers; random codes of its shapes, each
 layer's weights distinct so that a step streams them from memory as a real one does) at
-M = 1, 4, 16 rows and a prefill chunk of 256, for Q4_1 (U4, groups of 32, fp16 scales and
+M = 1, 4, 8, 16, 32 rows and a prefill chunk of 256, for Q4_1 (U4, groups of 32, fp16 scales and
 mins) and Q8_0 (S8, groups of 32, fp16 scales), and with ``--formats`` the other GGUF
 layouts: Q4_0 (U4, code offset 8), Q5_0 (U5, offset 16), Q4_K (U4, two-level u8 x fp16
 scales and mins), Q5_K (the same in U5), Q6_K (U6, groups of 16, offset 32, two-level i8 x
@@ -36,7 +36,7 @@ HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 576, 1536, 9, 3, 64, 30
 # (name, N, K) of one layer's linears, QKV and gate_up fused as kvray runs them
 LINEARS = [("qkv", (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), ("o", HIDDEN, HEADS * HEAD_DIM),
            ("gate_up", 2 * INTER, HIDDEN), ("down", HIDDEN, INTER)]
-ROWS = (1, 4, 16, 256)
+ROWS = (1, 4, 8, 16, 32, 256)
 
 
 def _quantized(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantTensor:

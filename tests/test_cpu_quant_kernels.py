@@ -292,17 +292,20 @@ def test_decode_layer_on_quantized_weights_follows_their_dequantized_values(ops,
         assert rel < 0.05, f"{what}: {rel:.4f} of its norm"
 
 
-@pytest.mark.parametrize("layout", ["u4_g32_fp16_mins", "s8_g32_fp16"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, layout):
     """Regression: rows computed alone (decode steps) and inside 300-row calls (prefill,
     recompute after preemption) are bit-identical, so greedy tokens do not change with the
-    batch around them."""
-    blob = _matrix([layout], 96, 576, seed=7).to_blob()
-    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(8))
-    together = ops.linear_q(x, blob, None)
+    batch around them — also where a big call takes two tiles at a time (512-bit VNNI) and a
+    small one a tile at a time, and at an odd, partial last tile (100 rows: 12.5 tiles)."""
+    blob = _matrix([layout], 100, 640, seed=7).to_blob()
+    gen = torch.Generator().manual_seed(8)
+    x, bias = torch.randn(300, 640, generator=gen), torch.randn(100, generator=gen)
+    together = ops.linear_q(x, blob, bias)
     for m in (0, 1, 63, 64, 299):
-        assert torch.equal(ops.linear_q(x[m:m + 1].clone(), blob, None)[0], together[m]), m
-    assert torch.equal(ops.linear_q(x[:70].clone(), blob, None), together[:70])
+        assert torch.equal(ops.linear_q(x[m:m + 1].clone(), blob, bias)[0], together[m]), m
+    for rows in (slice(0, 3), slice(5, 12), slice(0, 70)):
+        assert torch.equal(ops.linear_q(x[rows].clone(), blob, bias), together[rows]), rows
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])

@@ -56,7 +56,8 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("cpu_paged_attention.cpp", "cpu_paged_prefill.cpp", "cpu_linear.cpp",
             "cpu_fused.cpp", "cpu_layer.cpp", "cpu_sampling.cpp", "cpu_quant.cpp",
             "cpu_lora.cpp", "cpu_moe.cpp", "bindings.cpp")
-_HEADERS = ("ops.h", "vec.h", "kv_quant.h", "kernel_parts.h")
+_HEADERS = ("ops.h", "vec.h", "kv_quant.h", "kernel_parts.h", "quant_format.h",
+            "quant_tiles.h")
 _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 # The instruction set the kernels are built for: this CPU's own by default. Tests set
 # KVRAY_CPU_MARCH=haswell on AVX-512 machines to run the AVX2 code paths too.
