@@ -25,8 +25,8 @@ Usage:
         [--seed 0] [--skip-baseline]
         [--skip-kvray] [--max-num-seqs N] [--max-num-batched-tokens N] [--dtype D]
         [--json PATH]
-    python benchmarks/throughput.py --peer openvino [--kvray-variants int8,Q8_0,Q4_1,dense]
-        [--openvino-weights int8] [--kv-cache-dtype D] [--json PATH]
+    python benchmarks/throughput.py --peer openvino [--kvray-variants int8,Q8_0,int8+kvint8]
+        [--openvino-weights int8] [--kv-cache-dtype D] [--rounds N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -530,63 +530,82 @@ def kvray_variant(name: str) -> dict[str, Any] | str:
     return f"unknown variant {name!r} (int8, Q8_0, Q4_K_M, Q4_1, dense, default)"
 
 
+def split_variant(spec: str) -> tuple[str, str | None]:
+    """``int8+kvint8`` -> (``int8``, ``int8``): a variant with its own kv_cache_dtype."""
+    name, _, kv = spec.partition("+kv")
+    return name, kv or None
+
+
 def run_peer(args: argparse.Namespace, requests: list[Request], warmup: list[Request],
              dtype: str, config: dict[str, Any]) -> int:
-    """kvray in each variant, then OpenVINO, on the same requests; the table with ratios."""
+    """kvray in each variant, then OpenVINO, on the same requests, ``--rounds`` times in
+    turn (the machines are shared: a round's systems run back to back, and each ratio is
+    taken within its round); the table with the median round's numbers and the ratios."""
     classes = import_kvray()
     if isinstance(classes, str):
         raise SystemExit(f"kvray cannot be imported: {classes}")
-    results: dict[str, RunResult] = {}
+    rounds: list[dict[str, RunResult]] = []
     skipped: dict[str, str] = {}
-    for name in [v for v in args.kvray_variants.split(",") if v]:
-        keys = kvray_variant(name)
-        if isinstance(keys, str):
-            skipped[name] = keys
-            print(f"kvray {name}: skipped ({keys})", flush=True)
-            continue
-        if args.kv_cache_dtype:
-            keys["kv_cache_dtype"] = args.kv_cache_dtype
-        print(f"running kvray {name} {keys} ...", flush=True)
-        res = run_kvray(classes, requests, warmup, {**engine_kwargs(args), **keys}, dtype)
-        res.system = f"kvray {name} ({dtype} activations)"
-        res.extra["keys"] = keys
-        results[f"kvray {name}"] = res
-    print("running OpenVINO GenAI ...", flush=True)
-    ov_run = run_openvino(requests, warmup, args.openvino_weights,
-                          args.max_num_seqs or 256, args.max_num_batched_tokens or 2048)
-    results["openvino"] = ov_run
-    rows = [["system", "requests/s", "output tok/s", "total tok/s", "wall s"]]
-    rows += [result_row(r) for r in results.values()]
-    for key, r in results.items():
+    for r in range(args.rounds):
+        results: dict[str, RunResult] = {}
+        for spec in [v for v in args.kvray_variants.split(",") if v]:
+            name, kv = split_variant(spec)
+            keys = kvray_variant(name)
+            if isinstance(keys, str):
+                skipped[spec] = keys
+                print(f"kvray {spec}: skipped ({keys})", flush=True)
+                continue
+            if kv or args.kv_cache_dtype:
+                keys["kv_cache_dtype"] = kv or args.kv_cache_dtype
+            print(f"round {r + 1}/{args.rounds}: running kvray {spec} {keys} ...", flush=True)
+            res = run_kvray(classes, requests, warmup, {**engine_kwargs(args), **keys}, dtype)
+            res.system = f"kvray {spec} ({dtype} activations)"
+            res.extra["keys"] = keys
+            results[f"kvray {spec}"] = res
+        print(f"round {r + 1}/{args.rounds}: running OpenVINO GenAI ...", flush=True)
+        results["openvino"] = run_openvino(requests, warmup, args.openvino_weights,
+                                           args.max_num_seqs or 256,
+                                           args.max_num_batched_tokens or 2048)
+        rounds.append(results)
+    median = {key: sorted((rd[key] for rd in rounds), key=lambda x: x.output_tok_per_s)[
+        len(rounds) // 2] for key in rounds[0]}
+    ov_run = median["openvino"]
+    rows = [["system (median round)", "requests/s", "output tok/s", "total tok/s", "wall s"]]
+    rows += [result_row(r) for r in median.values()]
+    ratios: dict[str, list[float]] = {}
+    for key in median:
         if key == "openvino":
             continue
-        speed = r.output_tok_per_s / ov_run.output_tok_per_s
-        mark = "met" if speed >= TARGET_PEER_SPEEDUP else "NOT met"
+        ratios[key] = sorted(rd[key].output_tok_per_s / rd["openvino"].output_tok_per_s
+                             for rd in rounds)
+        mid = ratios[key][len(rounds) // 2]
+        mark = "met" if mid >= TARGET_PEER_SPEEDUP else "NOT met"
         rows.append([f"ratio {key} / OpenVINO (target >= {TARGET_PEER_SPEEDUP:g}x: {mark})",
-                     f"{r.requests_per_s / ov_run.requests_per_s:.3g}x", f"{speed:.3g}x",
-                     f"{r.total_tok_per_s / ov_run.total_tok_per_s:.3g}x",
-                     f"{r.wall_s / ov_run.wall_s:.3g}x"])
+                     "", f"{mid:.3g}x (rounds {ratios[key][0]:.3g}-{ratios[key][-1]:.3g}x)",
+                     "", ""])
     print()
     print(f"workload: {args.workload}, {len(requests)} requests, "
           f"{config['prompt_tokens']} prompt / {config['output_tokens']} output tokens "
-          "(greedy, ignore_eos)")
+          f"(greedy, ignore_eos); {args.rounds} round(s), each system once per round")
     print(f"OpenVINO CPU properties: {ov_run.extra['cpu_properties']} (its KV cache "
           "precision is its CPU default unless listed otherwise)")
     print(format_table(rows))
     for name, why in skipped.items():
         print(f"kvray {name}: not run ({why})")
-    for key, r in results.items():
+    for key, r in median.items():
         if key != "openvino":
             same = greedy_agreement(r.extra["outputs"], ov_run.extra["outputs"])
             print(f"greedy agreement (informational) {key} vs OpenVINO: first 8 tokens "
                   f"identical in {same}/{len(requests)} requests")
     if args.json:
-        runs = {}
-        for name, r in results.items():
-            d = r.to_dict()
-            d["extra"] = {k: v for k, v in d["extra"].items() if k != "outputs"}
-            runs[name] = d
-        data = {"config": config, "results": runs, "skipped": skipped,
+        runs = []
+        for rd in rounds:
+            runs.append({})
+            for name, r in rd.items():
+                d = r.to_dict()
+                d["extra"] = {k: v for k, v in d["extra"].items() if k != "outputs"}
+                runs[-1][name] = d
+        data = {"config": config, "rounds": runs, "ratios": ratios, "skipped": skipped,
                 "target_speedup_vs_openvino": TARGET_PEER_SPEEDUP}
         args.json.write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -610,9 +629,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --peer: kvray runs, comma-separated: int8 (HF checkpoint, "
                    "quantization int8), Q8_0 / Q4_K_M (GGUFs made by peer_llamacpp.sh --kld), "
                    "Q4_1 (the shipped GGUF), dense (its Hugging Face weights, not "
-                   "quantized), default (the engine's defaults)")
+                   "quantized), default (the engine's defaults); +kv<dtype> gives one its "
+                   "kv_cache_dtype (int8+kvint8)")
     p.add_argument("--kv-cache-dtype", default=None,
-                   help="with --peer: kvray's kv_cache_dtype (default: the engine's)")
+                   help="with --peer: kvray's kv_cache_dtype (default: the engine's); a "
+                   "variant's own as int8+kvint8")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --peer: run every system this many times, in turn")
     p.add_argument("--openvino-weights", default="int8",
                    help="with --peer openvino: optimum-cli's --weight-format (default int8)")
     p.add_argument("--openvino-driver", type=Path, default=None, help=argparse.SUPPRESS)
