@@ -398,7 +398,7 @@ constexpr int64_t kStepTokens = 32;
 // softmax), so that K and V are read as two interleaved streams. Before a block's scores
 // the next block's K is prefetched and this block's V, which the step's values read after
 // its scores: on a 2-core EPYC Zen 4 (bf16 cache, 30 layers, blocks in random order) that
-// was 1.3-1.4x faster at 16 sequences x 88 tokens and 1.16-1.28x at 32-48 x 234 than
+// was 1.3-1.4x faster at 16 sequences x 88 tokens and 1.16-1.35x at 32-48 x 234 than
 // fetching the next block's K and V together (the 64 prefetches of one burst outrun the
 // core's outstanding misses and stall the scores). On a 2-core AVX-512 Xeon (fp32, 30
 // layers' caches of 64-128 sequences, 150-660 tokens, blocks in random order), a block per
