@@ -1,7 +1,7 @@
 // The tile kernels of cpu_quant.cpp's linear layers on quantized weights (its header
-// comment says how they compute): one tile of 8 weight rows (dot_tile) or two (dot_tile16,
-// 512-bit VNNI) against up to 4 rows of quantized activations, and dot_tiles, which takes a
-// range of tiles against all rows.
+// comment says how they compute): dot_tile takes one tile of 8 weight rows (OneTile) or,
+// with 512-bit VNNI, two (TwoTiles) against up to 4 rows of quantized activations, and
+// dot_tiles a range of tiles against all rows.
 #pragma once
 
 #ifdef __AVX2__
@@ -48,6 +48,7 @@ inline __m256 cvt_half8(const uint8_t* p) {
 template <int Form>
 class GroupLanes {
  public:
+  GroupLanes() = default;
   GroupLanes(const uint8_t* p, const uint8_t* super, int64_t super_group, bool sign)
       : p_(p), super_(super), super_group_(super_group), sign_(sign) {}
   __m256 next() {
@@ -73,10 +74,10 @@ class GroupLanes {
   }
 
  private:
-  const uint8_t* p_;
-  const uint8_t* super_;
-  int64_t super_group_, left_ = 0;
-  bool sign_;
+  const uint8_t* p_ = nullptr;
+  const uint8_t* super_ = nullptr;
+  int64_t super_group_ = 0, left_ = 0;
+  bool sign_ = false;
   __m256 super_v_ = _mm256_setzero_ps();
 };
 
@@ -267,23 +268,6 @@ inline void part_sums(const uint8_t* block, const XView& x, int64_t b, __m256i (
 #endif
 }
 
-// acc[m] += float(sum[m]) * scales(g) * dx[m, b].
-template <int MR>
-inline void accumulate(const __m256i (&sum)[MR], __m256 sv, const XView& x, int64_t b,
-                       __m256 (&acc)[MR]) {
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m)
-    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]),
-                             _mm256_mul_ps(sv, _mm256_broadcast_ss(x.d + m * x.nb + b)), acc[m]);
-}
-// acc[m] += mv * gs[m, g]: a group's mins (and - zero * scale) times its sum of x.
-template <int MR>
-inline void add_mins(__m256 mv, const XView& x, int64_t g, __m256 (&acc)[MR]) {
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m)
-    acc[m] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(x.gs + m * x.ng + g), acc[m]);
-}
-
 // How far ahead of the block in hand the codes are fetched into L1: the hardware prefetcher
 // alone leaves a one-row pass at ~60 % of the read bandwidth (three streams: codes, scales,
 // mins); 4 KiB ahead (a tile or two) measured 1.3-1.5x faster on an EPYC Zen 5.
@@ -296,79 +280,36 @@ inline void prefetch_ahead(const uint8_t* block) {
     _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes + i), _MM_HINT_T0);
 }
 
-// Tile t of a segment against MR (1..4) rows of x: y[m * ldy + 8 t + lane] (+ bias), the
-// rows past the segment's end left out. Offset: mins and/or a code offset (zero).
-template <int MR, int KD, bool G16, int Form, bool Offset>
-void dot_tile(const SegView& s, const XView& x, int64_t t, float* y, int64_t ldy,
-              const float* bias) {
-  constexpr int64_t kBlockBytes = kTile * kBlock * code_bits(KD) / 8;
-  constexpr int kParts = nibble_kind(KD) ? 4 : 8;
-  const uint8_t* codes = s.codes + t * s.tile_bytes;
-  GroupLanes<Form> scales(s.scales + t * s.scale_tile_bytes,
-                          s.super_scales ? s.super_scales + t * s.super_tile_bytes : nullptr,
-                          s.super_group, s.signed_sub);
-  GroupLanes<Form> mins(s.mins ? s.mins + t * s.scale_tile_bytes : nullptr,
-                        s.super_mins ? s.super_mins + t * s.super_tile_bytes : nullptr,
-                        s.super_group, s.signed_sub);
-  const __m256 zero = _mm256_set1_ps(static_cast<float>(s.zero));
-  // a group's offset term: its mins, less zero times its scales
-  auto offset = [&](__m256 sv) {
-    const __m256 mv = s.mins ? mins.next() : _mm256_setzero_ps();
-    return s.zero ? _mm256_fnmadd_ps(sv, zero, mv) : mv;
-  };
-  __m256 acc[MR];
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  __m256i sum[MR];
-  if constexpr (G16) {  // a scale (and offset) per half block
-    for (int64_t b = 0; b < x.nb; ++b) {
-      const uint8_t* block = codes + b * kBlockBytes;
-      prefetch_ahead<kBlockBytes>(block);
-      part_sums<MR, KD, 0, kParts / 2>(block, x, b, sum);
-      const __m256 s0 = scales.next();
-      accumulate<MR>(sum, s0, x, b, acc);
-      if constexpr (Offset) add_mins<MR>(offset(s0), x, 2 * b, acc);
-      part_sums<MR, KD, kParts / 2, kParts>(block, x, b, sum);
-      const __m256 s1 = scales.next();
-      accumulate<MR>(sum, s1, x, b, acc);
-      if constexpr (Offset) add_mins<MR>(offset(s1), x, 2 * b + 1, acc);
-    }
-  } else {
-    const int64_t per_group = s.group / kBlock;
-    for (int64_t g = 0, b = 0; b < x.nb; ++g) {
-      const __m256 sv = scales.next();
-      for (const int64_t end = b + per_group; b < end; ++b) {
-        prefetch_ahead<kBlockBytes>(codes + b * kBlockBytes);
-        part_sums<MR, KD, 0, kParts>(codes + b * kBlockBytes, x, b, sum);
-        accumulate<MR>(sum, sv, x, b, acc);
-      }
-      if constexpr (Offset) add_mins<MR>(offset(sv), x, g, acc);
-    }
+// The vector width dot_tile runs at: one tile's 8 weight rows in 256-bit vectors, or (512-bit
+// VNNI) tiles t and t + 1 as 16 rows in 512-bit ones. Each lane's operations are the same at
+// both widths, so a row's bits do not depend on which one computed it.
+struct OneTile {
+  static constexpr int64_t kTiles = 1;
+  using F = __m256;
+  using I = __m256i;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void storeu(float* p, F v) { _mm256_storeu_ps(p, v); }
+  template <int Form>
+  static F next(GroupLanes<Form>* g) { return g[0].next(); }
+  template <int MR, int KD, int P0, int P1>
+  static void sums(const uint8_t* const* blocks, const XView& x, int64_t b, I (&sum)[MR]) {
+    part_sums<MR, KD, P0, P1>(blocks[0], x, b, sum);
   }
-  const int64_t r0 = t * kTile, valid = std::min<int64_t>(kTile, s.rows - r0);
-  const __m256 bv = bias == nullptr ? _mm256_setzero_ps()
-                    : valid == kTile ? _mm256_loadu_ps(bias + r0)
-                                     : _mm256_setzero_ps();
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m) {
-    float* out = y + m * ldy + r0;
-    if (valid == kTile) {
-      _mm256_storeu_ps(out, _mm256_add_ps(acc[m], bv));
-    } else {
-      alignas(32) float lanes[kTile];
-      _mm256_store_ps(lanes, acc[m]);
-      for (int64_t i = 0; i < valid; ++i) out[i] = lanes[i] + (bias ? bias[r0 + i] : 0.f);
-    }
-  }
-}
+};
 
 #ifdef KVRAY_VNNI512
 // Two tiles at once (16 weight rows, one per 32-bit lane of a 512-bit vector): a part's 32
 // bytes of tile t and of tile t + 1 joined in one vector, against 4 x codes broadcast to
 // every lane. Per x row that is one dpbusd per 16 rows and part with no shuffle of x (the
 // S8 pairs of parts above permute x's codes per row and part); the joins and the S8
-// correction are shared by the MR x rows. Each lane runs the same operations as dot_tile's,
-// so a row's result is bit-identical whichever of the two computes it.
+// correction are shared by the MR x rows (TwoTiles, below).
 inline __m512i join(__m256i lo, __m256i hi) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
@@ -447,101 +388,117 @@ inline void part_sums16(const uint8_t* a, const uint8_t* b, const XView& x, int6
   }
 }
 
-template <int MR>
-inline void accumulate16(const __m512i (&sum)[MR], __m512 sv, const XView& x, int64_t blk,
-                         __m512 (&acc)[MR]) {
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]),
-                             _mm512_mul_ps(sv, _mm512_set1_ps(x.d[m * x.nb + blk])), acc[m]);
-}
-template <int MR>
-inline void add_mins16(__m512 mv, const XView& x, int64_t g, __m512 (&acc)[MR]) {
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-    acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.gs[m * x.ng + g]), acc[m]);
-}
+struct TwoTiles {
+  static constexpr int64_t kTiles = 2;
+  using F = __m512;
+  using I = __m512i;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static void storeu(float* p, F v) { _mm512_storeu_ps(p, v); }
+  template <int Form>
+  static F next(GroupLanes<Form>* g) {
+    const __m256 lo = g[0].next();
+    return join(lo, g[1].next());
+  }
+  template <int MR, int KD, int P0, int P1>
+  static void sums(const uint8_t* const* blocks, const XView& x, int64_t b, I (&sum)[MR]) {
+    part_sums16<MR, KD, P0, P1>(blocks[0], blocks[1], x, b, sum);
+  }
+};
+#endif  // KVRAY_VNNI512
 
-// dot_tile for tiles t and t + 1 (rows 8 t .. 8 t + 15, those past the segment left out).
-template <int MR, int KD, bool G16, int Form, bool Offset>
-void dot_tile16(const SegView& s, const XView& x, int64_t t, float* y, int64_t ldy,
-                const float* bias) {
-  constexpr int64_t kBlockBytes = kTile * kBlock * code_bits(KD) / 8;
+// L::kTiles tiles from t of a segment against MR (1..4) rows of x: y[m * ldy + 8 t + lane]
+// (+ bias), the rows past the segment's end left out. Offset: mins and/or a code offset.
+template <int MR, int KD, bool G16, int Form, bool Offset, class L>
+void dot_tile(const SegView& s, const XView& x, int64_t t, float* y, int64_t ldy,
+              const float* bias) {
+  using F = typename L::F;
+  constexpr int64_t kBlockBytes = kTile * kBlock * code_bits(KD) / 8, kRows = kTile * L::kTiles;
   constexpr int kParts = nibble_kind(KD) ? 4 : 8;
-  const uint8_t* codes = s.codes + t * s.tile_bytes;
-  const uint8_t* codes1 = codes + s.tile_bytes;
+  const uint8_t* codes[L::kTiles];
+  GroupLanes<Form> scales[L::kTiles], mins[L::kTiles];
   auto lanes = [&](const uint8_t* p, const uint8_t* super, int64_t tile) {
     return GroupLanes<Form>(p ? p + tile * s.scale_tile_bytes : nullptr,
                             super ? super + tile * s.super_tile_bytes : nullptr,
                             s.super_group, s.signed_sub);
   };
-  GroupLanes<Form> scales0 = lanes(s.scales, s.super_scales, t);
-  GroupLanes<Form> scales1 = lanes(s.scales, s.super_scales, t + 1);
-  GroupLanes<Form> mins0 = lanes(s.mins, s.super_mins, t);
-  GroupLanes<Form> mins1 = lanes(s.mins, s.super_mins, t + 1);
-  const __m512 zero = _mm512_set1_ps(static_cast<float>(s.zero));
-  auto next_scales = [&] {
-    const __m256 a = scales0.next();
-    return join(a, scales1.next());
+  for (int64_t i = 0; i < L::kTiles; ++i) {
+    codes[i] = s.codes + (t + i) * s.tile_bytes;
+    scales[i] = lanes(s.scales, s.super_scales, t + i);
+    mins[i] = lanes(s.mins, s.super_mins, t + i);
+  }
+  const F zero = L::set1(static_cast<float>(s.zero));
+  // a group's offset term: its mins, less zero times its scales
+  auto offset = [&](F sv) {
+    const F mv = s.mins ? L::next(mins) : L::zero();
+    return s.zero ? L::fnmadd(sv, zero, mv) : mv;
   };
-  auto offset = [&](__m512 sv) {
-    __m512 mv = _mm512_setzero_ps();
-    if (s.mins) {
-      const __m256 a = mins0.next();
-      mv = join(a, mins1.next());
+  F acc[MR];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) acc[m] = L::zero();
+  typename L::I sum[MR];
+  // acc[m] += float(sum[m]) * sv * dx[m, b]
+  auto accumulate = [&](F sv, int64_t b) {
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m)
+      acc[m] = L::fmadd(L::cvt(sum[m]), L::mul(sv, L::set1(x.d[m * x.nb + b])), acc[m]);
+  };
+  // acc[m] += mv * gs[m, g]: a group's mins (and - zero * scale) times its sum of x
+  auto add_mins = [&](F mv, int64_t g) {
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) acc[m] = L::fmadd(mv, L::set1(x.gs[m * x.ng + g]), acc[m]);
+  };
+  const uint8_t* blocks[L::kTiles];
+  auto at_block = [&](int64_t b) {
+    for (int64_t i = 0; i < L::kTiles; ++i) {
+      blocks[i] = codes[i] + b * kBlockBytes;
+      prefetch_ahead<kBlockBytes>(blocks[i]);
     }
-    return s.zero ? _mm512_fnmadd_ps(sv, zero, mv) : mv;
   };
-  __m512 acc[MR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
-  __m512i sum[MR];
-  if constexpr (G16) {
+  if constexpr (G16) {  // a scale (and offset) per half block
     for (int64_t b = 0; b < x.nb; ++b) {
-      const uint8_t* a0 = codes + b * kBlockBytes;
-      const uint8_t* a1 = codes1 + b * kBlockBytes;
-      prefetch_ahead<kBlockBytes>(a0);
-      prefetch_ahead<kBlockBytes>(a1);
-      part_sums16<MR, KD, 0, kParts / 2>(a0, a1, x, b, sum);
-      const __m512 s0 = next_scales();
-      accumulate16<MR>(sum, s0, x, b, acc);
-      if constexpr (Offset) add_mins16<MR>(offset(s0), x, 2 * b, acc);
-      part_sums16<MR, KD, kParts / 2, kParts>(a0, a1, x, b, sum);
-      const __m512 s1 = next_scales();
-      accumulate16<MR>(sum, s1, x, b, acc);
-      if constexpr (Offset) add_mins16<MR>(offset(s1), x, 2 * b + 1, acc);
+      at_block(b);
+      L::template sums<MR, KD, 0, kParts / 2>(blocks, x, b, sum);
+      const F s0 = L::next(scales);
+      accumulate(s0, b);
+      if constexpr (Offset) add_mins(offset(s0), 2 * b);
+      L::template sums<MR, KD, kParts / 2, kParts>(blocks, x, b, sum);
+      const F s1 = L::next(scales);
+      accumulate(s1, b);
+      if constexpr (Offset) add_mins(offset(s1), 2 * b + 1);
     }
   } else {
     const int64_t per_group = s.group / kBlock;
     for (int64_t g = 0, b = 0; b < x.nb; ++g) {
-      const __m512 sv = next_scales();
+      const F sv = L::next(scales);
       for (const int64_t end = b + per_group; b < end; ++b) {
-        const uint8_t* a0 = codes + b * kBlockBytes;
-        const uint8_t* a1 = codes1 + b * kBlockBytes;
-        prefetch_ahead<kBlockBytes>(a0);
-        prefetch_ahead<kBlockBytes>(a1);
-        part_sums16<MR, KD, 0, kParts>(a0, a1, x, b, sum);
-        accumulate16<MR>(sum, sv, x, b, acc);
+        at_block(b);
+        L::template sums<MR, KD, 0, kParts>(blocks, x, b, sum);
+        accumulate(sv, b);
       }
-      if constexpr (Offset) add_mins16<MR>(offset(sv), x, g, acc);
+      if constexpr (Offset) add_mins(offset(sv), g);
     }
   }
-  const int64_t r0 = t * kTile, valid = std::min<int64_t>(2 * kTile, s.rows - r0);
-  const bool full = valid == 2 * kTile;
-  const __m512 bv = bias != nullptr && full ? _mm512_loadu_ps(bias + r0) : _mm512_setzero_ps();
-#pragma GCC unroll 8
+  const int64_t r0 = t * kTile, valid = std::min<int64_t>(kRows, s.rows - r0);
+  const F bv = bias != nullptr && valid == kRows ? L::loadu(bias + r0) : L::zero();
+#pragma GCC unroll 4
   for (int m = 0; m < MR; ++m) {
     float* out = y + m * ldy + r0;
-    if (full) {
-      _mm512_storeu_ps(out, _mm512_add_ps(acc[m], bv));
+    if (valid == kRows) {
+      L::storeu(out, L::add(acc[m], bv));
     } else {
-      alignas(64) float lanes16[2 * kTile];
-      _mm512_store_ps(lanes16, acc[m]);
-      for (int64_t i = 0; i < valid; ++i) out[i] = lanes16[i] + (bias ? bias[r0 + i] : 0.f);
+      float row_lanes[kRows];
+      L::storeu(row_lanes, acc[m]);
+      for (int64_t i = 0; i < valid; ++i) out[i] = row_lanes[i] + (bias ? bias[r0 + i] : 0.f);
     }
   }
 }
-#endif  // KVRAY_VNNI512
 
 // From how many x rows in a call tiles are taken two at a time (512-bit VNNI). On an EPYC
 // Zen 4 (benchmarks/quant_kernels.py, Q4_1 / Q8_0 shapes of the built-in model, two runs)
@@ -558,9 +515,10 @@ inline void tile_run(const SegView& s, const XView& x, int64_t a, int64_t e, flo
   int64_t t = a;
 #ifdef KVRAY_VNNI512
   if (pairs)
-    for (; t + 2 <= e; t += 2) dot_tile16<MR, KD, G16, Form, Offset>(s, x, t, y, ldy, bias);
+    for (; t + 2 <= e; t += 2)
+      dot_tile<MR, KD, G16, Form, Offset, TwoTiles>(s, x, t, y, ldy, bias);
 #endif
-  for (; t < e; ++t) dot_tile<MR, KD, G16, Form, Offset>(s, x, t, y, ldy, bias);
+  for (; t < e; ++t) dot_tile<MR, KD, G16, Form, Offset, OneTile>(s, x, t, y, ldy, bias);
 }
 
 // Tiles [t0, t1) of a segment against all M rows of x: stretches of tiles small enough to
