@@ -112,7 +112,8 @@ def main() -> None:
     assert cpu_ops.load_ops() is not None, "the CPU kernels do not build here"
     print(describe())
     print(f"threads: {args.threads}; vector lanes: {cpu_ops.vector_lanes()}; "
-          f"int8 dot: {cpu_ops.quant_dot()}", flush=True)
+          f"int8 dot: {cpu_ops.quant_dot()}; AMX from "
+          f"{cpu_ops.quant_amx_rows() or '(never)'} rows", flush=True)
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(n, k) for _ in range(LAYERS) for _, n, k in LINEARS]

@@ -349,3 +349,25 @@ def test_the_kernel_uses_vnni_where_the_build_targets_it(ops):
     wide = {"avx512_vnni", "avx512bw", "avx512vl"} <= flags
     want = "vnni512" if wide else "vnni" if vnni else "avx2" if "avx2" in flags else "none"
     assert kind == want
+
+
+def test_big_calls_take_the_amx_tiles_where_the_cpu_has_them(ops):
+    """A native build on a CPU with AMX-INT8 runs calls of many rows on the tile unit (the
+    identity and bound tests above then cover it at 40, 70 and 300 rows); elsewhere never."""
+    import os
+    from pathlib import Path
+
+    from kvray.kernels import cpu_ops
+
+    rows = cpu_ops.quant_amx_rows()
+    flags: set[str] = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    native = os.environ.get(cpu_ops.MARCH_ENV, "").strip() in ("", "native")
+    if native and os.environ.get("KVRAY_AMX", "") != "0" and {"amx_int8", "amx_tile"} <= flags \
+            and cpu_ops.quant_dot() == "vnni512":
+        assert rows == 32
+    elif not {"amx_int8", "amx_tile"} <= flags:
+        assert rows == 0

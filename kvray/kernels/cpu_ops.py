@@ -57,7 +57,7 @@ _SOURCES = ("cpu_paged_attention.cpp", "cpu_paged_prefill.cpp", "cpu_linear.cpp"
             "cpu_fused.cpp", "cpu_layer.cpp", "cpu_sampling.cpp", "cpu_quant.cpp",
             "cpu_lora.cpp", "cpu_moe.cpp", "bindings.cpp")
 _HEADERS = ("ops.h", "vec.h", "kv_quant.h", "kernel_parts.h", "quant_format.h",
-            "quant_tiles.h")
+            "quant_tiles.h", "quant_amx.h")
 _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 # The instruction set the kernels are built for: this CPU's own by default. Tests set
 # KVRAY_CPU_MARCH=haswell on AVX-512 machines to run the AVX2 code paths too.
@@ -340,6 +340,13 @@ def quant_dot() -> str:
     (dequantized matmul) or ``""`` (no extension)."""
     ext = load_ops()
     return "" if ext is None else str(ext.quant_dot())
+
+
+def quant_amx_rows() -> int:
+    """From how many x rows the quantized linears run on AMX tiles (Intel Xeons from Sapphire
+    Rapids); 0 where they never do (no AMX-INT8, ``KVRAY_AMX=0``, or no extension)."""
+    ext = load_ops()
+    return 0 if ext is None else int(ext.quant_amx_rows())
 
 
 def small_m_max_rows() -> int:

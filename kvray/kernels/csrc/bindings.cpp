@@ -48,6 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_q", &linear_q, nogil(),
         "x [M, K] @ W^T (+ bias) with W a quantized blob read in place");
   m.def("quant_dot", &quant_dot, "the integer dot product of linear_q's kernel: vnni512, vnni, avx2, none");
+  m.def("quant_amx_rows", &quant_amx_rows,
+        "from how many x rows linear_q runs on AMX tiles (0: never in this build or process)");
   m.def("embedding_q", &embedding_q, nogil(), "rows of a quantized blob, dequantized");
   m.def("lora_add", &lora_add, nogil(),
         "y += each row's LoRA delta (rows grouped by adapter slot), in place");

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "kernel_parts.h"
+#include "quant_amx.h"
 #include "quant_format.h"
 #include "quant_tiles.h"
 #include "vec.h"
@@ -340,14 +341,58 @@ TilesFn pick_tiles(bool g16, int form, bool offset) {
   return g16 ? pick_form<KD, true>(form, offset) : pick_form<KD, false>(form, offset);
 }
 
-TilesFn pick_kernel(const Segment& s) {
+#ifdef KVRAY_AMX
+template <int KD, bool G16, int Form>
+TilesFn pick_amx_offset(bool offset) {
+  return offset ? &amx_tiles<KD, G16, Form, true> : &amx_tiles<KD, G16, Form, false>;
+}
+
+template <int KD, bool G16>
+TilesFn pick_amx_form(int form, bool offset) {
+  switch (form) {
+    case kFormF32: return pick_amx_offset<KD, G16, kFormF32>(offset);
+    case kFormF16: return pick_amx_offset<KD, G16, kFormF16>(offset);
+    default: return pick_amx_offset<KD, G16, kFormSub>(offset);
+  }
+}
+
+template <int KD>
+TilesFn pick_amx(bool g16, int form, bool offset) {
+  return g16 ? pick_amx_form<KD, true>(form, offset) : pick_amx_form<KD, false>(form, offset);
+}
+#endif
+
+// The tile kernel for segment s: the tile unit's (amx) or the vector one's.
+TilesFn pick_kernel(const Segment& s, bool amx) {
   const bool g16 = s.group == 16, offset = s.mins != nullptr || s.zero != 0;
+#ifdef KVRAY_AMX
+  if (amx) {
+    switch (s.kind) {
+      case kU4: return pick_amx<kU4>(g16, s.form(), offset);
+      case kU5: return pick_amx<kU5>(g16, s.form(), offset);
+      case kU6: return pick_amx<kU6>(g16, s.form(), offset);
+      default: return pick_amx<kS8>(g16, s.form(), offset);
+    }
+  }
+#else
+  (void)amx;
+#endif
   switch (s.kind) {
     case kU4: return pick_tiles<kU4>(g16, s.form(), offset);
     case kU5: return pick_tiles<kU5>(g16, s.form(), offset);
     case kU6: return pick_tiles<kU6>(g16, s.form(), offset);
     default: return pick_tiles<kS8>(g16, s.form(), offset);
   }
+}
+
+// Whether a call of M x rows takes the tile unit.
+bool amx_route(int64_t M) {
+#ifdef KVRAY_AMX
+  return M >= kAmxRows && amx_enabled();
+#else
+  (void)M;
+  return false;
+#endif
 }
 
 // What a QuantProduct's tiles run on: the blob's segments as the kernels read them, and x
@@ -369,6 +414,7 @@ struct QuantProduct::State {
   std::vector<ProductJob> jobs;
   int64_t M = 0, tiles = 0;
   const float* bias = nullptr;
+  bool amx = false;  // the tiles run on the tile unit (amx_tiles), two at a time
 };
 
 QuantProduct::QuantProduct(const at::Tensor& blob, const float* x, int64_t ldx, int64_t M,
@@ -379,11 +425,14 @@ QuantProduct::QuantProduct(const at::Tensor& blob, const float* x, int64_t ldx, 
   const Blob& b = st.b;
   for (const Segment& s : b.segs)
     TORCH_CHECK(s.kind != kF8, "linear_q: F8 weights have no CPU kernel (dequantize them)");
-  st.M = M, st.bias = bias;
+  st.M = M, st.bias = bias, st.amx = amx_route(M);
   st.qx = quantize_x(x, ldx, M, b.K, b.Kp);
+  // the tile unit reads x in whole A tiles of 16 rows: zero rows up to a multiple of 16
+  const int64_t rows = st.amx ? (M + 15) / 16 * 16 : M;
+  st.qx.q.resize(rows * b.Kp), st.qx.d.resize(rows * st.qx.nb), st.qx.s16.resize(rows * b.Kp / 16);
 #ifdef KVRAY_VNNI
   for (const Segment& s : b.segs)
-    if (s.kind == kS8 && st.qu.empty()) {
+    if (s.kind == kS8 && st.qu.empty() && !st.amx) {
       st.qu.resize(st.qx.q.size());
       for (size_t i = 0; i < st.qu.size(); ++i)
         st.qu[i] = static_cast<uint8_t>(st.qx.q[i]) ^ 0x80;
@@ -393,14 +442,14 @@ QuantProduct::QuantProduct(const at::Tensor& blob, const float* x, int64_t ldx, 
   for (size_t i = 0; i < b.segs.size(); ++i) {
     const Segment& s = b.segs[i];
     const bool offset = s.mins != nullptr || s.zero != 0;
-    if (offset) st.sums[i] = group_sums(st.qx, M, s.group);
+    if (offset) st.sums[i] = group_sums(st.qx, rows, s.group);
     const SegView view{s.codes, s.scales, s.mins, s.super_scales, s.super_mins,
                        kTile * b.row_bytes(s), kTile * b.groups(s) * s.scale_bytes(),
                        kTile * b.supers(s) * 2, s.group, s.super_group, s.rows, s.zero,
                        s.scale_type == kSubS8};
     const XView xv{st.qx.q.data(), st.qu.empty() ? nullptr : st.qu.data(), st.qx.d.data(),
                    offset ? st.sums[i].data() : nullptr, st.qx.Kp, st.qx.nb, b.groups(s)};
-    st.jobs.push_back({view, xv, pick_kernel(s), st.tiles, Blob::tiles(s), s.row0});
+    st.jobs.push_back({view, xv, pick_kernel(s, st.amx), st.tiles, Blob::tiles(s), s.row0});
     st.tiles += Blob::tiles(s);
   }
 }
@@ -429,8 +478,9 @@ namespace {
 void linear_int8(const at::Tensor& blob, const float* x, int64_t ldx, int64_t M,
                  const float* bias, float* y) {
   const QuantProduct product(blob, x, ldx, M, bias);
-  // about 4 chunks per thread
-  const int64_t chunk = std::max(product.grain(), chunk_for_threads(product.tiles()));
+  // about 4 chunks per thread, of whole pairs of tiles (the pair kernels' unit)
+  int64_t chunk = std::max(product.grain(), chunk_for_threads(product.tiles()));
+  chunk += chunk % 2;
   parallel_streams(product.tiles(), chunk,
                    [&](int64_t c0, int64_t c1) { product.run(c0, c1, y); });
 }
@@ -460,6 +510,14 @@ std::string quant_dot() {
   return "avx2";
 #else
   return "none";
+#endif
+}
+
+int64_t quant_amx_rows() {
+#ifdef KVRAY_AMX
+  return amx_enabled() ? kAmxRows : 0;
+#else
+  return 0;
 #endif
 }
 

@@ -199,6 +199,9 @@ at::Tensor linear_q(at::Tensor x, at::Tensor blob, c10::optional<at::Tensor> bia
 // dpbusd, 512 bits for S8 codes), "vnni" (256-bit dpbusd, AVX-VNNI), "avx2" (maddubs) or
 // "none" (dequantized matmul).
 std::string quant_dot();
+// From how many x rows linear_q runs on AMX tiles; 0 where it never does (no AMX-INT8 in the
+// build, or the kernel refused the tile registers).
+int64_t quant_amx_rows();
 
 // Rows `ids` (int64, any shape) of a quantized blob dequantized -> fp32 [*ids.shape, K].
 at::Tensor embedding_q(at::Tensor blob, at::Tensor ids);
