@@ -13,8 +13,9 @@
 // it: greedy tokens stay the same whatever the batch.
 //
 // A block's sums have to leave the tile unit for their scales, so the float work per block
-// (a load, convert, multiply and fma per x row) bounds it, not the multiplies: measured on a
-// 2-core Xeon (Emerald Rapids) in benchmarks/quant_kernels.py, see kAmxRows.
+// (a load, convert, multiply and fma per x row and 16 weight rows; the mins' fma on top)
+// bounds it, not the multiplies. Running the tile unit two steps ahead of that float work
+// (four C buffers) measured the same.
 #pragma once
 
 #include "quant_tiles.h"
@@ -32,8 +33,12 @@
 
 namespace {
 
-// From how many x rows a call takes the tile unit (below it dot_tiles' two tiles per vector).
-constexpr int64_t kAmxRows = 32;
+// From how many x rows a call takes the tile unit. On a 2-core Xeon (Emerald Rapids), every
+// linear of 6 layers of the built-in model's shapes against dot_tiles (two runs): Q4_1
+// 1.27-1.46x at 16 rows, 1.55-1.63x at 32, 1.58-1.70x at 64; Q8_0 1.59-1.68x, 1.75-1.93x,
+// 2.17-2.28x; Q6_K (groups of 16: twice the float work per code) 1.08-1.26x, 1.28-1.45x,
+// 1.31-1.45x. Fewer rows than 16 pad the A tile and pay for 16.
+constexpr int64_t kAmxRows = 16;
 constexpr int64_t kAmxM = 16;  // x rows per A tile; calls pad x to a multiple of it
 
 // Whether this process may use the tile registers: Linux grants them on request
