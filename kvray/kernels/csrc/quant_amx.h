@@ -70,6 +70,9 @@ inline void configure_tiles() {
   for (int i : {0, 1}) c.rows[i] = kAmxM, c.colsb[i] = 64;
   for (int i : {2, 3}) c.rows[i] = kAmxM, c.colsb[i] = KS;
   for (int i : {4, 5}) c.rows[i] = KS / 4, c.colsb[i] = 64;
+  // GCC does not see ldtilecfg read the struct and may drop stores to it as dead (it
+  // dropped the column widths once): make them happen first
+  asm volatile("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
 }
 
