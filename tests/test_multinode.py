@@ -42,7 +42,9 @@ def cluster():
     if why:
         skip_or_fail_in_ci(f"no namespace cluster here: {why}", "CI runs as root with iproute2")
     # Every node reads the CPU kernels built here, as hosts sharing an NFS home would:
-    # compiling them on each node costs ~100 s on two cores.
+    # compiling them on each node costs minutes on two cores (three nodes compiling at once
+    # ran this module past its timeouts). The build root is under $HOME, which each node
+    # mounts privately: it has to be kept, not only named in the environment.
     from torch.utils.cpp_extension import get_default_build_root
 
     from kvray.kernels import cpu_ops
@@ -50,7 +52,8 @@ def cluster():
     cpu_ops.load_ops()
     netns.cleanup_stale()  # a run killed before its teardown (SIGKILL, CI timeout)
     shared_builds = {"TORCH_EXTENSIONS_DIR": get_default_build_root()}
-    with netns.NetnsCluster(num_nodes=3, num_cpus=2, ray_env=shared_builds) as c:
+    with netns.NetnsCluster(num_nodes=3, num_cpus=2, ray_env=shared_builds,
+                            keep=[get_default_build_root()]) as c:
         yield c
     assert c.leftovers() == []  # no namespace, link, process or directory
 
@@ -114,6 +117,19 @@ def test_nodes_are_isolated_hosts(cluster):
                         "try: s.connect(('1.1.1.1', 80)); print('reached')\n"
                         "except OSError as e: print('unreachable', e.errno)"])
     assert probe.stdout.startswith("unreachable")
+
+
+def test_nodes_read_the_cpu_kernels_built_on_the_host(cluster):
+    """Regression: the build root lives under $HOME, which each node mounts privately; named
+    only in the environment, every node compiled the kernels again (minutes each, three at
+    once on two cores) and the layouts test below ran past its timeout."""
+    from kvray.kernels import cpu_ops
+
+    built = cpu_ops.load_ops()
+    assert built is not None
+    for node in cluster.nodes:
+        out = cluster.run(node, ["ls", built.__file__]).stdout.strip()
+        assert out == built.__file__, node.hostname
 
 
 @pytest.fixture(scope="module")

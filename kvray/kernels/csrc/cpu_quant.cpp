@@ -19,7 +19,8 @@
 // quantized x over group g. A tile's parts are unpacked once for up to 4 x rows, the tiles
 // of an L2-sized stretch taken by every pass of 4 x rows (prefill, big decode batches);
 // with 512-bit VNNI and 16 or more x rows, two tiles at a time in 16-lane vectors
-// (TwoTiles: no per-row shuffle of x, half the float work per weight row).
+// (TwoTiles: no per-row shuffle of x, half the float work per weight row), and where the
+// CPU has AMX-INT8 on its tile unit instead (quant_amx.h; the same bits).
 // At a few rows a call is bound by reading its weight: each thread streams its own run of
 // tiles (parallel_streams) and fetches the codes 4 KiB ahead of the block in hand.
 // The error against x's exact products is at most sum over blocks of dx / 2 * sum |w|

@@ -92,7 +92,8 @@ void pack_pair(const uint8_t* a, const uint8_t* b, int64_t nb, uint8_t* out) {
       }
     } else {  // part p: codes 4p..4p+3
 #pragma GCC unroll 8
-      for (int p = 0; p < 8; ++p) _mm512_store_si512(out + 64 * p, load_pair(a + 32 * p, b + 32 * p));
+      for (int p = 0; p < 8; ++p)
+        _mm512_store_si512(out + 64 * p, load_pair(a + 32 * p, b + 32 * p));
     }
   }
 }
