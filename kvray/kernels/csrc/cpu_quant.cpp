@@ -323,67 +323,57 @@ namespace {
 using TilesFn = void (*)(const SegView&, const XView&, int64_t, int64_t, int64_t, float*,
                          int64_t, const float*);
 
-template <int KD, bool G16, int Form>
+// What a segment's tiles can run on: the vector units (dot_tiles) or, with AMX-INT8, the
+// tile unit (amx_tiles); each names its kernel for every kind, group, scale form and offset.
+struct VectorTiles {
+  template <int KD, bool G16, int Form, bool Offset>
+  static constexpr TilesFn fn = &dot_tiles<KD, G16, Form, Offset>;
+};
+#ifdef KVRAY_AMX
+struct AmxTiles {
+  template <int KD, bool G16, int Form, bool Offset>
+  static constexpr TilesFn fn = &amx_tiles<KD, G16, Form, Offset>;
+};
+#endif
+
+template <class K, int KD, bool G16, int Form>
 TilesFn pick_offset(bool offset) {
-  return offset ? &dot_tiles<KD, G16, Form, true> : &dot_tiles<KD, G16, Form, false>;
+  return offset ? K::template fn<KD, G16, Form, true> : K::template fn<KD, G16, Form, false>;
 }
 
-template <int KD, bool G16>
+template <class K, int KD, bool G16>
 TilesFn pick_form(int form, bool offset) {
   switch (form) {
-    case kFormF32: return pick_offset<KD, G16, kFormF32>(offset);
-    case kFormF16: return pick_offset<KD, G16, kFormF16>(offset);
-    default: return pick_offset<KD, G16, kFormSub>(offset);
+    case kFormF32: return pick_offset<K, KD, G16, kFormF32>(offset);
+    case kFormF16: return pick_offset<K, KD, G16, kFormF16>(offset);
+    default: return pick_offset<K, KD, G16, kFormSub>(offset);
   }
 }
 
-template <int KD>
+template <class K, int KD>
 TilesFn pick_tiles(bool g16, int form, bool offset) {
-  return g16 ? pick_form<KD, true>(form, offset) : pick_form<KD, false>(form, offset);
+  return g16 ? pick_form<K, KD, true>(form, offset) : pick_form<K, KD, false>(form, offset);
 }
 
-#ifdef KVRAY_AMX
-template <int KD, bool G16, int Form>
-TilesFn pick_amx_offset(bool offset) {
-  return offset ? &amx_tiles<KD, G16, Form, true> : &amx_tiles<KD, G16, Form, false>;
-}
-
-template <int KD, bool G16>
-TilesFn pick_amx_form(int form, bool offset) {
-  switch (form) {
-    case kFormF32: return pick_amx_offset<KD, G16, kFormF32>(offset);
-    case kFormF16: return pick_amx_offset<KD, G16, kFormF16>(offset);
-    default: return pick_amx_offset<KD, G16, kFormSub>(offset);
+template <class K>
+TilesFn pick_kind(const Segment& s) {
+  const bool g16 = s.group == 16, offset = s.mins != nullptr || s.zero != 0;
+  switch (s.kind) {
+    case kU4: return pick_tiles<K, kU4>(g16, s.form(), offset);
+    case kU5: return pick_tiles<K, kU5>(g16, s.form(), offset);
+    case kU6: return pick_tiles<K, kU6>(g16, s.form(), offset);
+    default: return pick_tiles<K, kS8>(g16, s.form(), offset);
   }
 }
-
-template <int KD>
-TilesFn pick_amx(bool g16, int form, bool offset) {
-  return g16 ? pick_amx_form<KD, true>(form, offset) : pick_amx_form<KD, false>(form, offset);
-}
-#endif
 
 // The tile kernel for segment s: the tile unit's (amx) or the vector one's.
 TilesFn pick_kernel(const Segment& s, bool amx) {
-  const bool g16 = s.group == 16, offset = s.mins != nullptr || s.zero != 0;
 #ifdef KVRAY_AMX
-  if (amx) {
-    switch (s.kind) {
-      case kU4: return pick_amx<kU4>(g16, s.form(), offset);
-      case kU5: return pick_amx<kU5>(g16, s.form(), offset);
-      case kU6: return pick_amx<kU6>(g16, s.form(), offset);
-      default: return pick_amx<kS8>(g16, s.form(), offset);
-    }
-  }
+  if (amx) return pick_kind<AmxTiles>(s);
 #else
   (void)amx;
 #endif
-  switch (s.kind) {
-    case kU4: return pick_tiles<kU4>(g16, s.form(), offset);
-    case kU5: return pick_tiles<kU5>(g16, s.form(), offset);
-    case kU6: return pick_tiles<kU6>(g16, s.form(), offset);
-    default: return pick_tiles<kS8>(g16, s.form(), offset);
-  }
+  return pick_kind<VectorTiles>(s);
 }
 
 // Whether a call of M x rows takes the tile unit.

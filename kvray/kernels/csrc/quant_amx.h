@@ -142,16 +142,8 @@ void amx_tiles(const SegView& s, const XView& x, int64_t M, int64_t t0, int64_t 
     for (int64_t m0 = 0; m0 < M; m0 += kAmxM) {
       GroupLanes<Form> scales[2], mins[2];
       for (int i = 0; i < 2; ++i) {
-        const int64_t tile = i ? u : t;
-        scales[i] = GroupLanes<Form>(s.scales + tile * s.scale_tile_bytes,
-                                     s.super_scales ? s.super_scales + tile * s.super_tile_bytes
-                                                    : nullptr,
-                                     s.super_group, s.signed_sub);
-        if (s.mins)
-          mins[i] = GroupLanes<Form>(s.mins + tile * s.scale_tile_bytes,
-                                     s.super_mins ? s.super_mins + tile * s.super_tile_bytes
-                                                  : nullptr,
-                                     s.super_group, s.signed_sub);
+        scales[i] = tile_lanes<Form>(s, s.scales, s.super_scales, i ? u : t);
+        mins[i] = tile_lanes<Form>(s, s.mins, s.super_mins, i ? u : t);
       }
       const XView xm = x.at(m0);
       F acc[kAmxM];
@@ -171,8 +163,7 @@ void amx_tiles(const SegView& s, const XView& x, int64_t M, int64_t t0, int64_t 
         if constexpr (Offset) {
           if ((step + 1) % per_group == 0) {
             const int64_t g = step / per_group;
-            const F mv = s.mins ? L::next(mins) : L::zero();
-            const F ov = s.zero ? L::fnmadd(sv, zero, mv) : mv;
+            const F ov = offset_term<L>(s, mins, sv, zero);
 #pragma GCC unroll 16
             for (int m = 0; m < kAmxM; ++m)
               acc[m] = L::fmadd(ov, L::set1(xm.gs[m * x.ng + g]), acc[m]);
@@ -196,14 +187,7 @@ void amx_tiles(const SegView& s, const XView& x, int64_t M, int64_t t0, int64_t 
 #pragma GCC unroll 16
       for (int m = 0; m < kAmxM; ++m) {  // unrolled: acc stays in registers
         if (m >= rows) break;
-        float* out = y + (m0 + m) * ldy + r0;
-        if (valid == 2 * kTile) {
-          L::storeu(out, L::add(acc[m], bv));
-        } else {
-          alignas(64) float lanes[2 * kTile];
-          L::storeu(lanes, acc[m]);
-          for (int64_t i = 0; i < valid; ++i) out[i] = lanes[i] + (bias ? bias[r0 + i] : 0.f);
-        }
+        store_row<L>(y + (m0 + m) * ldy + r0, acc[m], bv, bias, r0, valid);
       }
     }
   }

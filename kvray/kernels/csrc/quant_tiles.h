@@ -413,6 +413,40 @@ struct TwoTiles {
 };
 #endif  // KVRAY_VNNI512
 
+// Tile t's scales (p, super: the segment's scales and super-scales) or mins (its mins and
+// super-mins) as GroupLanes; pointers to nothing where the segment has none.
+template <int Form>
+inline GroupLanes<Form> tile_lanes(const SegView& s, const uint8_t* p, const uint8_t* super,
+                                   int64_t t) {
+  return GroupLanes<Form>(p ? p + t * s.scale_tile_bytes : nullptr,
+                          super ? super + t * s.super_tile_bytes : nullptr, s.super_group,
+                          s.signed_sub);
+}
+
+// A group's offset term at width L: its mins (the next of each tile's `mins`), less zero
+// (the code offset, in every lane) times its scales sv.
+template <class L, int Form>
+inline typename L::F offset_term(const SegView& s, GroupLanes<Form>* mins, typename L::F sv,
+                                 typename L::F zero) {
+  const typename L::F mv = s.mins ? L::template next<Form>(mins) : L::zero();
+  return s.zero ? L::fnmadd(sv, zero, mv) : mv;
+}
+
+// One x row's L::kTiles tiles of results, acc (+ bv: the bias where all lanes are valid),
+// into out = y's row at weight row r0; only the first `valid` lanes where the segment ends.
+template <class L>
+inline void store_row(float* out, typename L::F acc, typename L::F bv, const float* bias,
+                      int64_t r0, int64_t valid) {
+  constexpr int64_t kRows = kTile * L::kTiles;
+  if (valid == kRows) {
+    L::storeu(out, L::add(acc, bv));
+    return;
+  }
+  float lanes[kRows];
+  L::storeu(lanes, acc);
+  for (int64_t i = 0; i < valid; ++i) out[i] = lanes[i] + (bias ? bias[r0 + i] : 0.f);
+}
+
 // L::kTiles tiles from t of a segment against MR (1..4) rows of x: y[m * ldy + 8 t + lane]
 // (+ bias), the rows past the segment's end left out. Offset: mins and/or a code offset.
 template <int MR, int KD, bool G16, int Form, bool Offset, class L>
@@ -423,22 +457,13 @@ void dot_tile(const SegView& s, const XView& x, int64_t t, float* y, int64_t ldy
   constexpr int kParts = nibble_kind(KD) ? 4 : 8;
   const uint8_t* codes[L::kTiles];
   GroupLanes<Form> scales[L::kTiles], mins[L::kTiles];
-  auto lanes = [&](const uint8_t* p, const uint8_t* super, int64_t tile) {
-    return GroupLanes<Form>(p ? p + tile * s.scale_tile_bytes : nullptr,
-                            super ? super + tile * s.super_tile_bytes : nullptr,
-                            s.super_group, s.signed_sub);
-  };
   for (int64_t i = 0; i < L::kTiles; ++i) {
     codes[i] = s.codes + (t + i) * s.tile_bytes;
-    scales[i] = lanes(s.scales, s.super_scales, t + i);
-    mins[i] = lanes(s.mins, s.super_mins, t + i);
+    scales[i] = tile_lanes<Form>(s, s.scales, s.super_scales, t + i);
+    mins[i] = tile_lanes<Form>(s, s.mins, s.super_mins, t + i);
   }
   const F zero = L::set1(static_cast<float>(s.zero));
-  // a group's offset term: its mins, less zero times its scales
-  auto offset = [&](F sv) {
-    const F mv = s.mins ? L::next(mins) : L::zero();
-    return s.zero ? L::fnmadd(sv, zero, mv) : mv;
-  };
+  auto offset = [&](F sv) { return offset_term<L>(s, mins, sv, zero); };
   F acc[MR];
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m) acc[m] = L::zero();
@@ -488,16 +513,7 @@ void dot_tile(const SegView& s, const XView& x, int64_t t, float* y, int64_t ldy
   const int64_t r0 = t * kTile, valid = std::min<int64_t>(kRows, s.rows - r0);
   const F bv = bias != nullptr && valid == kRows ? L::loadu(bias + r0) : L::zero();
 #pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m) {
-    float* out = y + m * ldy + r0;
-    if (valid == kRows) {
-      L::storeu(out, L::add(acc[m], bv));
-    } else {
-      float row_lanes[kRows];
-      L::storeu(row_lanes, acc[m]);
-      for (int64_t i = 0; i < valid; ++i) out[i] = row_lanes[i] + (bias ? bias[r0 + i] : 0.f);
-    }
-  }
+  for (int m = 0; m < MR; ++m) store_row<L>(y + m * ldy + r0, acc[m], bv, bias, r0, valid);
 }
 
 // From how many x rows in a call tiles are taken two at a time (512-bit VNNI). On an EPYC
