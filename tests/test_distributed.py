@@ -345,13 +345,13 @@ def test_a_second_engine_fetches_the_blocks_the_first_one_evicted(cluster, model
         for _ in range(2):  # the second pass evicts what the first computed, and so on
             assert [o.outputs[0].token_ids
                     for o in a.generate(prompts, params, use_tqdm=False)] == want
-        assert a.llm_engine.scheduler.tier_stats.offloaded_blocks >= 7 * 4
+        assert a.llm_engine.scheduler.tier.stats.offloaded_blocks >= 7 * 4
         b = engine("b")
         try:
             got = [o.outputs[0].token_ids for o in b.generate(prompts[:4], params,
                                                               use_tqdm=False)]
             assert got == want[:4]
-            tier = b.llm_engine.scheduler.tier_stats
+            tier = b.llm_engine.scheduler.tier.stats
             assert tier.hit_tokens - tier.local_hit_tokens >= 4 * 28  # a's blocks
             # replica a goes, and its workers' copies with them: b recomputes those blocks
             workers = list(a.llm_engine.executor.workers)
@@ -361,7 +361,7 @@ def test_a_second_engine_fetches_the_blocks_the_first_one_evicted(cluster, model
             got = [o.outputs[0].token_ids for o in b.generate(prompts[4:], params,
                                                               use_tqdm=False)]
             assert got == want[4:]
-            assert b.llm_engine.scheduler.tier_stats.fetch_failures > 0
+            assert b.llm_engine.scheduler.tier.stats.fetch_failures > 0
         finally:
             b.shutdown()
     finally:

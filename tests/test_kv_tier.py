@@ -28,9 +28,7 @@ def _evict_then_return(lose: bool = False) -> tuple[Scheduler, list, LocalKVTier
     """``a`` runs PROMPT; ``b`` and ``c`` take the whole cache, evicting a's blocks; ``d``
     (PROMPT and more) then finds them in the tier."""
     tier = LocalKVTier(capacity_bytes=1 << 20, owner="me")
-    s = _sched(num_blocks=10, block_size=4, budget=64, max_len=64)
-    s.kv_tier = tier
-    s.kv.pool.record_evictions = True
+    s = _sched(num_blocks=10, block_size=4, budget=64, max_len=64, kv_tier=tier)
     shadow = ShadowKV(4)
     s.add_request(_req("a", 0, max_tokens=2, tokens=PROMPT))
     _run(s, shadow)
@@ -51,8 +49,8 @@ def test_evicted_blocks_are_fetched_back_instead_of_recomputed():
     assert [r.num_computed_tokens for r in first.new_requests] == [20]  # 5 blocks fetched
     assert first.num_scheduled_tokens["d"] == 4  # computed: the rest only
     assert len(first.kv_fetch["d"]) == 5
-    assert s.tier_stats.hit_tokens == 20 and s.tier_stats.local_hit_tokens == 20
-    assert s.tier_stats.offloaded_blocks >= 5 and s.tier_stats.fetch_failures == 0
+    assert s.tier.stats.hit_tokens == 20 and s.tier.stats.local_hit_tokens == 20
+    assert s.tier.stats.offloaded_blocks >= 5 and s.tier.stats.fetch_failures == 0
     # once fetched, the blocks are the device cache's again
     assert s.kv.find_cached_prefix(_req("e", 0, tokens=PROMPT + [1]))[1] == 20
     assert s.kv.pool.num_free == s.kv.num_blocks
@@ -62,7 +60,7 @@ def test_evicted_blocks_are_fetched_back_instead_of_recomputed():
 def test_a_fetch_that_fails_recomputes_and_drops_the_lost_copies():
     # the shadow fails the run if d (or anyone after it) reads the junk the lost copy left
     s, outs, tier = _evict_then_return(lose=True)
-    assert s.tier_stats.fetch_failures == 1
+    assert s.tier.stats.fetch_failures == 1
     fetched = [o for o in outs if "d" in o.kv_fetch]
     assert len(fetched) == 1  # not tried again
     probe = _req("probe", 0, tokens=PROMPT + [1])
@@ -99,7 +97,7 @@ def test_in_computed_mode_a_second_engine_fetches_a_prefix_the_first_still_holds
     b.add_request(_req("y", 0, max_tokens=2, tokens=PROMPT + [9]))
     first = _run(b, shadow_b)[0]
     assert [r.num_computed_tokens for r in first.new_requests] == [20]
-    assert b.tier_stats.hit_tokens == 20 and b.tier_stats.local_hit_tokens == 0
+    assert b.tier.stats.hit_tokens == 20 and b.tier.stats.local_hit_tokens == 0
 
 
 @pytest.mark.unit
@@ -193,7 +191,7 @@ def test_the_engine_gives_the_same_tokens_from_fetched_blocks(tiny_model_dir, mo
     for round_ in range(3):  # each round's prefixes were evicted by the one before
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == want, round_
-    tier = llm.llm_engine.scheduler.tier_stats
+    tier = llm.llm_engine.scheduler.tier.stats
     assert tier.offloaded_blocks > 0
     if lose:
         assert tier.fetch_failures > 0

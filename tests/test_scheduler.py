@@ -27,15 +27,17 @@ MIXED_COSTS = PreemptionCosts(prefill_s_per_token=1.0, swap_s_per_byte=3.5 / 64,
 
 def _sched(num_blocks=64, block_size=4, budget=32, max_seqs=8, policy="fcfs",
            prefix=True, max_len=256, mode="recompute", swap_blocks=0,
-           costs=MIXED_COSTS, micro_batches=1, async_scheduling=False) -> Scheduler:
+           costs=MIXED_COSTS, micro_batches=1, async_scheduling=False,
+           kv_tier=None, offload_mode="evicted") -> Scheduler:
     config = EngineConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                                   scheduling_policy=policy, preemption_mode=mode,
                                   async_scheduling=async_scheduling),
-        cache=CacheConfig(block_size=block_size, enable_prefix_caching=prefix),
+        cache=CacheConfig(block_size=block_size, enable_prefix_caching=prefix,
+                          kv_offload_mode=offload_mode),
         parallel=ParallelConfig(pipeline_parallel_size=micro_batches))  # steps in flight
     return Scheduler(config, num_blocks, max_len, swap_capacity_blocks=swap_blocks,
-                     costs=costs)
+                     costs=costs, kv_tier=kv_tier)
 
 
 def _req(rid, n_prompt, max_tokens=4, priority=0, t=0.0, tokens=None) -> Request:
@@ -408,8 +410,8 @@ def test_random_workloads_with_a_kv_tier_fetch_and_lose_copies_without_a_wrong_r
             parallel=ParallelConfig(pipeline_parallel_size=micro_batches))
         tiered = Scheduler(config, rng.randint(10, 24), 128, kv_tier=LocalKVTier(1 << 20))
         _drive(tiered, ops, rng, lose_fetches=0.2)
-        fetched += tiered.tier_stats.hit_tokens
-        failures += tiered.tier_stats.fetch_failures
+        fetched += tiered.tier.stats.hit_tokens
+        failures += tiered.tier.stats.fetch_failures
     assert fetched > 0 and failures > 0  # both paths taken
 
 

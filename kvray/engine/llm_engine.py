@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvray.actors.executor import Executor, KVCacheSize, initialize_kv_cache, make_executor
+from kvray.actors.executor import Executor, initialize_kv_cache, make_executor
 from kvray.actors.weights_store import local_model_path
 from kvray.config import EngineConfig
 from kvray.engine.detokenizer import IncrementalDetokenizer
+from kvray.engine.request_state import RequestState, SequenceState
 from kvray.engine.stats import EngineStats
 from kvray.errors import EngineUnavailableError, InvalidRequestError
 from kvray.lora.manager import LoRARegistry
@@ -26,11 +25,11 @@ from kvray.lora.request import LoRARequest
 from kvray.models.default_model import resolve_model_path, with_builtin_model
 from kvray.models.expert_placement import placement_summary
 from kvray.models.pooling import model_pooling
-from kvray.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvray.sampling_params import RequestOutputKind, SamplingParams
+from kvray.outputs import RequestOutput
+from kvray.sampling_params import SamplingParams
 from kvray.scheduler.kv_tier import KVTier, LocalKVTier
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from kvray.scheduler.preemption import PreemptionCosts, probe_steps
+from kvray.scheduler.preemption import measure_costs
 from kvray.scheduler.request import Request, RequestStatus
 from kvray.scheduler.scheduler import Scheduler
 from kvray.scheduler.swap import swap_pool_blocks
@@ -39,46 +38,9 @@ from kvray.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
-_PROBE_TOKENS = 64  # longest prefill timed at start-up under preemption_mode="auto"
-_PROBE_REPEATS = 2  # empty steps and swap round trips timed under "auto"; the best counts
 # Longest wait between reads of the workers' expert token counts while steps run: a read is
 # a round trip to every pipeline stage, too dear for every step.
 EXPERT_TOKENS_PERIOD_S = 10.0
-
-
-def _time(run: Callable[[SchedulerOutput], object], step: SchedulerOutput) -> float:
-    start = time.perf_counter()
-    run(step)
-    return time.perf_counter() - start
-
-
-@dataclass
-class _Sequence:
-    """Engine-side state of one of a request's n sequences."""
-
-    request: Request
-    detok: IncrementalDetokenizer
-    logprobs: list[dict[int, float]] | None  # DELTA: only those not yet sent
-    cumulative_logprob: float = 0.0
-    num_sent_tokens: int = 0  # DELTA: output tokens already in an output
-    finish_sent: bool = False  # DELTA: the finish reason went out
-
-
-@dataclass
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[_Sequence] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    num_sent_prompt_logprobs: int = 0  # DELTA
-    prompt_sent: bool = False  # DELTA: the prompt went out with the first output
-    pooled: list[float] | None = None  # a pooling request's vector, once computed
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.seqs)
 
 
 class EngineDeadError(EngineUnavailableError, RuntimeError):
@@ -110,7 +72,7 @@ class LLMEngine:
         # A copy taken by the engine's own thread after each update, for readers on other
         # threads: they never see a half-updated set of gauges (running but no blocks).
         self.published_stats = EngineStats()
-        self._parents: dict[str, _Parent] = {}
+        self._parents: dict[str, RequestState] = {}
         self._failed: list[tuple[str, str]] = []  # see pop_failed_requests
         self._child_to_parent: dict[str, tuple[str, int]] = {}
         self.executor: Executor | None = None
@@ -161,8 +123,13 @@ class LLMEngine:
         kv = initialize_kv_cache(self.executor)
         kv_s = time.perf_counter() - start - workers_s
         swap_blocks = swap_pool_blocks(config, kv.bytes_per_block)
-        costs = self._measure_preemption_costs(kv, swap_blocks) \
-            if config.scheduler.preemption_mode == "auto" else None
+        costs = None
+        if config.scheduler.preemption_mode == "auto":
+            costs = measure_costs(
+                self.executor.execute_model,
+                min(kv.num_blocks * config.cache.block_size, self.max_model_len,
+                    config.scheduler.max_num_batched_tokens),
+                config.cache.block_size, self.spec.vocab_size, kv.bytes_per_block, swap_blocks)
         if self.spec.num_experts:
             self._start_expert_tokens()
         self.startup = self._startup_report(workers_s, kv_s, time.perf_counter() - start)
@@ -188,36 +155,6 @@ class LLMEngine:
             for name, path in self.config.lora.lora_modules.items():
                 registry.register(name, path)
         return registry
-
-    def _measure_preemption_costs(self, kv: KVCacheSize, swap_blocks: int) -> PreemptionCosts:
-        """Time :func:`probe_steps` on the fresh cache, through the executor as real steps
-        run: prefill seconds per token as the slope between a long and a short prefill
-        (a step's fixed cost is paid anyway), swap seconds per byte as a save plus a
-        restore less two empty round trips; the long prefill and the copies are timed
-        twice and the faster counts (the first call also pays one-off set-up). Bounded:
-        three forward passes of at most ``_PROBE_TOKENS`` tokens and two round trips of
-        their blocks."""
-        sched, bs = self.config.scheduler, self.config.cache.block_size
-        bytes_per_block = kv.bytes_per_block
-        n = min(_PROBE_TOKENS, kv.num_blocks * bs, self.max_model_len,
-                sched.max_num_batched_tokens)
-        if n < 2 or swap_blocks == 0:  # no pool, or nothing to measure with: recompute
-            return PreemptionCosts(0.0, math.inf, bytes_per_block)
-        steps = probe_steps(n, bs, self.spec.vocab_size)
-        run = self.executor.execute_model
-        first_long = _time(run, steps.prefill_long)  # also pays the first forward's set-up
-        short = _time(run, steps.prefill_short)
-        long = min(first_long, _time(run, steps.prefill_long))
-        empty = min(_time(run, steps.empty) for _ in range(_PROBE_REPEATS))
-        out_in = min(_time(run, steps.swap_out) + _time(run, steps.swap_in)
-                     for _ in range(_PROBE_REPEATS))
-        run(steps.finish)
-        # Timer noise can make a difference negative; the gross time then stands in.
-        num_long, num_short = steps.num_tokens_long, steps.num_tokens_short
-        per_token = (long - short) / (num_long - num_short) if long > short else long / num_long
-        swap = out_in - 2 * empty if out_in > 2 * empty else out_in
-        return PreemptionCosts(per_token, swap / (steps.num_blocks_swapped * bytes_per_block),
-                               bytes_per_block)
 
     def shutdown(self) -> None:
         """Release the executor's workers (Ray actors and placement group)."""
@@ -276,7 +213,7 @@ class LLMEngine:
         lora_id = self._lora_id(lora_request)
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        parent = _Parent(request_id, text, ids, params,
+        parent = RequestState(request_id, text, ids, params,
                          prompt_logprobs=[] if params.prompt_logprobs is not None else None)
         children = []
         for i in range(params.n):
@@ -291,7 +228,7 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                            params.skip_special_tokens,
                                            params.include_stop_str_in_output)
-            parent.seqs.append(_Sequence(child, detok, [] if params.logprobs is not None
+            parent.seqs.append(SequenceState(child, detok, [] if params.logprobs is not None
                                          else None))
             self._child_to_parent[child.request_id] = (request_id, i)
         self._parents[request_id] = parent
@@ -449,7 +386,7 @@ class LLMEngine:
             if parent is None:  # failed on its own (see _fail_request)
                 continue
             try:
-                out = self._make_output(parent)
+                out = parent.output()
             except Exception as err:
                 self._fail_request(parent_id, err)
                 continue
@@ -550,7 +487,7 @@ class LLMEngine:
         failed, self._failed = self._failed, []
         return failed
 
-    def _detokenize(self, seq: _Sequence, req: Request, num_new: int) -> None:
+    def _detokenize(self, seq: SequenceState, req: Request, num_new: int) -> None:
         new_tokens = req.output_token_ids[-num_new:]
         if req.status is RequestStatus.FINISHED_STOPPED and isinstance(req.stop_reason, int):
             new_tokens = new_tokens[:-1]  # the stop token itself produces no text
@@ -578,7 +515,7 @@ class LLMEngine:
         s.async_placeholder_tokens = sched.num_placeholders
         s.async_wasted_tokens = sched.num_wasted_placeholders
         if self.kv_tier is not None:
-            s.kv_tier = dataclasses.asdict(sched.tier_stats)
+            s.kv_tier = dataclasses.asdict(sched.tier.stats)
         if self.loras is not None:
             lora = self.loras.stats
             s.lora_requests = dict(lora.requests)
@@ -588,72 +525,6 @@ class LLMEngine:
             s.lora_load_seconds = lora.read_seconds
             s.num_lora_fetches = lora.num_fetched
         self.published_stats = dataclasses.replace(s)  # one reference swap: atomic
-
-    # ---- outputs ------------------------------------------------------------------------
-    def _make_output(self, parent: _Parent) -> RequestOutput | None:
-        """The request's output after this step, in the kind its params ask for (None for
-        FINAL_ONLY until it finishes, or a DELTA with nothing new)."""
-        kind = parent.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not parent.finished:
-            return None
-        delta = kind is RequestOutputKind.DELTA
-        outs = []
-        for i, seq in enumerate(parent.seqs):
-            # Held-back text (a possible stop string's start) is released only when safe.
-            text = seq.detok.get_delta(finished=seq.request.is_finished)
-            comp = self._delta_completion(i, seq, text) if delta else \
-                self._cumulative_completion(i, seq)
-            if comp is not None:
-                outs.append(comp)
-        if delta and not outs:
-            return None
-        prompt, prompt_ids, prompt_lps = parent.prompt, parent.prompt_token_ids, \
-            parent.prompt_logprobs
-        if delta:
-            if parent.prompt_sent:
-                prompt = prompt_ids = None
-            parent.prompt_sent = True
-            if prompt_lps is not None:
-                prompt_lps = prompt_lps[parent.num_sent_prompt_logprobs:]
-                parent.num_sent_prompt_logprobs += len(prompt_lps)
-        return RequestOutput(parent.request_id, prompt, prompt_ids, prompt_lps, outs,
-                             parent.finished, self._metrics(parent), parent.pooled)
-
-    def _cumulative_completion(self, index: int, seq: _Sequence) -> CompletionOutput:
-        req = seq.request
-        return CompletionOutput(
-            index=index, text=seq.detok.sent_text, token_ids=list(req.output_token_ids),
-            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-            logprobs=None if seq.logprobs is None else list(seq.logprobs),
-            finish_reason=req.finish_reason, stop_reason=req.stop_reason)
-
-    def _delta_completion(self, index: int, seq: _Sequence, text: str
-                          ) -> CompletionOutput | None:
-        """What is new in this sequence since its previous output, or None."""
-        req = seq.request
-        new_ids = req.output_token_ids[seq.num_sent_tokens:]
-        report_finish = req.is_finished and not seq.finish_sent
-        if not new_ids and not text and not report_finish:
-            return None
-        seq.num_sent_tokens += len(new_ids)
-        seq.finish_sent = req.is_finished
-        logprobs = seq.logprobs
-        if logprobs is not None:
-            seq.logprobs = []
-        return CompletionOutput(
-            index=index, text=text, token_ids=new_ids,
-            cumulative_logprob=seq.cumulative_logprob if logprobs is not None else None,
-            logprobs=logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason)
-
-    def _metrics(self, parent: _Parent) -> RequestMetrics:
-        first = parent.seqs[0].request
-        return RequestMetrics(
-            first.arrival_time, first.first_scheduled_time,
-            min((s.request.first_token_time for s in parent.seqs
-                 if s.request.first_token_time is not None), default=None),
-            max((s.request.finished_time or 0.0) for s in parent.seqs) or None,
-            max(first.num_cached_tokens, 0),
-            sum(s.request.num_preemptions for s in parent.seqs))
 
     def _drop(self, request_id: str) -> None:
         parent = self._parents.pop(request_id)

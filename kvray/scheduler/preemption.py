@@ -1,12 +1,16 @@
 """What a preemption costs, for ``preemption_mode="auto"``: swap or recompute per victim.
 
-Pure Python. The engine measures two per-unit costs at start-up (:func:`probe_steps` builds
-the steps it times) and hands them to the scheduler as :class:`PreemptionCosts`; the
-scheduler prices each victim with them and picks the cheaper way to give up its blocks.
+Pure Python. The engine measures two per-unit costs at start-up (:func:`measure_costs`
+times the steps :func:`probe_steps` builds) and hands them to the scheduler as
+:class:`PreemptionCosts`; the scheduler prices each victim with them and picks the cheaper
+way to give up its blocks.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvray.sampling_params import SamplingParams
@@ -80,3 +84,40 @@ def probe_steps(num_tokens: int, block_size: int, vocab_size: int) -> ProbeSteps
         swap_in=SchedulerOutput(swap_in={PROBE_ID: blocks}),
         finish=SchedulerOutput(finished_req_ids={PROBE_ID, short_id}),
         num_tokens_long=num_tokens, num_tokens_short=num_short, num_blocks_swapped=num_blocks)
+
+
+PROBE_TOKENS = 64  # longest prefill timed at start-up
+PROBE_REPEATS = 2  # empty steps and swap round trips timed; the best counts
+
+
+def measure_costs(run: Callable[[SchedulerOutput], object], num_tokens: int, block_size: int,
+                  vocab_size: int, bytes_per_block: int, swap_blocks: int) -> PreemptionCosts:
+    """Time :func:`probe_steps` through ``run`` (the executor, as real steps run) on a fresh
+    cache: prefill seconds per token as the slope between a long and a short prefill (a
+    step's fixed cost is paid anyway), swap seconds per byte as a save plus a restore less
+    two empty round trips. The long prefill and the copies are timed twice and the faster
+    counts (the first call also pays one-off set-up). Bounded: three forward passes of at
+    most ``min(num_tokens, PROBE_TOKENS)`` tokens and two round trips of their blocks."""
+    n = min(num_tokens, PROBE_TOKENS)
+    if n < 2 or swap_blocks == 0:  # no pool, or nothing to measure with: recompute
+        return PreemptionCosts(0.0, math.inf, bytes_per_block)
+    steps = probe_steps(n, block_size, vocab_size)
+    first_long = _timed(run, steps.prefill_long)  # also pays the first forward's set-up
+    short = _timed(run, steps.prefill_short)
+    long = min(first_long, _timed(run, steps.prefill_long))
+    empty = min(_timed(run, steps.empty) for _ in range(PROBE_REPEATS))
+    out_in = min(_timed(run, steps.swap_out) + _timed(run, steps.swap_in)
+                 for _ in range(PROBE_REPEATS))
+    run(steps.finish)
+    # Timer noise can make a difference negative; the gross time then stands in.
+    num_long, num_short = steps.num_tokens_long, steps.num_tokens_short
+    per_token = (long - short) / (num_long - num_short) if long > short else long / num_long
+    swap = out_in - 2 * empty if out_in > 2 * empty else out_in
+    return PreemptionCosts(per_token, swap / (steps.num_blocks_swapped * bytes_per_block),
+                           bytes_per_block)
+
+
+def _timed(run: Callable[[SchedulerOutput], object], step: SchedulerOutput) -> float:
+    start = time.perf_counter()
+    run(step)
+    return time.perf_counter() - start

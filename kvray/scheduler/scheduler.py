@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 from kvray.config import EngineConfig
 from kvray.errors import InvalidRequestError
 from kvray.scheduler.kv_cache_manager import KVCacheManager
-from kvray.scheduler.kv_tier import KVTier, TierBlock, TierStats, adoptable_run
+from kvray.scheduler.kv_tier import KVTier
 from kvray.scheduler.lora_slots import LoRALoad, LoRASlots
 from kvray.scheduler.output import (
     CachedRequestData,
@@ -69,12 +69,10 @@ from kvray.scheduler.request import Request, RequestStatus, next_draft_length
 from kvray.scheduler.speculation import Speculation
 from kvray.scheduler.step_plan import StepPlan
 from kvray.scheduler.swap import SwapSpace
+from kvray.scheduler.tier_traffic import TierTraffic
 
 if TYPE_CHECKING:
     from kvray.lora.manager import LoRARegistry
-
-MAX_TIERED_KEYS = 1 << 18  # kv_offload_mode "computed": keys remembered as put in the tier
-
 
 class RequestTooLongError(InvalidRequestError):
     """The request can never be scheduled; the message says why (param: max_tokens)."""
@@ -133,21 +131,10 @@ class Scheduler:
         self.lora_slots = LoRASlots(config.lora.max_loras) if loras is not None else None
         self._running_loras: Counter = Counter()  # lora id -> running requests
         self._lora_loads: list[LoRALoad] = []  # for the next SchedulerOutput
-        # KV tier: evicted blocks' keys -> (tokens, parent key) until their copies are back;
-        # fetches for the next SchedulerOutput; counters (tokens, bytes, blocks)
-        self.kv_tier = kv_tier
-        self.kv.pool.record_evictions = kv_tier is not None
-        self._offloading: dict[int, tuple[tuple[int, ...], int | None]] = {}
-        self._kv_fetch: dict[str, list[tuple[int, list]]] = {}
-        self._fetching: dict[str, list[int]] = {}  # req -> keys fetched in the step in flight
-        self._to_look_up: list[Request] = []  # queued (or re-queued) since the last lookup
-        # kv_offload_mode "computed": blocks keyed by a step that has returned, copied out in
-        # the next step (block id, key); keys this engine already put in the tier
-        self._write_through = kv_tier is not None and \
-            config.cache.kv_offload_mode == "computed"
-        self._computed_blocks: list[tuple[int, int]] = []
-        self._tiered: set[int] = set()
-        self.tier_stats = TierStats()
+        # KV tier: lookups, fetches and copies out (None: no tier)
+        self.tier = None if kv_tier is None else TierTraffic(
+            kv_tier, self.kv, self.block_size, costs,
+            write_through=config.cache.kv_offload_mode == "computed")
 
     # ---- admission -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -157,8 +144,8 @@ class Scheduler:
             raise ValueError("this engine serves no LoRA adapters (enable_lora is off)")
         self.requests[request.request_id] = request
         self.waiting.add(request)
-        if self.kv_tier is not None:
-            self._to_look_up.append(request)
+        if self.tier is not None:
+            self.tier.queue(request)
         if request.lora_id:
             self.loras.retain(request.lora_id, self.loras.name_of(request.lora_id))
 
@@ -223,8 +210,8 @@ class Scheduler:
         self._lost_since_last_step = set()
         if not self._in_flight:
             self._draining = False
-        if self.kv_tier is not None:
-            self._look_up_tier()
+        if self.tier is not None:
+            self.tier.look_up()
         plan = StepPlan(self.config.max_num_batched_tokens, self._micro_batch_size())
         self._schedule_running(plan, out)
         if not plan.preempted:
@@ -328,9 +315,8 @@ class Scheduler:
         else:
             req.status = RequestStatus.PREEMPTED
             req.num_computed_tokens = 0
-            if self.kv_tier is not None:  # its blocks may be in the tier now: look again
-                req.tier_found = None
-                self._to_look_up.append(req)
+            if self.tier is not None:  # its blocks may be in the tier now: look again
+                self.tier.queue(req)
             req.tier_noted = 0
             self.waiting.add_front(req)
 
@@ -395,7 +381,7 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs:
             return False
         hits, num_hit = self.kv.find_cached_prefix(req)
-        fetched = self._tier_run(req, len(hits))
+        fetched = [] if self.tier is None else self.tier.run_for(req, len(hits))
         num_fetched = len(fetched) * self.block_size
         num_new = req.num_tokens - num_hit - num_fetched
         if not self.config.enable_chunked_prefill and num_new > plan.budget:
@@ -409,7 +395,7 @@ class Scheduler:
         assert popped is req, "admitting a request that is not the queue's head"
         self.kv.count_lookup(req, num_hit)
         if fetched:
-            self._fetch(req, fetched, ids[len(hits):len(hits) + len(fetched)])
+            self.tier.fetch(req, fetched, ids[len(hits):len(hits) + len(fetched)])
             num_hit += num_fetched
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit
@@ -499,106 +485,11 @@ class Scheduler:
         return not req.lora_id or req.lora_id in self._running_loras \
             or len(self._running_loras) < self.lora_slots.max_loras
 
-    # ---- KV tier ----------------------------------------------------------------------------
-    def _look_up_tier(self) -> None:
-        """One lookup for the requests queued since the last one (not the whole waiting
-        queue, every step): the tier's entries among their full blocks' keys."""
-        new = [r for r in self._to_look_up if not r.is_finished and r.tier_found is None]
-        self._to_look_up.clear()
-        if not new:
-            return
-        keys: list[int] = []
-        for req in new:
-            req.tier_found = {}
-            if self.kv.uses_cache(req) and not req.lora_id:
-                self.kv.update_hashes(req)
-                keys += req.block_hashes[:(req.num_tokens - 1) // self.block_size]
-        if not keys:
-            return
-        found = self.kv_tier.lookup(keys)
-        for req in new:
-            req.tier_found = {k: found[k] for k in req.block_hashes if k in found}
-
-    def _tier_run(self, req: Request, start: int) -> list[TierBlock]:
-        """The tier's blocks that continue ``req``'s cached prefix from block ``start``,
-        when fetching them is cheaper than recomputing (the measured costs of
-        ``preemption_mode: auto``; without them, always)."""
-        if not req.tier_found:
-            return []
-        stop = (req.num_tokens - 1) // self.block_size  # one token is always computed
-        run = adoptable_run(req.block_hashes, req.all_token_ids, self.block_size, start,
-                            stop, req.tier_found)
-        if run and self.costs is not None and \
-                not self.costs.prefers_swap(len(run), len(run) * self.block_size):
-            return []
-        return run
-
-    def _fetch(self, req: Request, run: list[TierBlock], block_ids: list[int]) -> None:
-        """The workers fill ``block_ids`` from ``run``'s copies in this step, before the
-        forward; the blocks are keyed once the step returns without a failed fetch."""
-        self._kv_fetch[req.request_id] = [
-            (block_id, entry.handles) for block_id, entry in zip(block_ids, run, strict=True)]
-        self._fetching[req.request_id] = [entry.key for entry in run]
-        if self._write_through:  # already in the tier: not copied back
-            self._tiered.update(entry.key for entry in run)
-        stats = self.tier_stats
-        stats.hit_tokens += len(run) * self.block_size
-        stats.local_hit_tokens += self.block_size * sum(
-            entry.owner == self.kv_tier.owner for entry in run)
-        stats.fetched_bytes += sum(entry.nbytes for entry in run)
-
-    def _tier_results(self, out: SchedulerOutput, result: ModelRunnerOutput,
-                      lost: set[str]) -> None:
-        """Publish this step's copied-out blocks; confirm fetches (their blocks may be hit
-        from now on) or, for one that failed, forget the entries and recompute."""
-        blocks = []
-        for key, parts in result.kv_offloaded.items():
-            meta = self._offloading.pop(key, None)
-            if meta is not None:
-                blocks.append(TierBlock(key, meta[0], meta[1], [h for h, _ in parts],
-                                        sum(n for _, n in parts), self.kv_tier.owner))
-        for _, key in out.kv_offload:  # copies no worker could store: gone
-            self._offloading.pop(key, None)
-        if blocks:
-            self.kv_tier.publish(blocks)
-            self.tier_stats.offloaded_blocks += len(blocks)
-            self.tier_stats.offloaded_bytes += sum(b.nbytes for b in blocks)
-        for req_id in out.kv_fetch:
-            keys = self._fetching.pop(req_id, [])
-            req = self.requests.get(req_id)
-            if req_id in result.failed_swaps or req_id in lost:
-                self.kv_tier.forget(keys)
-                self._tiered.difference_update(keys)
-                self.tier_stats.fetch_failures += 1
-                if req is not None:
-                    req.tier_found = {}  # recompute; do not try those copies again
-            elif req is not None:
-                self.kv.confirm_restored(req)
-
-    def _offload(self, out: SchedulerOutput, block_id: int, key: int,
-                 tokens: tuple[int, ...], parent: int | None) -> None:
-        out.kv_offload.append((block_id, key))
-        self._offloading[key] = (tokens, parent)
-        if self._write_through:  # each computed block goes to the tier once
-            self._tiered.add(key)
-
     def _fill_output(self, out: SchedulerOutput, plan: StepPlan) -> None:
         out.spec_token_ids = plan.spec
         out.lora_loads, self._lora_loads = self._lora_loads, []
-        if self.kv_tier is not None:
-            # Evicted first: a block noted as computed but evicted by this schedule is
-            # copied out as an evicted one (either way before this step writes into it).
-            for block_id, key, tokens, parent in self.kv.pool.evicted:
-                if key not in self._offloading and key not in self._tiered:
-                    self._offload(out, block_id, key, tokens, parent)
-            self.kv.pool.evicted.clear()
-            for block_id, key in self._computed_blocks:
-                block = self.kv.pool.blocks[block_id]
-                if block.block_hash == key and key not in self._offloading \
-                        and key not in self._tiered:  # still holds it, not copied yet
-                    self._offload(out, block_id, key, block.token_ids, block.parent_key)
-            self._computed_blocks.clear()
-            out.kv_fetch, self._kv_fetch = self._kv_fetch, {}
+        if self.tier is not None:
+            self.tier.fill(out)
         for req_id, num in plan.num_scheduled.items():
             req = self.requests[req_id]
             out.num_scheduled_tokens[req_id] = num
@@ -639,8 +530,8 @@ class Scheduler:
             if not self._in_flight[rid]:
                 del self._in_flight[rid], self._in_flight_tokens[rid]
         lost = self._recompute_lost(result.failed_swaps) if result.failed_swaps else set()
-        if self._write_through:
-            self._note_computed(out, lost | result.failed_swaps)
+        if self.tier is not None:
+            self.tier.note_computed(out, self.requests, lost | result.failed_swaps)
         updated = []
         for req_id, num in out.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
@@ -673,30 +564,9 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None and req_id not in result.failed_swaps:
                 self.kv.confirm_restored(req)
-        if self.kv_tier is not None:
-            self._tier_results(out, result, lost)
+        if self.tier is not None:
+            self.tier.results(out, result, self.requests, lost)
         return updated
-
-    def _note_computed(self, out: SchedulerOutput, lost: set[str]) -> None:
-        """Full base-model blocks this (returned) step finished computing, noted before
-        its requests finish or roll back drafts: the next step copies them to the tier
-        (``kv_offload_mode: computed``) if they still hold their keys."""
-        if len(self._tiered) > MAX_TIERED_KEYS:  # forget old ones: a few copies twice
-            self._tiered.clear()
-        bs = self.block_size
-        for req_id, num in out.num_scheduled_tokens.items():
-            req = self.requests.get(req_id)
-            if req is None or req.is_finished or req_id in lost or req.lora_id \
-                    or not self.kv.uses_cache(req):
-                continue
-            blocks = self.kv.req_blocks.get(req_id, [])
-            drafts = len(out.spec_token_ids.get(req_id, ()))
-            done = (req.num_computed_tokens + num - drafts) // bs
-            for block in blocks[min(req.tier_noted, done):done]:
-                key = block.block_hash
-                if key is not None and key not in self._tiered:
-                    self._computed_blocks.append((block.block_id, key))
-            req.tier_noted = done
 
     def _recompute_lost(self, failed: set[str]) -> set[str]:
         """Requests whose KV a worker could not save to the swap pool (or restore from it)
