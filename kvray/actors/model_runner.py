@@ -11,7 +11,6 @@ import gc
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
@@ -20,74 +19,24 @@ from kvray.actors.cuda_graphs import DecodeGraphs, capture_sizes
 from kvray.actors.draft_runner import DraftRunner
 from kvray.actors.grammar_masks import GrammarMasks
 from kvray.actors.kv_sizing import new_kv_cache
-from kvray.actors.sampling_batch import sampling_batch
+from kvray.actors.prompt_outputs import Pooler, prompt_logprobs
+from kvray.actors.step_sampler import StepSampler
+from kvray.actors.step_state import CachedRequestState, StepInputs, placeholder_tokens
 from kvray.actors.swap_pool import SwapPool
 from kvray.config import EngineConfig
-from kvray.kernels.attention import AttentionMetadata, PagedRow, paged_batch
+from kvray.kernels.attention import PagedRow, paged_batch
 from kvray.kernels.plan import KernelPlan, choose_kernel_plan
 from kvray.kernels.rotary import RotaryEmbedding
-from kvray.kernels.sampling import (
-    SamplerOutput,
-    SpecSpan,
-    row_argmax,
-    sample,
-    sample_speculative,
-)
 from kvray.lora.layers import LoRAModel, lora_kernel, resolve_lora_dtype
 from kvray.models.expert_stats import count_expert_tokens
 from kvray.models.kernel_install import install_kernel_plan
 from kvray.models.loader import load_model, resolve_max_model_len
 from kvray.parallel import ParallelContext
-from kvray.sampling_params import SamplingParams
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvray.scheduler.request import next_draft_length
 from kvray.structured_output import Matcher
 
 logger = logging.getLogger("kvray")
-
-
-@dataclass
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    output_token_ids: list[int] = field(default_factory=list)
-    prompt_token_ids: list[int] = field(default_factory=list)  # sliced once, for penalties
-    matcher: Matcher | None = None  # structured outputs (output rank only)
-    lora_slot: int = -1  # its adapter's slot (-1: the base model)
-
-
-def placeholder_tokens(out: SchedulerOutput, prev: ModelRunnerOutput | None
-                       ) -> dict[str, list[int]]:
-    """The tokens the previous step sampled for ``out``'s placeholder requests (async
-    scheduling), which every rank appends before building the batch."""
-    if not out.placeholder_req_ids:
-        return {}
-    if prev is None:
-        raise RuntimeError("a step with placeholders came without the previous step's output")
-    sampled = dict(zip(prev.req_ids, prev.sampled_token_ids, strict=True))
-    flying = {r: sampled.get(r) for r in out.placeholder_req_ids}
-    missing = sorted(r for r, toks in flying.items() if not toks)
-    if missing:
-        raise RuntimeError(f"the previous step sampled no token for placeholder requests "
-                           f"{missing[:5]}")
-    return flying
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    meta: AttentionMetadata
-    req_ids: list[str]  # the step's requests
-    sample_rows: list[int]  # index (in req_ids) of each request that samples
-    logits_index: torch.Tensor  # token index of each logits row (hidden state to project)
-    first_rows: list[int] = field(default_factory=list)  # per sample row: its logits row
-    # speculative decoding: sample row -> its drafts (rows first_rows[i] .. + len(drafts))
-    spans: dict[int, list[int]] = field(default_factory=dict)
-    token_starts: list[int] = field(default_factory=list)  # per request: its first token
 
 
 class ModelRunner:
@@ -104,10 +53,8 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.spec)
         self.block_size = config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
-        self.pooling_ids: set[str] = set()  # requests that pool (none: no per-step scan)
-        self.pool_sums: dict[str, torch.Tensor] = {}  # pooling requests' partial sums
-        self.generators: dict[str, torch.Generator] = {}  # survive preemption
-        self.default_generator = torch.Generator(device).manual_seed(config.model.seed)
+        self.pooler = Pooler()
+        self.sampler = StepSampler(device, torch.Generator(device).manual_seed(config.model.seed))
         self.cache: CacheEngine | None = None
         self.swap_pool = SwapPool()
         self.graphs: DecodeGraphs | None = None
@@ -165,7 +112,8 @@ class ModelRunner:
         self.drafter = None
         self.expert_tokens = None
         self.requests.clear()
-        self.generators.clear()
+        self.sampler.generators.clear()
+        self.pooler = Pooler()
         self.swap_pool = SwapPool()
         self.model = None
         self.grammar.shutdown()
@@ -234,9 +182,8 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput, prev: ModelRunnerOutput | None) -> None:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
-            self.generators.pop(req_id, None)
-            self.pooling_ids.discard(req_id)
-            self.pool_sums.pop(req_id, None)
+            self.sampler.generators.pop(req_id, None)
+            self.pooler.forget(req_id)
             if self.drafter is not None:
                 self.drafter.forget(req_id)
         for req_id in out.preempted_req_ids:
@@ -250,12 +197,11 @@ class ModelRunner:
                 list(new.token_ids[new.num_prompt_tokens:]),
                 list(new.token_ids[:new.num_prompt_tokens]), lora_slot=new.lora_slot)
             if new.sampling_params.pooling is not None:
-                self.pooling_ids.add(new.req_id)
+                self.pooler.pooling_ids.add(new.req_id)
             if new.sampling_params.structured_outputs is not None and self.ctx.is_output_rank:
                 state.matcher = self.grammar.matcher(new.sampling_params,
                                                      state.output_token_ids)
-            if new.seed is not None and new.req_id not in self.generators:
-                self.generators[new.req_id] = torch.Generator(self.device).manual_seed(new.seed)
+            self.sampler.add(new.req_id, new.seed)
         flying = placeholder_tokens(out, prev)
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
@@ -377,13 +323,16 @@ class ModelRunner:
         hidden = self._forward(inputs)
         if hidden is None:
             return None  # not the last pipeline stage: activations went to the next one
-        prompt_logprobs = self._prompt_logprobs(inputs, out, hidden)
+        prompt_lps = prompt_logprobs(inputs, out, hidden, self.requests,
+                                     self.model.compute_logits)
         logits = self.model.compute_logits(hidden[inputs.logits_index])
         if not self.ctx.is_output_rank:
             return None
-        pooled = self._pool(inputs, out, hidden)
-        result = self._sample(inputs, logits, prompt_logprobs,
-                              bitmask.result() if bitmask is not None else None)
+        pooled = self.pooler.pool(inputs, out, hidden, self.requests,
+                                  self.model.classify)
+        states = [self.requests[inputs.req_ids[b]] for b in inputs.sample_rows]
+        result = self.sampler.sample(inputs, states, logits, prompt_lps,
+                                     bitmask.result() if bitmask is not None else None)
         result.pooled = pooled
         if self.drafter is not None:
             result.draft_token_ids = self._propose_drafts(out, result)
@@ -471,164 +420,3 @@ class ModelRunner:
             self.swap_pool.restore(req_id, caches, block_ids)
         for req_id in out.swap_drop:
             self.swap_pool.drop(req_id)
-
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor, prompt_logprobs: dict,
-                bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
-        """Sample each request that samples this step: one token from its row, or with
-        drafts (speculative decoding) the accepted drafts and one more from its rows."""
-        states = [self.requests[inputs.req_ids[b]] for b in inputs.sample_rows]
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list[dict[int, float]] | None] = {}
-        sampled_lp: dict[str, list[float]] = {}
-        plain = [i for i in range(len(states)) if i not in inputs.spans]
-        if plain:
-            rows = [inputs.first_rows[i] for i in plain]
-            group = [states[i] for i in plain]
-            rows_logits = logits[rows] if len(rows) < logits.shape[0] else logits
-            result = None
-            if bitmask is None and all(s.params.plain_greedy_after(len(s.output_token_ids))
-                                       for s in group):
-                # Every row takes its argmax: no sampling batch to build (its seven columns
-                # and their checks were ~0.5 ms of a ~19 ms batch-1 step on a 2-core CPU).
-                tokens = row_argmax(rows_logits).tolist()
-            else:
-                batch = sampling_batch(
-                    [s.params for s in group], [self.generators.get(s.req_id) for s in group],
-                    [s.prompt_token_ids for s in group], [s.output_token_ids for s in group],
-                    device=self.device,
-                    token_bitmask=None if bitmask is None else bitmask[rows])
-                result = sample(rows_logits, batch, self.default_generator)
-                tokens = result.token_ids.tolist()
-            self._collect(group, [[t] for t in tokens], result, list(range(len(group))),
-                          sampled, logprobs, sampled_lp)
-        if inputs.spans:
-            self._sample_spans(inputs, logits, bitmask, states, sampled, logprobs, sampled_lp)
-        req_ids = inputs.req_ids
-        return ModelRunnerOutput(
-            req_ids, [sampled.get(r, []) for r in req_ids], [logprobs.get(r) for r in req_ids],
-            [sampled_lp.get(r, []) for r in req_ids], prompt_logprobs)
-
-    def _sample_spans(self, inputs: StepInputs, logits: torch.Tensor,
-                      bitmask: torch.Tensor | None, states: list[CachedRequestState],
-                      sampled: dict, logprobs: dict, sampled_lp: dict) -> None:
-        """Verify the drafts of every request that has some (one batch of all their rows;
-        row j of a request sees its outputs plus its first j drafts, for penalties)."""
-        rows, params, gens, prompts, outputs, spans, group = [], [], [], [], [], [], []
-        for i, drafts in inputs.spans.items():
-            state = states[i]
-            gen = self.generators.get(state.req_id)
-            spans.append(SpecSpan(len(rows), drafts, state.params.is_greedy, gen))
-            group.append(state)
-            for j in range(len(drafts) + 1):
-                rows.append(inputs.first_rows[i] + j)
-                params.append(state.params)
-                gens.append(gen)
-                prompts.append(state.prompt_token_ids)
-                outputs.append(state.output_token_ids + drafts[:j])
-        batch = sampling_batch(
-            params, gens, prompts, outputs, device=self.device,
-            token_bitmask=None if bitmask is None else bitmask[rows])
-        tokens, _, result = sample_speculative(logits[rows], batch, spans,
-                                               self.default_generator)
-        offsets, at = [], 0
-        for toks in tokens:
-            offsets.append(at)
-            at += len(toks)
-        self._collect(group, tokens, result, offsets, sampled, logprobs, sampled_lp)
-
-    @staticmethod
-    def _collect(group: list[CachedRequestState], tokens: list[list[int]],
-                 result: SamplerOutput | None, offsets: list[int], sampled: dict,
-                 logprobs: dict, sampled_lp: dict) -> None:
-        """File each request's tokens, and their logprobs (rows ``offsets[i]`` on of
-        ``result``) for those that asked."""
-        lps = result.logprobs.tolist() if result is not None and result.logprobs is not None \
-            else None
-        top_ids = result.top_token_ids.tolist() \
-            if result is not None and result.top_token_ids is not None else None
-        top_lps = result.top_logprobs.tolist() \
-            if result is not None and result.top_logprobs is not None else None
-        for state, toks, at in zip(group, tokens, offsets, strict=True):
-            sampled[state.req_id] = toks
-            k = state.params.logprobs
-            if k is None or lps is None:
-                continue
-            sampled_lp[state.req_id] = lps[at:at + len(toks)]
-            entries = []
-            for j, tok in enumerate(toks):
-                top = dict(zip(top_ids[at + j][:k], top_lps[at + j][:k], strict=True)) \
-                    if k and top_ids is not None else {}
-                entries.append({tok: lps[at + j], **top})
-            logprobs[state.req_id] = entries
-
-    def _pool(self, inputs: StepInputs, out: SchedulerOutput, hidden: torch.Tensor
-              ) -> dict[str, list[float]]:
-        """Pooling requests: fold this chunk's final hidden states into the request's
-        vector; once its prompt is complete, the vector (the classification head's logits
-        for ``classify``), cut to ``dimensions`` and normalised as asked. A mean's running
-        sum outlives a swap-out (kept until the request finishes); a request that
-        recomputes starts it again at token 0."""
-        result: dict[str, list[float]] = {}
-        if not self.pooling_ids:
-            return result
-        for b, req_id in enumerate(inputs.req_ids):
-            state = self.requests[req_id]
-            pooling = state.params.pooling
-            start, num_prompt = state.num_computed_tokens, state.num_prompt_tokens
-            if pooling is None or start >= num_prompt:
-                continue
-            end = min(start + out.num_scheduled_tokens[req_id], num_prompt)
-            first = inputs.token_starts[b]
-            rows = hidden[first:first + end - start].float()
-            if pooling.pooling_type == "mean":
-                total = rows.sum(0)
-                if start > 0:
-                    total += self.pool_sums[req_id]
-                self.pool_sums[req_id] = total
-            elif pooling.pooling_type == "cls" and start == 0:
-                self.pool_sums[req_id] = rows[0]
-            if end < num_prompt:
-                continue
-            if pooling.pooling_type == "last":
-                vector = rows[-1]
-            else:
-                vector = self.pool_sums.pop(req_id)
-                if pooling.pooling_type == "mean":
-                    vector = vector / num_prompt
-            if pooling.task == "classify":
-                vector = self.model.classify(vector[None])[0]
-            if pooling.dimensions is not None:
-                vector = vector[:pooling.dimensions]
-            if pooling.normalize:
-                vector = torch.nn.functional.normalize(vector, dim=0)
-            result[req_id] = vector.tolist()
-        return result
-
-    def _prompt_logprobs(self, inputs: StepInputs, out: SchedulerOutput, hidden: torch.Tensor
-                         ) -> dict[str, tuple[int, list[dict[int, float] | None]]]:
-        """For requests asking prompt_logprobs: (index of the first prompt token covered,
-        the logprobs of each prompt token this chunk predicts; None for token 0)."""
-        result = {}
-        starts = inputs.token_starts  # a request with prompt left is one contiguous row
-        for b, req_id in enumerate(inputs.req_ids):
-            state = self.requests[req_id]
-            k = state.params.prompt_logprobs
-            start = state.num_computed_tokens
-            if k is None or start >= state.num_prompt_tokens:
-                continue
-            end = min(start + out.num_scheduled_tokens[req_id], state.num_prompt_tokens)
-            # hidden at position p predicts token p + 1
-            rows = torch.arange(starts[b], starts[b] + end - start)
-            targets = state.token_ids[start + 1: min(end + 1, state.num_prompt_tokens)]
-            rows = rows[: len(targets)]
-            lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
-            entries: list[dict[int, float] | None] = [None] if start == 0 else []
-            top = lp.topk(k, dim=-1) if k else None
-            for i, tok in enumerate(targets):
-                entry = {tok: float(lp[i, tok])}
-                if top is not None:
-                    entry.update(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
-                    entry[tok] = float(lp[i, tok])
-                entries.append(entry)
-            result[req_id] = (0 if start == 0 else start + 1, entries)
-        return result
