@@ -140,7 +140,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_impl(
   const int64_t q_size = Hq * D, kv_size = Hk * D;
   // The packed weights for a batch past the small-M kernel's rows (where there are any).
   const bool packed = w.size() == 12 && T > dims[3];
-  // A uint8 weight is a quantized blob (kvray/quant/tensor.py), read in place by linear_q.
+  // A uint8 weight is a quantized blob (kvray/quant/blob.py), read in place by linear_q.
   const auto linear_base = [&](const at::Tensor& in, int which) {  // 0 qkv, 1 o, 3 down
     static constexpr int kPlain[] = {1, 4, 6, 7};
     if (w[kPlain[which]].scalar_type() == at::kByte)

@@ -1,5 +1,5 @@
 // Linear layers and embeddings on quantized weights read in place (built by
-// kvray/kernels/cpu_ops.py). The weight is one uint8 blob: kvray/quant/tensor.py's
+// kvray/kernels/cpu_ops.py). The weight is one uint8 blob: kvray/quant/blob.py's
 // BLOB_LAYOUT, mirrored by parse_blob below; rows in segments of one kind each (U4, U5, U6,
 // S8, F8) with per-group scales and optional mins:
 // w[n, k] = s[n, g] * (q[n, k] - zero) (+ m[n, g]), where s and m are fp32, fp16, or 8-bit

@@ -190,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_moe(
 at::Tensor argmax_rows(at::Tensor x);
 
 // y = x W^T (+ bias) for fp32 x [M, K] (unit stride along K) and W a quantized blob
-// (kvray/quant/tensor.py's BLOB_LAYOUT: U4/U5/U6/S8 segments, any group, fp32/fp16 or
+// (kvray/quant/blob.py's BLOB_LAYOUT: U4/U5/U6/S8 segments, any group, fp32/fp16 or
 // two-level scales, with or without mins and a code offset), read in place: activations quantized to int8 per block and integer dot
 // products, the same operations for a row whatever the number of rows (cpu_quant.cpp).
 at::Tensor linear_q(at::Tensor x, at::Tensor blob, c10::optional<at::Tensor> bias);

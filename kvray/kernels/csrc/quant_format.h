@@ -1,5 +1,5 @@
 // The codes of kvray's quantized weight blobs as the CPU kernels see them (cpu_quant.cpp,
-// quant_tiles.h; the Python side is kvray/quant/tensor.py's BLOB_LAYOUT).
+// quant_tiles.h; the Python side is kvray/quant/blob.py's BLOB_LAYOUT).
 #pragma once
 
 #include <cstdint>
