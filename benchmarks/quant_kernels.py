@@ -30,6 +30,7 @@ import torch
 
 from kvray.hardware import describe
 from kvray.kernels import cpu_ops
+from kvray.quant.blob import to_blob
 from kvray.quant.tensor import QuantKind, QuantSegment, QuantTensor, pack_u4
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 576, 1536, 9, 3, 64, 30
@@ -119,7 +120,7 @@ def main() -> None:
     shapes = [(n, k) for _ in range(LAYERS) for _, n, k in LINEARS]
     formats = [f for f in args.formats.split(",") if f]
     mats = {fmt: [_quantized(fmt, n, k, gen) for n, k in shapes] for fmt in formats}
-    blobs = {fmt: [m.to_blob() for m in ms] for fmt, ms in mats.items()}
+    blobs = {fmt: [to_blob(m) for m in ms] for fmt, ms in mats.items()}
     read = {fmt: sum(m.nbytes for m in ms) for fmt, ms in mats.items()}
     packed = [cpu_ops.pack_linear_weight(m.dequantize()) for m in mats[formats[0]]]
     xs = {m: {k: torch.randn(m, k, generator=gen) for k in (HIDDEN, INTER)} for m in ROWS}

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kvray.models.moe import MoEExperts
 from kvray.parallel import ParallelContext
+from kvray.quant.blob import to_blob
 from kvray.quant.online import quantize_int8
 from tests.helpers.moe_routing import random_routing
 
@@ -119,7 +120,7 @@ def test_one_call_on_int8_blob_experts_equals_the_layers_loop(cpu_kernels, act_o
             q = quantize_int8(w)
             if act_order:
                 q = dataclasses.replace(q, input_perm=torch.randperm(w.shape[1], generator=g))
-            pair.append((q.to_blob(), q.input_perm, q.dequantize()))
+            pair.append((to_blob(q), q.input_perm, q.dequantize()))
         quant.append(pair)
     experts.quant = [[(blob, perm) for blob, perm, _ in pair] for pair in quant]
     experts.quant_kind = "blob"

@@ -14,6 +14,7 @@ import struct
 import pytest
 import torch
 
+from kvray.quant.blob import to_blob
 from kvray.quant.tensor import QuantKind, QuantSegment, QuantTensor, pack_u4, round_up
 
 pytestmark = pytest.mark.unit
@@ -121,7 +122,7 @@ def test_linear_q_is_within_the_activation_quantization_bound(ops, k, n, m):
     cases = [[name] for name in fitting] + [fitting]
     for i, layouts in enumerate(cases):
         qt = _matrix(layouts, n, k, seed=i)
-        got = ops.linear_q(x, qt.to_blob(), bias)
+        got = ops.linear_q(x, to_blob(qt), bias)
         want = _reference(x, qt, bias)
         bound = _activation_error_bound(x, qt)
         assert got.shape == (m, n) and got.dtype == torch.float32
@@ -160,13 +161,13 @@ def test_linear_q_is_exact_on_whole_numbers_its_int8_grid_holds(ops, m, layout):
                            None if mins is None else (mins / 2).to(scale_dtype), zero)
     qt = QuantTensor((n, k), (seg,))
     bias = torch.randint(-8, 8, (n,), generator=gen).float()
-    got = ops.linear_q(x, qt.to_blob(), bias)
+    got = ops.linear_q(x, to_blob(qt), bias)
     assert torch.equal(got.double(), _reference(x, qt, bias))
 
 
 def test_linear_q_reads_strided_and_empty_inputs(ops):
     qt = _matrix(["u4_g32_fp16_mins", "s8_g32_fp16"], 50, 96, seed=3)
-    blob = qt.to_blob()
+    blob = to_blob(qt)
     gen = torch.Generator().manual_seed(4)
     for m in (3, 70):  # both paths
         rows_apart = torch.randn(m, 2, 96, generator=gen)[:, 1]  # rows 192 floats apart
@@ -186,7 +187,7 @@ def test_dequantize_q_and_embedding_q_equal_the_reference_exactly(ops):
     fp8 = torch.randn(5, 128, generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)
     segs.append(QuantSegment(QuantKind.F8, 32, fp8, torch.rand(5, 4, generator=gen), None))
     qt = QuantTensor((9 * len(LAYOUTS) + 5, 100), tuple(segs))  # K padded 100 -> 128
-    blob = qt.to_blob()
+    blob = to_blob(qt)
     dense = qt.dequantize()
     assert torch.equal(ops.dequantize_q(blob), dense)
     ids = torch.tensor([[0, 67, 8], [9, 66, 30]])
@@ -205,7 +206,7 @@ def _with(blob: torch.Tensor, offset: int, fmt: str, value) -> torch.Tensor:
 
 def test_malformed_blobs_raise_clear_errors(ops):
     qt = _matrix(["u4_g32_fp16_mins", "s8_g16_fp32"], 40, 64, seed=6)
-    blob, x = qt.to_blob(), torch.randn(2, 64)
+    blob, x = to_blob(qt), torch.randn(2, 64)
     cases = [
         (_with(blob, 0, "4s", b"GGUF"), "not a kvray quantized blob"),
         (blob[:40], "not a kvray quantized blob"),
@@ -233,7 +234,7 @@ def test_malformed_blobs_raise_clear_errors(ops):
     fp8 = QuantSegment(QuantKind.F8, 32, torch.zeros(4, 64, dtype=torch.uint8),
                        torch.ones(4, 2), None)
     with pytest.raises(RuntimeError, match="F8 weights have no CPU kernel"):
-        ops.linear_q(x, QuantTensor((4, 64), (fp8,)).to_blob(), None)
+        ops.linear_q(x, to_blob(QuantTensor((4, 64), (fp8,))), None)
 
 
 def _layer_weights(hidden: int, heads: int, kv_heads: int, dim: int, inter: int, seed: int
@@ -277,7 +278,7 @@ def test_decode_layer_on_quantized_weights_follows_their_dequantized_values(ops,
     x = torch.randn(rows, hidden, generator=gen)
     residual = None if first_layer else torch.randn(rows, hidden, generator=gen)
     outs = []
-    for mats in ([q.to_blob() for q in quant], [q.dequantize() for q in quant]):
+    for mats in ([to_blob(q) for q in quant], [q.dequantize() for q in quant]):
         cache = kv.clone()
         res = None if residual is None else residual.clone()
         out, res = ext.decode_layer(x.clone(), res, weights(mats), [None] * 4,
@@ -298,7 +299,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, layout):
     recompute after preemption) are bit-identical, so greedy tokens do not change with the
     batch around them — also where a big call takes two tiles at a time (512-bit VNNI) and a
     small one a tile at a time, and at an odd, partial last tile (100 rows: 12.5 tiles)."""
-    blob = _matrix([layout], 100, 640, seed=7).to_blob()
+    blob = to_blob(_matrix([layout], 100, 640, seed=7))
     gen = torch.Generator().manual_seed(8)
     x, bias = torch.randn(300, 640, generator=gen), torch.randn(100, generator=gen)
     together = ops.linear_q(x, blob, bias)
@@ -314,7 +315,7 @@ def test_linear_q_gives_the_same_bits_with_any_number_of_threads(ops, threads):
     (parallel_streams): every tile is computed exactly once whatever the thread count, and a
     row's result does not depend on which thread computed it. Uneven runs (5 threads over
     odd tile counts) make threads finish early and take from the others."""
-    blob = _matrix(["u4_g32_fp16_mins", "s8_g32_fp16"], 1001, 576, seed=11).to_blob()
+    blob = to_blob(_matrix(["u4_g32_fp16_mins", "s8_g32_fp16"], 1001, 576, seed=11))
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(12))
     before = torch.get_num_threads()
     try:

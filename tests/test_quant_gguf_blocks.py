@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf import quants as gguf_quants
 
+from kvray.quant.blob import from_blob, to_blob
 from kvray.quant.gguf_blocks import KEPT_QUANTIZED, gguf_type_bytes, to_quant_tensor
 from kvray.quant.tensor import QuantKind, QuantTensor
 from tests.helpers.tiny_gguf import (
@@ -130,7 +131,7 @@ def test_segments_use_the_documented_layouts_and_hold_about_the_file_bytes():
         assert qt.nbytes == held * w.size // 256  # no hidden copy
         assert qt.nbytes <= (2.0 if qtype in (T.Q2_K, T.Q3_K) else 1.03) * raw.nbytes
         # the blob adds its header and the alignment of each array, nothing per value
-        assert qt.to_blob().numel() <= qt.nbytes + 64 + 128 + 5 * 64 + 8 * 512
+        assert to_blob(qt).numel() <= qt.nbytes + 64 + 128 + 5 * 64 + 8 * 512
 
 
 @pytest.mark.unit
@@ -165,7 +166,7 @@ def test_narrow_permute_and_blob_keep_the_conversion_exact(qtype):
     _assert_exact(qt.narrow(1, 0, 256).narrow(0, 32, 1).dequantize(), want[32:, :256])
     perm = torch.randperm(shape[0], generator=torch.Generator().manual_seed(0))
     _assert_exact(qt.permute_rows(perm).dequantize(), want[perm])
-    back = QuantTensor.from_blob(qt.to_blob())
+    back = from_blob(to_blob(qt))
     _assert_exact(back.dequantize(), want)
     _assert_exact(qt.basic().dequantize(), want)  # the Triton kernels' layouts
 
@@ -181,7 +182,7 @@ def test_a_k_quant_split_inside_a_super_block_multiplies_its_scales_out_exactly(
         part = qt.narrow(1, start, length)
         assert not part.segments[0].two_level
         _assert_exact(part.dequantize(), want[:, start:start + length])
-        _assert_exact(QuantTensor.from_blob(part.to_blob()).dequantize(),
+        _assert_exact(from_blob(to_blob(part)).dequantize(),
                       want[:, start:start + length])
 
 
@@ -197,7 +198,7 @@ def test_q4_k_m_fused_qkv_with_q6_k_values_dequantizes_to_the_concatenation():
     _assert_exact(fused.dequantize(), want)
     _assert_exact(fused.narrow(0, 12, 10).dequantize(), want[12:22])  # across the seam
     _assert_exact(fused.narrow(1, 0, 256).dequantize(), want[:, :256])
-    _assert_exact(QuantTensor.from_blob(fused.to_blob()).dequantize(), want)
+    _assert_exact(from_blob(to_blob(fused)).dequantize(), want)
 
 
 @pytest.mark.unit

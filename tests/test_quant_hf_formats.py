@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvray.quant.blob import from_blob, to_blob
 from kvray.quant.hf_formats import (
     QuantizedCheckpointError,
     UnsupportedQuantizationError,
@@ -330,7 +331,7 @@ def test_online_int8_matches_a_numpy_reference(n, k):
 def test_quantized_weights_survive_the_blob():
     tensors, _ = quantize_linear(random_weight(96, 256), "gptq", bits=8, group=64, sym=False)
     qt = convert_one(tensors, quantization_config("gptq", bits=8, group=64, sym=False))
-    assert torch.equal(QuantTensor.from_blob(qt.to_blob()).dequantize(), qt.dequantize())
+    assert torch.equal(from_blob(to_blob(qt)).dequantize(), qt.dequantize())
 
 
 @pytest.mark.parametrize("method,options", [("ct-fp8", dict(strategy="channel")),

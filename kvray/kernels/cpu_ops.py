@@ -402,7 +402,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 def linear_q(x: torch.Tensor, blob: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` for 2-D fp32 ``x`` on a quantized weight ``blob``
-    (:meth:`kvray.quant.tensor.QuantTensor.to_blob`; U4/U5/U6/S8 kinds) read in place: few rows
+    (:func:`kvray.quant.blob.to_blob`; U4/U5/U6/S8 kinds) read in place: few rows
     with activations quantized per block of 32 to int8 (error at most half a step of each
     block's int8 grid times the weights' magnitudes), many rows on fp32 panels."""
     ext = load_ops()

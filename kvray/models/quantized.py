@@ -23,6 +23,7 @@ from torch import nn
 from kvray.kernels.plan import KernelPlan
 from kvray.models.layers import SmallMMatmul, VocabParallelEmbedding
 from kvray.models.moe import MoEExperts
+from kvray.quant.blob import to_blob
 from kvray.quant.fp8 import Fp8Rows
 from kvray.quant.tensor import QuantKind, QuantTensor
 
@@ -211,7 +212,7 @@ def _prepare(qt: QuantTensor, plan: KernelPlan) -> tuple:
     device, or the dense weight."""
     kind = _reader(qt, plan)
     if kind == "blob":
-        return kind, (qt.to_blob(), qt.input_perm)
+        return kind, (to_blob(qt), qt.input_perm)
     if kind == "segments":  # U5/U6, code offsets and two-level scales as the kernels read
         return kind, qt.basic().to(plan.device_type)
     dense = qt.dequantize(plan.dtype).to(plan.device_type)

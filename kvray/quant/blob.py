@@ -66,7 +66,7 @@ super-scales, super-mins: per tile and super-group, the 8 rows' fp16 values
 _SEGMENT_FORMAT = "<iiiiqqqqqiiqq48x"
 
 
-def tensor_to_blob(qt: QuantTensor) -> torch.Tensor:
+def to_blob(qt: QuantTensor) -> torch.Tensor:
     """One uint8 tensor holding the whole matrix ``qt`` (layout: :data:`BLOB_LAYOUT`)."""
     n, k = qt.shape
     table, chunks, offset = [], [], round_up(HEADER_BYTES + SEGMENT_BYTES
@@ -98,9 +98,9 @@ def tensor_to_blob(qt: QuantTensor) -> torch.Tensor:
         blob[off: off + a.numel()] = a
     return blob
 
-def tensor_from_blob(blob: torch.Tensor, source: str = "") -> QuantTensor:
+def from_blob(blob: torch.Tensor, source: str = "") -> QuantTensor:
     """The matrix ``blob`` holds (its rows untiled: a copy): the inverse of
-    :func:`tensor_to_blob`."""
+    :func:`to_blob`."""
     if blob.dtype != torch.uint8 or blob.dim() != 1:
         raise ValueError("a quantized blob is a 1-D uint8 tensor")
     raw = bytes(blob[:HEADER_BYTES].cpu().numpy())

@@ -25,7 +25,7 @@ fused QKV's V rows as Q6_K, the Q and K rows as Q4_K). ``group`` is 16 or a mult
 ``K`` is padded to a multiple of 32 (``k_padded``) with zero codes, and the kernels pad the
 activations with zeros, so padding never contributes.
 
-:meth:`QuantTensor.to_blob` (:mod:`kvray.quant.blob`) lays a matrix out as one contiguous
+:func:`kvray.quant.blob.to_blob` lays a matrix out as one contiguous
 ``uint8`` tensor: what the C++ kernels and the fused decode layer take as "the weight", one
 tensor per linear. Rows are interleaved in tiles of 8 (:data:`TILE`) so that the kernels'
 vector lanes are 8 weight rows: one broadcast of 4 activation codes meets 8 rows' codes,
@@ -388,22 +388,6 @@ class QuantTensor:
         if len(self.segments) != 1:
             raise ValueError("permuting the rows of a multi-segment matrix")
         return replace(self, segments=(self.segments[0].map_rows(lambda t: t[perm]),))
-
-    # ---- the blob (kvray/quant/blob.py) ----------------------------------------------
-    def to_blob(self) -> torch.Tensor:
-        """One uint8 tensor holding the whole matrix (layout:
-        :data:`kvray.quant.blob.BLOB_LAYOUT`)."""
-        from kvray.quant.blob import tensor_to_blob
-
-        return tensor_to_blob(self)
-
-    @staticmethod
-    def from_blob(blob: torch.Tensor, source: str = "") -> QuantTensor:
-        """The matrix ``blob`` holds (its rows untiled: a copy): the inverse of
-        :meth:`to_blob`."""
-        from kvray.quant.blob import tensor_from_blob
-
-        return tensor_from_blob(blob, source)
 
 
 def pack_u4(codes: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,7 @@ Blob parse_blob(const at::Tensor& t, const char* op) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte && t.dim() == 1 &&
                   t.is_contiguous(),
               op, ": a quantized weight is a contiguous 1-D uint8 CPU tensor "
-              "(QuantTensor.to_blob())");
+              "(kvray.quant.blob.to_blob)");
   const int64_t size = t.numel();
   const uint8_t* base = t.data_ptr<uint8_t>();
   TORCH_CHECK(size >= kHeaderBytes && std::memcmp(base, "KVQ3", 4) == 0, op,
