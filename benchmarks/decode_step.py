@@ -35,24 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes per second two reductions over a buffer far larger than the caches reach: the
-    better of a plain buffer and one on huge pages (the engine's weights sit on huge pages
-    where Linux allows it, so the floor is measured on the same kind of memory)."""
-    from kvray.kernels.huge_pages import zeros_on_huge_pages
-
-    best = float("inf")
-    for buf in (torch.ones(num_bytes // 4), zeros_on_huge_pages(1, (num_bytes // 4,),
-                                                                torch.float32)[0]):
-        buf.fill_(1.0)
-        buf.sum()
-        for _ in range(repeats):
-            start = time.perf_counter()
-            buf.sum()
-            best = min(best, time.perf_counter() - start)
-        del buf
-    return num_bytes / best
+from benchmarks.common import read_bandwidth  # noqa: E402
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
@@ -134,7 +117,7 @@ def main() -> None:
     from kvray.hardware import describe
     from kvray.kernels import cpu_ops
     from kvray.models.layers import SmallMMatmul
-    from kvray.quant.tensor import QuantTensor
+    from kvray.quant.blob import from_blob
 
     print(describe())
     engine = LLMEngine(config_from_flat({"model": args.model, "dtype": args.dtype,
@@ -143,7 +126,7 @@ def main() -> None:
     runner = engine.executor.worker.runner
     model, dtype = runner.model, runner.dtype
     spec = runner.spec
-    quantized = sorted({QuantTensor.from_blob(m.qweight).kinds[0].name for m in model.modules()
+    quantized = sorted({from_blob(m.qweight).kinds[0].name for m in model.modules()
                         if isinstance(m, SmallMMatmul) and m.qweight is not None})
     print(f"model {Path(engine.model_path).name}, dtype {str(dtype).removeprefix('torch.')}, "
           f"weights {'quantized (' + ', '.join(quantized) + ' codes)' if quantized else 'dense'}"
@@ -155,7 +138,7 @@ def main() -> None:
 
     def numel(m: SmallMMatmul) -> int:
         if m.qweight is not None:
-            rows, cols = QuantTensor.from_blob(m.qweight).shape
+            rows, cols = from_blob(m.qweight).shape
             return rows * cols
         return m.kernel_weight.numel()
 

@@ -10,9 +10,12 @@ transformers' ``generate`` (fp32, its default experts implementation, a left-pad
 at batch 1 and batch 32, and their ratio; kvray's batch-1 decode step against the read floor
 of the weights that step actually touches (attention, router, norms, the k chosen experts
 per layer, one embedding row and the LM head) at the read bandwidth measured in the same
-run. With ``--tp``: the Mixtral shape at TP = 2 on a local Ray cluster with every expert
-sliced over the ranks vs whole experts per rank (``enable_expert_parallel``): step time
-and the bytes each rank reads and all-reduces per decode step. With ``--int8``: kvray with
+run: the best of its 256 MiB probes (the demanding floor: on a CPU with a large L3 part of
+that buffer, like part of the models' weights, is read from the cache) and the 1 GiB probe
+``decode_step.py`` uses (past the caches). With ``--tp``: the Mixtral shape at TP = 2 on
+a local Ray cluster with every expert sliced over the ranks vs whole experts per rank
+(``enable_expert_parallel``): step time and the bytes each rank reads and all-reduces per
+decode step. With ``--int8``: kvray with
 ``quantization: int8`` (every linear and every expert held as int8, read by the CPU int8
 kernels) against its fp32 run: batch-1 step and batch-N output tokens/s.
 
@@ -35,6 +38,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from benchmarks.common import read_bandwidth  # noqa: E402
 from kvray.hardware import describe  # noqa: E402
 
 VOCAB = 8192
@@ -68,9 +72,11 @@ def make_model(name: str, root: Path) -> Path:
     return path
 
 
-def read_bandwidth() -> float:
-    """Read bandwidth (bytes/s): the best of 15 sums over 256 MiB (a single probe on a
-    shared host read as little as half of it)."""
+def cache_probe() -> float:
+    """Read bandwidth (bytes/s) of a buffer about this benchmark's models' size: the best of
+    15 sums over 256 MiB (a single probe on a shared host read as little as half of it).
+    Where the L3 is that large, part of it comes from the cache, as part of the models'
+    weights do."""
     big = torch.ones(64 << 20, dtype=torch.float32)
     best = float("inf")
     for _ in range(15):
@@ -150,14 +156,14 @@ def main() -> None:
     print(describe())
     print(f"torch threads: {torch.get_num_threads()}; fp32 weights and activations", flush=True)
     # probed again after each model's steps; the floors use the best probe of the run
-    probes = [read_bandwidth()]
+    probes = [cache_probe()]
     rows, floors, int8_rows = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for name in SHAPES:
             path = make_model(name, Path(tmp))
             config = transformers.AutoConfig.from_pretrained(str(path))
             step = step_time_batch1(path, args.tokens)
-            probes.append(read_bandwidth())
+            probes.append(cache_probe())
             for batch in (1, args.batch):
                 ours = run_kvray(path, batch, args.tokens)
                 theirs = run_transformers(path, batch, args.tokens)
@@ -178,14 +184,17 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for name, batch, a, b in rows:
             print(f"| {name} | {batch} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
-        bandwidth = max(probes)
+        bandwidth, dram = max(probes), read_bandwidth()
         print(f"\nread bandwidth: {bandwidth / 1e9:.1f} GB/s, the best of "
-              f"{' / '.join(f'{p / 1e9:.1f}' for p in probes)} (torch.sum over 256 MiB)")
-        print("\n| model | batch-1 step ms | read floor ms (touched weights) | step / floor |")
+              f"{' / '.join(f'{p / 1e9:.1f}' for p in probes)} (torch.sum over 256 MiB); "
+              f"{dram / 1e9:.1f} GB/s over 1 GiB (decode_step.py's probe, past the caches)")
+        print("\n| model | batch-1 step ms | read floor ms (touched weights), best / 1 GiB "
+              "probe | step / floor |")
         print("|---|---|---|---|")
         for name, step, touched in floors:
-            floor_ms = 1e3 * touched / bandwidth
-            print(f"| {name} | {step:.2f} | {floor_ms:.2f} | {step / floor_ms:.2f}x |")
+            floor_ms, dram_ms = 1e3 * touched / bandwidth, 1e3 * touched / dram
+            print(f"| {name} | {step:.2f} | {floor_ms:.2f} / {dram_ms:.2f} | "
+                  f"{step / floor_ms:.2f}x / {step / dram_ms:.2f}x |")
         if int8_rows:
             print(f"\n| model | batch-1 step ms fp32 / int8 | batch-{args.batch} tok/s fp32 / "
                   "int8 | int8 / fp32 |")
