@@ -182,7 +182,7 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput, prev: ModelRunnerOutput | None) -> None:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
-            self.sampler.generators.pop(req_id, None)
+            self.sampler.forget(req_id)
             self.pooler.forget(req_id)
             if self.drafter is not None:
                 self.drafter.forget(req_id)
@@ -197,7 +197,7 @@ class ModelRunner:
                 list(new.token_ids[new.num_prompt_tokens:]),
                 list(new.token_ids[:new.num_prompt_tokens]), lora_slot=new.lora_slot)
             if new.sampling_params.pooling is not None:
-                self.pooler.pooling_ids.add(new.req_id)
+                self.pooler.add(new.req_id)
             if new.sampling_params.structured_outputs is not None and self.ctx.is_output_rank:
                 state.matcher = self.grammar.matcher(new.sampling_params,
                                                      state.output_token_ids)

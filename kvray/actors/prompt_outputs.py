@@ -20,6 +20,9 @@ class Pooler:
     pooling_ids: set[str] = field(default_factory=set)
     pool_sums: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def add(self, req_id: str) -> None:
+        self.pooling_ids.add(req_id)
+
     def forget(self, req_id: str) -> None:
         self.pooling_ids.discard(req_id)
         self.pool_sums.pop(req_id, None)

@@ -34,6 +34,10 @@ class StepSampler:
         if seed is not None and req_id not in self.generators:
             self.generators[req_id] = torch.Generator(self.device).manual_seed(seed)
 
+    def forget(self, req_id: str) -> None:
+        """A finished request: its generator goes (a preempted one keeps it)."""
+        self.generators.pop(req_id, None)
+
     def sample(self, inputs: StepInputs, states: list[CachedRequestState],
                logits: torch.Tensor, prompt_logprobs: dict,
                bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:

@@ -214,7 +214,8 @@ class LLMEngine:
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = RequestState(request_id, text, ids, params,
-                         prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+                              prompt_logprobs=[] if params.prompt_logprobs is not None
+                              else None)
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -229,7 +230,7 @@ class LLMEngine:
                                            params.skip_special_tokens,
                                            params.include_stop_str_in_output)
             parent.seqs.append(SequenceState(child, detok, [] if params.logprobs is not None
-                                         else None))
+                                             else None))
             self._child_to_parent[child.request_id] = (request_id, i)
         self._parents[request_id] = parent
         self._update_gauges()

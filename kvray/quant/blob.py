@@ -63,6 +63,7 @@ codes, per tile and block: U4 4 x 32 bytes, byte 4 r + e of part j holding row r
 scales, mins: per tile and group, the 8 rows' values of the scale dtype
 super-scales, super-mins: per tile and super-group, the 8 rows' fp16 values
 """
+_HEADER_FORMAT = "<4siqqq32x"
 _SEGMENT_FORMAT = "<iiiiqqqqqiiqq48x"
 
 
@@ -91,7 +92,7 @@ def to_blob(qt: QuantTensor) -> torch.Tensor:
                                  s.super_group, offsets[3], offsets[4]))
         row0 += s.rows
     blob = torch.zeros(offset, dtype=torch.uint8)
-    head = struct.pack("<4siqqq32x", BLOB_MAGIC, len(qt.segments), n, k, qt.k_padded)
+    head = struct.pack(_HEADER_FORMAT, BLOB_MAGIC, len(qt.segments), n, k, qt.k_padded)
     meta = head + b"".join(table)
     blob[: len(meta)] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
     for off, a in chunks:
@@ -104,7 +105,7 @@ def from_blob(blob: torch.Tensor, source: str = "") -> QuantTensor:
     if blob.dtype != torch.uint8 or blob.dim() != 1:
         raise ValueError("a quantized blob is a 1-D uint8 tensor")
     raw = bytes(blob[:HEADER_BYTES].cpu().numpy())
-    magic, nseg, n, k, kp = struct.unpack("<4siqqq32x", raw)
+    magic, nseg, n, k, kp = struct.unpack(_HEADER_FORMAT, raw)
     if magic != BLOB_MAGIC:
         raise ValueError("not a kvray quantized blob")
     table = bytes(blob[HEADER_BYTES: HEADER_BYTES + SEGMENT_BYTES * nseg].cpu().numpy())
