@@ -14,7 +14,7 @@ from kvray.kernels.attention import (
     paged_attention,
     write_kv_cache,
 )
-from kvray.kernels.kv_quant import dequantize_rows, is_quantized, quantize_rows
+from kvray.kernels.kv_quant import dequantize_rows, is_quantized, quantize_rows, round_query_rows
 
 pytestmark = pytest.mark.parity
 
@@ -365,7 +365,11 @@ def test_cpu_decode_kernel_caps_scores_like_a_float64_reference(
                                                   seed=head_dim)
     got = cpu_kernels.paged_decode(q, cache, tables, lens, 1.0, window, softcap=4.0)
     assert got.dtype == q.dtype
-    want = _prefill_float64(q, cache, tables, lens, starts, 1.0, window or -1, softcap=4.0)
+    scored = q  # the kernel's query: rounded to int16 codes where it scores in integers
+    if cpu_kernels.paged_decode_query_codes(cache, head_dim):
+        scored = round_query_rows(q.float())
+    want = _prefill_float64(scored, cache, tables, lens, starts, 1.0, window or -1,
+                            softcap=4.0)
     tol = dict(rtol=1e-4, atol=1e-5) if q.dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got.double(), want, **tol)
     uncapped = cpu_kernels.paged_decode(q, cache, tables, lens, 1.0, window)

@@ -23,10 +23,12 @@ from kvray.kernels.attention import (
 )
 from kvray.kernels.kv_quant import (
     QMAX,
+    QUERY_CODE_MAX,
     cache_head_dim,
     dequantize_rows,
     kv_bytes_per_token,
     quantize_rows,
+    round_query_rows,
     row_scales,
 )
 
@@ -207,15 +209,34 @@ def test_cpu_paged_decode_over_a_quantized_cache_is_attention_over_its_values(
     got = cpu_kernels.paged_decode(q, cache, meta.block_tables, meta.seq_lens, dim ** -0.5,
                                    window)
     dk, dv = _dequantized(ks, vs, dtype)
-    assert torch.allclose(got, _dense(dk, dv, qs, window), atol=2e-5, rtol=1e-5)
+    # the kernel's query: q itself, or each scaled row rounded to int16 codes where it
+    # scores an int8 cache in integers
+    scored = _scored_queries(cpu_kernels, cache, qs, dim)
+    assert torch.allclose(got, _dense(dk, dv, scored, window), atol=2e-5, rtol=1e-5)
     reference = paged_attention(q, cache, meta, dim ** -0.5, window)  # the torch backend
     assert torch.allclose(reference, _dense(dk, dv, qs, window), atol=2e-5, rtol=1e-5)
-    exact = _dense(ks, vs, qs, window)
-    assert torch.all((got - exact).abs() <= _derived_bound(ks, vs, qs, dtype, window))
+    exact = _dense(ks, vs, scored, window)
+    assert torch.all((got - exact).abs() <= _derived_bound(ks, vs, scored, dtype, window))
     as_bf16 = cpu_kernels.paged_decode(q.bfloat16(), cache, meta.block_tables, meta.seq_lens,
                                        dim ** -0.5, window)
     assert as_bf16.dtype == torch.bfloat16
     assert torch.allclose(as_bf16.float(), got, atol=3e-2, rtol=2e-2)
+
+
+def _scored_queries(cpu_kernels, cache, qs, dim):
+    """The query rows the decode kernel scores: each scaled row rounded to int16 codes where
+    ``paged_decode_query_codes`` says so (the rounding checked to be within 2^-16 of the
+    row's largest element), else ``qs`` as they are."""
+    if not cpu_kernels.paged_decode_query_codes(cache, dim):
+        return qs
+    scale = dim ** -0.5
+    out = []
+    for q in qs:
+        rounded = round_query_rows(q * scale) / scale
+        amax = q.abs().amax(-1, keepdim=True)  # half a code step, and a few fp32 ulps
+        assert torch.all((rounded - q).abs() <= amax * (0.5 / QUERY_CODE_MAX + 5e-7))
+        out.append(rounded)
+    return out
 
 
 @pytest.mark.unit

@@ -205,6 +205,17 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                             float(softcap or 0.0))
 
 
+def paged_decode_query_codes(kv_cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether :func:`paged_decode` scores this cache with each scaled query row rounded to
+    int16 codes (:func:`kvray.kernels.kv_quant.round_query_rows`): an int8 cache on a CPU
+    with AVX-512 VNNI, head sizes 64 and 128. The rounding (2^-16 of the row's largest
+    element) is far below the int8 keys' own; it lets the scores run as integer dot
+    products."""
+    ext = load_ops()
+    assert ext is not None, "call load_ops() first and check it is available"
+    return bool(ext.paged_decode_query_codes(kv_cache, int(head_dim)))
+
+
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                   scale: float, sliding_window: int | None, softcap: float | None = None

@@ -28,6 +28,9 @@ QMAX: dict[torch.dtype, float] = {
     torch.float8_e5m2: 57344.0,
 }
 
+# The largest int16 code of a query row scored against an int8 cache in integers.
+QUERY_CODE_MAX = 32767.0
+
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache tensor's dtype for ``kv_cache_dtype`` (``auto``: the model's own)."""
@@ -77,6 +80,17 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out[..., :dim] = codes.view(torch.uint8)
     out[..., dim:] = scale.contiguous().view(torch.uint8)
     return out.view(dtype)
+
+
+def round_query_rows(q: torch.Tensor) -> torch.Tensor:
+    """Scaled query rows ``q [..., D]`` (fp32) as the CPU decode kernel scores them over an
+    int8 cache where it computes in integers (``cpu_ops.paged_decode_query_codes``): each row
+    rounded to int16 codes with the scale ``amax / 32767``, then back to fp32."""
+    q = q.float()
+    amax = q.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / QUERY_CODE_MAX, torch.ones_like(amax))
+    codes = (q * (1 / scale)).round().clamp(-QUERY_CODE_MAX - 1, QUERY_CODE_MAX)
+    return codes * scale
 
 
 def row_scales(rows: torch.Tensor) -> torch.Tensor:

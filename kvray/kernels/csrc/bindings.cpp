@@ -10,6 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("paged_decode", &paged_decode, nogil(),
         "Paged decode attention: q [B, Hq, D] against the paged KV cache -> [B, Hq, D]");
+  m.def("paged_decode_query_codes", &paged_decode_query_codes,
+        "whether paged_decode rounds each scaled query row to int16 codes over this cache");
   m.def("paged_prefill", &paged_prefill, nogil(),
         "Paged prefill attention: new tokens q [T, Hq, D] against the paged KV cache");
   m.def("paged_prefill_supported", &paged_prefill_supported,
