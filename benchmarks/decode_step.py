@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--neighbour", action="store_true", help="a busy process on one core")
     ap.add_argument("--model", default=None, help="default: the built-in model (its GGUF)")
     ap.add_argument("--quantization", default=None, help="none | int8 (default: as stored)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="auto | int8 | fp8 | fp8_e4m3 | fp8_e5m2 (the engine's kv_cache_dtype)")
     ap.add_argument("--prompt-len", type=int, default=64,
                     help="prompt tokens per request: the context each step attends over "
                     "grows from here by one per step")
@@ -122,6 +124,7 @@ def main() -> None:
     print(describe())
     engine = LLMEngine(config_from_flat({"model": args.model, "dtype": args.dtype,
                                          "quantization": args.quantization,
+                                         "kv_cache_dtype": args.kv_cache_dtype,
                                          "max_num_seqs": 256}))
     runner = engine.executor.worker.runner
     model, dtype = runner.model, runner.dtype
@@ -150,7 +153,8 @@ def main() -> None:
           f"{flops_per_token / 1e6:.0f} MFLOP per token (linear layers + LM head; "
           f"{spec.num_layers} layers)")
 
-    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; busy neighbour: "
+    print(f"kv_cache_dtype {args.kv_cache_dtype}; "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; busy neighbour: "
           f"{'yes' if args.neighbour else 'no'}; context {args.prompt_len}.."
           f"{args.prompt_len + args.steps} tokens")
     print("\n| batch | step ms (median) | tok/s | step / floor | GFLOP/s | % of matmul peak |")

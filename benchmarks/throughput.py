@@ -16,8 +16,9 @@ pipeline (``ContinuousBatchingPipeline`` with a ``SchedulerConfig``, prefix cach
 built-in model exported with ``optimum-cli export openvino --weight-format int8``, in its own
 venv (``benchmarks/peer_openvino.sh`` makes both, once), driven as a subprocess that prints
 JSON; kvray runs the same requests first, in each of ``--kvray-variants`` (default ``int8``:
-the Hugging Face checkpoint with ``quantization: int8``, and ``Q8_0``: the Q8_0 GGUF that
-``benchmarks/peer_llamacpp.sh --kld`` makes). Defaults then: the ``chat`` workload, 48
+the Hugging Face checkpoint with ``quantization: int8``; ``int8+kvint8``: the same with an
+int8 KV cache, like OpenVINO's own CPU default of a u8 KV cache; and ``Q8_0``: the Q8_0 GGUF
+that ``benchmarks/peer_llamacpp.sh --kld`` makes). Defaults then: the ``chat`` workload, 48
 requests; the table gives each kvray / OpenVINO ratio (target >= 1.2x).
 
 Usage:
@@ -625,8 +626,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer", choices=["openvino"], default=None,
                    help="compare with OpenVINO GenAI's continuous batching instead of "
                    "transformers (see the module docstring)")
-    p.add_argument("--kvray-variants", default="int8,Q8_0",
-                   help="with --peer: kvray runs, comma-separated: int8 (HF checkpoint, "
+    p.add_argument("--kvray-variants", default="int8,int8+kvint8,Q8_0",
+                   help="with --peer: kvray runs, comma-separated (default: int8, int8 "
+                   "with an int8 KV cache like OpenVINO's u8 CPU default, Q8_0): int8 (HF "
+                   "checkpoint, "
                    "quantization int8), Q8_0 / Q4_K_M (GGUFs made by peer_llamacpp.sh --kld), "
                    "Q4_1 (the shipped GGUF), dense (its Hugging Face weights, not "
                    "quantized), default (the engine's defaults); +kv<dtype> gives one its "

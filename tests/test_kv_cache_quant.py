@@ -120,19 +120,20 @@ def test_write_kv_refuses_a_cache_without_room_for_the_scales(cpu_kernels):
 
 
 # ---- attention over a quantized cache ----------------------------------------------------
-def _setup(dtype, heads, groups, dim, context, queries, seed):
+def _setup(dtype, heads, groups, dim, context, queries, seed, block_size=BS):
     """K/V of whole sequences, the context's written into a quantized paged cache on shuffled
     blocks (the last block partly filled), then this step's; the metadata of the step."""
     g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // BS) for n in context) + 3
-    cache = torch.zeros(2, heads, num_blocks, BS, dim + 4, dtype=dtype)
+    num_blocks = sum(-(-n // block_size) for n in context) + 3
+    cache = torch.zeros(2, heads, num_blocks, block_size, dim + 4, dtype=dtype)
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, slots, ks, vs, qs, positions, starts = [], [], [], [], [], [], [0]
     for n, nq in zip(context, queries, strict=True):
-        table = [perm.pop() for _ in range(-(-n // BS))]
+        table = [perm.pop() for _ in range(-(-n // block_size))]
         k = torch.randn(n, heads, dim, generator=g) * 2
         v = torch.randn(n, heads, dim, generator=g)
-        all_slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(n)])
+        all_slots = torch.tensor([table[p // block_size] * block_size + p % block_size
+                                  for p in range(n)])
         write_kv_cache(k, v, cache, all_slots)
         tables.append(table)
         ks.append(k)
@@ -221,6 +222,26 @@ def test_cpu_paged_decode_over_a_quantized_cache_is_attention_over_its_values(
                                        dim ** -0.5, window)
     assert as_bf16.dtype == torch.bfloat16
     assert torch.allclose(as_bf16.float(), got, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("heads,groups,dim", [(2, 7, 64), (1, 2, 128)])
+@pytest.mark.parametrize("window", [None, 13])
+def test_cpu_paged_decode_over_an_int8_cache_takes_any_block_size_and_tail(
+        cpu_kernels, block_size, heads, groups, dim, window):
+    """Contexts ending on every kind of block tail (one key, under and over eight keys, a
+    whole block, past a block) in blocks of 8 and 32, query groups of 7 and 2: attention
+    over the cache's values (with the kernel's query) as tightly as with blocks of 16."""
+    context = [1, 7, 8, 9, 15, 16, 17, 33, 41, 64]
+    cache, meta, ks, vs, qs = _setup(torch.int8, heads, groups, dim, context,
+                                     [1] * len(context), seed=block_size + dim,
+                                     block_size=block_size)
+    got = cpu_kernels.paged_decode(torch.cat(qs), cache, meta.block_tables, meta.seq_lens,
+                                   dim ** -0.5, window)
+    dk, dv = _dequantized(ks, vs, torch.int8)
+    scored = _scored_queries(cpu_kernels, cache, qs, dim)
+    assert torch.allclose(got, _dense(dk, dv, scored, window), atol=2e-5, rtol=1e-5)
 
 
 def _scored_queries(cpu_kernels, cache, qs, dim):

@@ -56,8 +56,8 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("cpu_paged_attention.cpp", "cpu_paged_prefill.cpp", "cpu_linear.cpp",
             "cpu_fused.cpp", "cpu_layer.cpp", "cpu_sampling.cpp", "cpu_quant.cpp",
             "cpu_lora.cpp", "cpu_moe.cpp", "bindings.cpp")
-_HEADERS = ("ops.h", "vec.h", "kv_quant.h", "kernel_parts.h", "quant_format.h",
-            "quant_tiles.h", "quant_amx.h")
+_HEADERS = ("ops.h", "vec.h", "kv_quant.h", "decode_int8.h", "kernel_parts.h",
+            "quant_format.h", "quant_tiles.h", "quant_amx.h")
 _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 # The instruction set the kernels are built for: this CPU's own by default. Tests set
 # KVRAY_CPU_MARCH=haswell on AVX-512 machines to run the AVX2 code paths too.
@@ -207,10 +207,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
 
 def paged_decode_query_codes(kv_cache: torch.Tensor, head_dim: int) -> bool:
     """Whether :func:`paged_decode` scores this cache with each scaled query row rounded to
-    int16 codes (:func:`kvray.kernels.kv_quant.round_query_rows`): an int8 cache on a CPU
-    with AVX-512 VNNI, head sizes 64 and 128. The rounding (2^-16 of the row's largest
-    element) is far below the int8 keys' own; it lets the scores run as integer dot
-    products."""
+    int16 codes (:func:`kvray.kernels.kv_quant.round_query_rows`): an int8 cache, head sizes
+    64 and 128, on a build with AVX2. The rounding (2^-16 of the row's largest element) is
+    far below the int8 keys' own; it lets the scores run as integer dot products."""
     ext = load_ops()
     assert ext is not None, "call load_ops() first and check it is available"
     return bool(ext.paged_decode_query_codes(kv_cache, int(head_dim)))

@@ -4,9 +4,8 @@
 // decode layer of a bf16 model keeps its activations in fp32); the output has q's dtype.
 // An int8 / fp8 cache ([..., D + 4]: codes and a scale per row, kv_quant.h) takes fp32,
 // bf16 or fp16 q; each block is widened to fp32 in L1 and read by the fp32 code, except an
-// int8 cache with AVX-512 VNNI (head sizes 64 and 128), read as codes: the scores as integer
-// dot products of each query row rounded to int16 codes (paged_decode_query_codes), the
-// values widened in registers.
+// int8 cache with head sizes 64 and 128, whose codes the one-pass loop reads in place
+// (decode_int8.h: integer scores against each query row rounded to int16 codes).
 // Head sizes 64 and 128 over fp32 or bf16 caches (bf16 widened in registers) run vector code
 // (vec.h: 16 lanes with AVX-512, 8 with AVX2) in one pass per item (decode_one_pass: each
 // block's scores, then its values, under a running max), the next block prefetched while
@@ -30,8 +29,18 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_int8.h"
 #include "kv_quant.h"
 #include "vec.h"
+
+// Whether decode reads a cache of T codes in place (decode_int8.h) for head size DK.
+#ifdef KVRAY_INT8_DOT
+template <typename T, int64_t DK>
+constexpr bool kReadsCodes = std::is_same_v<T, int8_t> && kvray::kInt8DotHead<DK>;
+#else
+template <typename T, int64_t DK>
+constexpr bool kReadsCodes = false;
+#endif
 
 static inline float to_f(float x) { return x; }
 static inline float to_f(c10::Half x) { return static_cast<float>(x); }
@@ -104,6 +113,8 @@ static inline void block_scores(const float* __restrict__ qf, const float* __res
 }
 
 #ifdef __AVX2__
+using kvray::sum8;
+using kvray::to8;
 using kvray::Vec;
 
 // K or V blocks the vector code reads in place: fp32, or bf16 widened in registers.
@@ -113,25 +124,6 @@ constexpr bool kReadsInPlace = std::is_same_v<T, float> || std::is_same_v<T, c10
 // Head sizes the vector code takes: whole chunks of four vectors.
 template <int64_t DK>
 constexpr bool kVectorHead = DK > 0 && DK % (4 * Vec::kWidth) == 0;
-
-// The lanes of v summed pairwise down to 8 (one AVX2 register).
-static inline __m256 to8(Vec::T v) {
-#ifdef __AVX512F__
-  return _mm256_add_ps(_mm512_castps512_ps256(v),
-                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-#else
-  return v;
-#endif
-}
-
-// The 8 horizontal sums of a0..a7, as one vector [sum(a0), ..., sum(a7)].
-static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
-                          __m256 a6, __m256 a7) {
-  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
-                       _mm256_permute2f128_ps(h0, h1, 0x31));
-}
 
 // Scores of one query row (fp32) against eight keys of head size DK (T: fp32 or bf16), to
 // s[0..8): eight accumulators (named: GCC keeps them in registers), one combined horizontal
@@ -191,155 +183,6 @@ static inline void block_scores_vec(const float* __restrict__ qf, const T* __res
   }
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define KVRAY_INT8_DOT 1
-// Scores against an int8 cache in integers: each query row rounded to int16 codes with a
-// scale of its own (amax / 32767: 2^-15 of its largest element, far below the keys' int8
-// rounding), the keys' codes widened to int16 in registers and multiplied pairwise into int32
-// lanes (vpdpwssd; 64 products of at most 32767 * 127 cannot overflow), then one multiply by
-// the two scales. Widening the codes to fp32 and scaling them first took about three times
-// the instructions per key, which bound the loop.
-constexpr bool kIntDotKV = true;
-
-// The scaled fp32 query rows as int16 codes qi[g * DK + d] and their scales qs[g].
-template <int64_t DK>
-static inline void query_codes(const float* __restrict__ qf, int64_t G,
-                               int16_t* __restrict__ qi, float* __restrict__ qs) {
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t d = 0; d < DK; d += 16)
-      mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qf + g * DK + d)));
-    const float amax = _mm512_reduce_max_ps(mx), scale = amax > 0.f ? amax / 32767.f : 1.f;
-    const __m512 inv = _mm512_set1_ps(1.f / scale);
-    for (int64_t d = 0; d < DK; d += 16) {
-      const __m512i c =
-          _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qf + g * DK + d), inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + g * DK + d),
-                          _mm512_cvtsepi32_epi16(c));
-    }
-    qs[g] = scale;
-  }
-}
-
-// 32 int8 codes at p widened to int16 lanes.
-static inline __m512i codes32(const int8_t* p) {
-  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// The integer dot products of one query row's codes with eight keys' codes (rows of RW
-// bytes), as floats, to s[0..8).
-template <int64_t DK>
-static inline void scores8_int8(const int16_t* __restrict__ qi, const int8_t* __restrict__ k,
-                                int64_t RW, float* __restrict__ s) {
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-          a7 = a0;
-  for (int64_t d = 0; d < DK; d += 32) {
-    const __m512i q = _mm512_loadu_si512(qi + d);
-    a0 = _mm512_dpwssd_epi32(a0, q, codes32(k + 0 * RW + d));
-    a1 = _mm512_dpwssd_epi32(a1, q, codes32(k + 1 * RW + d));
-    a2 = _mm512_dpwssd_epi32(a2, q, codes32(k + 2 * RW + d));
-    a3 = _mm512_dpwssd_epi32(a3, q, codes32(k + 3 * RW + d));
-    a4 = _mm512_dpwssd_epi32(a4, q, codes32(k + 4 * RW + d));
-    a5 = _mm512_dpwssd_epi32(a5, q, codes32(k + 5 * RW + d));
-    a6 = _mm512_dpwssd_epi32(a6, q, codes32(k + 6 * RW + d));
-    a7 = _mm512_dpwssd_epi32(a7, q, codes32(k + 7 * RW + d));
-  }
-  const auto f = [](__m512i a) { return to8(_mm512_cvtepi32_ps(a)); };
-  _mm256_storeu_ps(s, sum8(f(a0), f(a1), f(a2), f(a3), f(a4), f(a5), f(a6), f(a7)));
-}
-
-// Scores of G query rows (int16 codes qi, scales qs) against n_t keys of an int8 block,
-// eight keys at a time; ks: room for n_t floats (the keys' scales).
-template <int64_t DK>
-static inline void block_scores_int8(const int16_t* __restrict__ qi,
-                                     const float* __restrict__ qs,
-                                     const int8_t* __restrict__ kb, int64_t n_t, int64_t G,
-                                     float* __restrict__ ks, float* __restrict__ s,
-                                     int64_t stride) {
-  constexpr int64_t RW = DK + kvray::kScaleBytes;
-  for (int64_t t = 0; t < n_t; ++t) ks[t] = kvray::row_scale(kb + t * RW, DK);
-  const int64_t full = n_t / 8 * 8;
-  for (int64_t t = 0; t < full; t += 8)
-    for (int64_t g = 0; g < G; ++g)
-      scores8_int8<DK>(qi + g * DK, kb + t * RW, RW, s + g * stride + t);
-  for (int64_t t = full; t < n_t; ++t)  // the block's last 1-7 keys, one at a time
-    for (int64_t g = 0; g < G; ++g) {
-      __m512i a = _mm512_setzero_si512();
-      for (int64_t d = 0; d < DK; d += 32)
-        a = _mm512_dpwssd_epi32(a, _mm512_loadu_si512(qi + g * DK + d),
-                                codes32(kb + t * RW + d));
-      s[g * stride + t] = static_cast<float>(_mm512_reduce_add_epi32(a));
-    }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t t = 0; t < n_t; ++t) s[g * stride + t] *= qs[g] * ks[t];
-}
-
-// 16 int8 codes at p as fp32 lanes.
-static inline __m512 codes16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-// acc[g] += sum_t p[g, t] * v[t] for R query rows over n_t int8 value rows read as codes
-// (widened in registers), each row's scale folded into its weights (w = p * scale). With the
-// scores in integers, the values from a block widened into an fp32 buffer first left the
-// kernel at 0.86x of its old time (48 sequences x 200 tokens, 2-core AMX Xeon), in place
-// 0.66x.
-template <int64_t DK, int R>
-static inline void block_values_int8_rows(const float* __restrict__ w,
-                                          const int8_t* __restrict__ vb, int64_t n_t,
-                                          float* __restrict__ acc, int64_t stride) {
-  constexpr int64_t RW = DK + kvray::kScaleBytes;
-  for (int64_t d = 0; d < DK; d += 64) {
-    __m512 c[R][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) c[r][u] = _mm512_loadu_ps(acc + r * DK + d + u * 16);
-    for (int64_t t = 0; t < n_t; ++t) {
-      const int8_t* v = vb + t * RW + d;
-      const __m512 v0 = codes16(v), v1 = codes16(v + 16), v2 = codes16(v + 32),
-                   v3 = codes16(v + 48);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m512 x = _mm512_set1_ps(w[r * stride + t]);
-        c[r][0] = _mm512_fmadd_ps(x, v0, c[r][0]);
-        c[r][1] = _mm512_fmadd_ps(x, v1, c[r][1]);
-        c[r][2] = _mm512_fmadd_ps(x, v2, c[r][2]);
-        c[r][3] = _mm512_fmadd_ps(x, v3, c[r][3]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + r * DK + d + u * 16, c[r][u]);
-  }
-}
-
-// acc[g] += sum_t p[g, t] * v[t] for G query rows over n_t int8 value rows; w: room for
-// G * stride floats (the weights times the rows' scales).
-template <int64_t DK>
-static inline void block_values_int8(const float* __restrict__ p,
-                                     const int8_t* __restrict__ vb, int64_t n_t, int64_t G,
-                                     float* __restrict__ acc, int64_t stride,
-                                     float* __restrict__ w) {
-  constexpr int64_t RW = DK + kvray::kScaleBytes;
-  for (int64_t t = 0; t < n_t; ++t) {
-    const float sc = kvray::row_scale(vb + t * RW, DK);
-    for (int64_t g = 0; g < G; ++g) w[g * stride + t] = p[g * stride + t] * sc;
-  }
-  int64_t g = 0;
-  for (; g + 3 <= G; g += 3)
-    block_values_int8_rows<DK, 3>(w + g * stride, vb, n_t, acc + g * DK, stride);
-  switch (G - g) {
-    case 2: block_values_int8_rows<DK, 2>(w + g * stride, vb, n_t, acc + g * DK, stride); break;
-    case 1: block_values_int8_rows<DK, 1>(w + g * stride, vb, n_t, acc + g * DK, stride); break;
-    default: break;
-  }
-}
-#else
-constexpr bool kIntDotKV = false;
-#endif
 
 // Query rows that block_values_vec takes together: each value vector loaded once feeds
 // kRowsTogether rows' FMAs (3 x 4 accumulators of the 32 AVX-512 registers, 2 x 4 of the 16
@@ -575,8 +418,7 @@ static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at:
   // What the vector code reads: the cache itself, or a quantized block widened to fp32.
   using TR = std::conditional_t<kvray::kQuantizedKV<T>, float, T>;
   const int64_t P = std::max<int64_t>(1, kStepTokens / BS), S = P * BS;  // blocks, tokens
-  // int8 keys scored in integers where the CPU has AVX-512 VNNI
-  constexpr bool int_dot = kIntDotKV && std::is_same_v<T, int8_t> && DK % 32 == 0;
+  constexpr bool int_dot = kReadsCodes<T, DK>;  // an int8 cache's codes read in place
   const int64_t items = B * Hk;
   parallel_dynamic(items, chunk_for_threads(items), [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), s(G * S), m(G), l(G);
@@ -613,7 +455,7 @@ static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at:
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = to_f(qp[(b * Hq + h * G + g) * D + d]) * static_cast<float>(scale);
 #ifdef KVRAY_INT8_DOT
-      if constexpr (int_dot) query_codes<DK>(qf.data(), G, qi.data(), qs.data());
+      if constexpr (int_dot) kvray::query_codes<DK>(qf.data(), G, qi.data(), qs.data());
 #endif
       const auto off = [&](int64_t i) { return ((h * NB + tp[b * max_blocks + i]) * BS) * RW; };
       if (idx == begin) prefetch_block(kp + off(first), block_bytes);
@@ -629,7 +471,7 @@ static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at:
           const int64_t n_t = std::min(BS, len - j * BS);
 #ifdef KVRAY_INT8_DOT
           if constexpr (int_dot) {
-            block_scores_int8<DK>(qi.data(), qs.data(), kp + off(j), n_t, G, ks.data(),
+            kvray::block_scores_int8<DK>(qi.data(), qs.data(), kp + off(j), n_t, G, ks.data(),
                                   s.data() + (j - i) * BS, S);
             continue;
           }
@@ -659,7 +501,7 @@ static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at:
           const int64_t n_t = std::min(BS, len - j * BS);
 #ifdef KVRAY_INT8_DOT
           if constexpr (int_dot) {
-            block_values_int8<DK>(s.data() + (j - i) * BS, vp + off(j), n_t, G, acc.data(), S,
+            kvray::block_values_int8<DK>(s.data() + (j - i) * BS, vp + off(j), n_t, G, acc.data(), S,
                                   w.data());
             continue;
           }
@@ -740,10 +582,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tens
 }
 
 bool paged_decode_query_codes(at::Tensor kv, int64_t head_dim) {
-#ifdef KVRAY_INT8_DOT  // the head sizes decode_one_pass takes
-  return kv.scalar_type() == at::kChar && (head_dim == 64 || head_dim == 128);
-#else
-  (void)kv, (void)head_dim;
-  return false;
-#endif
+  // the head sizes decode_one_pass takes
+  return kv.scalar_type() == at::kChar && ((head_dim == 64 && kReadsCodes<int8_t, 64>) ||
+                                           (head_dim == 128 && kReadsCodes<int8_t, 128>));
 }

@@ -161,6 +161,26 @@ using Vec = Vec16;
 using Vec = Vec8;
 #endif
 
+// The lanes of v summed pairwise down to 8 (one AVX2 register).
+inline __m256 to8(Vec::T v) {
+#ifdef __AVX512F__
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+#else
+  return v;
+#endif
+}
+
+// The 8 horizontal sums of a0..a7, as one vector [sum(a0), ..., sum(a7)]: one combined
+// reduction instead of one per vector.
+inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                   __m256 a6, __m256 a7) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                       _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
 // silu(g) = g * sigmoid(g), sigmoid from t = e^-|g| in (0, 1]: 1 / (1 + t) for g >= 0,
 // t / (1 + t) below. Nothing overflows, which matters: under -ffast-math the compiler may
 // turn the division into a reciprocal estimate and a Newton step, which makes NaN of 1 / inf.
