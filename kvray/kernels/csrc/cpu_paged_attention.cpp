@@ -471,8 +471,8 @@ static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at:
           const int64_t n_t = std::min(BS, len - j * BS);
 #ifdef KVRAY_INT8_DOT
           if constexpr (int_dot) {
-            kvray::block_scores_int8<DK>(qi.data(), qs.data(), kp + off(j), n_t, G, ks.data(),
-                                  s.data() + (j - i) * BS, S);
+            kvray::block_scores_int8<DK>(qi.data(), qs.data(), kp + off(j), n_t, G,
+                                         ks.data(), s.data() + (j - i) * BS, S);
             continue;
           }
 #endif
@@ -501,8 +501,8 @@ static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at:
           const int64_t n_t = std::min(BS, len - j * BS);
 #ifdef KVRAY_INT8_DOT
           if constexpr (int_dot) {
-            kvray::block_values_int8<DK>(s.data() + (j - i) * BS, vp + off(j), n_t, G, acc.data(), S,
-                                  w.data());
+            kvray::block_values_int8<DK>(s.data() + (j - i) * BS, vp + off(j), n_t, G,
+                                         acc.data(), S, w.data());
             continue;
           }
 #endif
