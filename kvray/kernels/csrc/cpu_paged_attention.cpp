@@ -203,7 +203,7 @@ static inline void block_values_rows(const float* __restrict__ p, const T* __res
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) c[r][u] = Vec::load(acc + r * DK + d + u * W);
     for (int64_t t = 0; t < n_t; ++t) {
-      const T* v = vb + t * DK + d;
+      const T* v = vb + t * kvray::row_width<T>(DK) + d;  // an int8 row: codes, then a scale
       const Vec::T v0 = Vec::load(v), v1 = Vec::load(v + W), v2 = Vec::load(v + 2 * W),
                    v3 = Vec::load(v + 3 * W);
 #pragma GCC unroll 4
@@ -500,9 +500,9 @@ static void decode_one_pass(const at::Tensor& q, const at::Tensor& kv, const at:
         for (int64_t j = i; j < i_end; ++j) {
           const int64_t n_t = std::min(BS, len - j * BS);
 #ifdef KVRAY_INT8_DOT
-          if constexpr (int_dot) {
-            kvray::block_values_int8<DK>(s.data() + (j - i) * BS, vp + off(j), n_t, G,
-                                         acc.data(), S, w.data());
+          if constexpr (int_dot) {  // the codes, each row's scale in its weight
+            kvray::value_weights<DK>(s.data() + (j - i) * BS, vp + off(j), n_t, G, S, w.data());
+            block_values_vec<DK>(w.data(), vp + off(j), n_t, G, acc.data(), S);
             continue;
           }
 #endif

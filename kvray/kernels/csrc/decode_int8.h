@@ -6,8 +6,9 @@
 // kvray/kernels/kv_quant.py: round_query_rows is the reference), the keys' codes widened to
 // int16 in registers and multiplied pairwise into int32 lanes (vpdpwssd with AVX-512 VNNI,
 // vpmaddwd + add without it or with AVX2 only; a lane sums D / W products of at most
-// 32767 * 127, far from overflowing), then one multiply by the two scales. The values:
-// codes widened to fp32 in registers, each row's scale folded into its softmax weight.
+// 32767 * 127, far from overflowing), then one multiply by the two scales. The values: the
+// fp32 loop (block_values_vec) reading the codes, each row's scale folded into its softmax
+// weight (value_weights).
 // Widening a block to an fp32 buffer and running the fp32 loops on it cost about three
 // times the instructions per key, which bounded the loop rather than its reads: reading
 // codes in place took the kernel to 0.66-0.70x of that time with AVX-512 VNNI, 0.86x in an
@@ -48,10 +49,6 @@ struct IntDot {
 #endif
   }
   static Vec::T to_float(I a) { return _mm512_cvtepi32_ps(a); }
-  static Vec::T codes(const int8_t* p) {  // 16 codes as fp32
-    return _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
 #else
   using I = __m256i;
   static I zero() { return _mm256_setzero_si256(); }
@@ -63,10 +60,6 @@ struct IntDot {
   }
   static I dot(I acc, I a, I b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
   static Vec::T to_float(I a) { return _mm256_cvtepi32_ps(a); }
-  static Vec::T codes(const int8_t* p) {  // 8 codes as fp32
-    return _mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
 #endif
   static constexpr int64_t kCodes = 2 * Vec::kWidth;  // int16 lanes of one I
 };
@@ -139,62 +132,15 @@ inline void block_scores_int8(const int16_t* __restrict__ qi, const float* __res
     for (int64_t t = 0; t < n_t; ++t) s[g * stride + t] *= qs[g] * ks[t];
 }
 
-// Query rows that block_values_int8 takes together (as block_values_vec: 3 x 4 accumulators
-// of the 32 AVX-512 registers, 2 x 4 of the 16 AVX2 ones).
-constexpr int kInt8RowsTogether = Vec::kWidth == 16 ? 3 : 2;
-
-// acc[r] += sum_t w[r, t] * v[t] for R query rows over n_t int8 value rows read as codes,
-// w already holding each row's scale (w = p * scale), per 4 * W dims.
-template <int64_t DK, int R>
-inline void block_values_int8_rows(const float* __restrict__ w, const int8_t* __restrict__ vb,
-                                   int64_t n_t, float* __restrict__ acc, int64_t stride) {
-  constexpr int W = Vec::kWidth;
-  constexpr int64_t RW = DK + kScaleBytes;
-  for (int64_t d = 0; d < DK; d += 4 * W) {
-    Vec::T c[R][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) c[r][u] = Vec::load(acc + r * DK + d + u * W);
-    for (int64_t t = 0; t < n_t; ++t) {
-      const int8_t* v = vb + t * RW + d;
-      const Vec::T v0 = IntDot::codes(v), v1 = IntDot::codes(v + W),
-                   v2 = IntDot::codes(v + 2 * W), v3 = IntDot::codes(v + 3 * W);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const Vec::T x = Vec::set1(w[r * stride + t]);
-        c[r][0] = Vec::fma(x, v0, c[r][0]);
-        c[r][1] = Vec::fma(x, v1, c[r][1]);
-        c[r][2] = Vec::fma(x, v2, c[r][2]);
-        c[r][3] = Vec::fma(x, v3, c[r][3]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) Vec::store(acc + r * DK + d + u * W, c[r][u]);
-  }
-}
-
-// acc[g] += sum_t p[g, t] * v[t] for G query rows over the n_t rows of an int8 value block;
-// w: room for G * stride floats (the weights times the rows' scales).
+// w[g * stride + t] = p[g * stride + t] * the scale of value row t, for G query rows over the
+// n_t rows of an int8 value block: the weights block_values_vec multiplies the codes by.
 template <int64_t DK>
-inline void block_values_int8(const float* __restrict__ p, const int8_t* __restrict__ vb,
-                              int64_t n_t, int64_t G, float* __restrict__ acc, int64_t stride,
-                              float* __restrict__ w) {
+inline void value_weights(const float* __restrict__ p, const int8_t* __restrict__ vb,
+                          int64_t n_t, int64_t G, int64_t stride, float* __restrict__ w) {
   constexpr int64_t RW = DK + kScaleBytes;
-  constexpr int R = kInt8RowsTogether;
   for (int64_t t = 0; t < n_t; ++t) {
     const float sc = row_scale(vb + t * RW, DK);
     for (int64_t g = 0; g < G; ++g) w[g * stride + t] = p[g * stride + t] * sc;
-  }
-  int64_t g = 0;
-  for (; g + R <= G; g += R)
-    block_values_int8_rows<DK, R>(w + g * stride, vb, n_t, acc + g * DK, stride);
-  switch (G - g) {
-    case 2: block_values_int8_rows<DK, 2>(w + g * stride, vb, n_t, acc + g * DK, stride); break;
-    case 1: block_values_int8_rows<DK, 1>(w + g * stride, vb, n_t, acc + g * DK, stride); break;
-    default: break;
   }
 }
 

@@ -1,5 +1,5 @@
-// Vector traits shared by kvray's CPU kernels: fp32 lanes, loaded from fp32 or bf16 and
-// stored back to either. The build is -march=native: AVX-512 machines get 16 lanes, AVX2
+// Vector traits shared by kvray's CPU kernels: fp32 lanes, loaded from fp32, bf16 or int8
+// codes and stored back to fp32 or bf16. The build is -march=native: AVX-512 machines get 16 lanes, AVX2
 // ones 8; without AVX2 there is no vector code (the kernels keep scalar loops for that).
 //
 // bf16 is the top half of an fp32: widening is exact. Narrowing rounds to nearest even and
@@ -36,6 +36,10 @@ struct Vec8 {
   static T zero() { return _mm256_setzero_ps(); }
   static T set1(float v) { return _mm256_set1_ps(v); }
   static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load(const int8_t* p) {  // int8 codes (an int8 KV cache's), exactly
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static T load(const c10::BFloat16* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -103,6 +107,10 @@ struct Vec16 {
   static T zero() { return _mm512_setzero_ps(); }
   static T set1(float v) { return _mm512_set1_ps(v); }
   static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load(const int8_t* p) {  // as Vec8's
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
   static T load(const c10::BFloat16* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
