@@ -97,13 +97,16 @@ class ModelConfig(_Section):
         description="Weight/activation/KV dtype. 'auto': on CPU bf16 where it is native "
         "(amx_bf16/avx512_bf16), else fp32; on GPU the checkpoint's dtype (fp16 without bf16).",
     )
-    quantization: Literal["none", "int8", "fp8"] | None = Field(
+    quantization: Literal["none", "int8", "fp8", "awq", "awq_marlin", "gptq", "gptq_marlin",
+                          "compressed-tensors", "gguf"] | None = Field(
         None,
         description="Weight quantization. null: as the checkpoint stores them (a GGUF keeps "
         "its Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks, AWQ/GPTQ/FP8 checkpoints their codes; a dense "
         "checkpoint stays dense); none: dequantize to dtype; int8: quantize a dense "
         "checkpoint's linears online (weight-only int8, per-channel scales); fp8: the same "
-        "in FP8 e4m3 (CUDA GPUs only).")
+        "in FP8 e4m3 (CUDA GPUs only), or an FP8 checkpoint as stored; awq, gptq, "
+        "compressed-tensors, gguf (and vLLM's awq_marlin, gptq_marlin): the checkpoint as "
+        "stored, which must be in that format (an error naming both otherwise).")
     max_model_len: int | None = Field(
         None, ge=1, le=1 << 20,
         description="Longest prompt + output in tokens; None = the model's context length.",

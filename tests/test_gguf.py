@@ -36,6 +36,17 @@ def test_gguf_logits_and_greedy_tokens_match_the_hf_original(arch, tiny_model_di
     assert generate_by_recompute(model, prompt.tolist(), 8) == expected
 
 
+def test_quantization_gguf_names_a_gguf_file_and_other_format_names_are_errors(
+        tiny_model_dir, tmp_path):
+    """vLLM's ``--quantization gguf`` loads the file as stored; a format it is not in is an
+    error naming both."""
+    gguf_path = write_gguf(tiny_model_dir("llama_gqa"), tmp_path / "m.gguf")
+    model, _ = load_model(gguf_path, "float32", quantization="gguf")
+    assert model.spec.num_layers == 3
+    with pytest.raises(ValueError, match="quantization = 'gptq'.*is gguf"):
+        load_model(gguf_path, "float32", quantization="gptq")
+
+
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen2_bias"])
 @torch.inference_mode()
 def test_transformers_reads_our_test_gguf_identically(arch, tiny_model_dir, tmp_path):

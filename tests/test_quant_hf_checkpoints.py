@@ -120,3 +120,27 @@ def test_kvray_llm_on_a_prequantized_checkpoint_follows_its_fp32_twin(fmt, quant
             f"prefers its token by {gap:.4f} (logit spread {logits.std().item():.3f})")
     print(f"{fmt}: identical greedy prefix {prefixes}, mean {sum(prefixes) / len(prefixes):.1f}"
           f" of {params.max_tokens}")
+
+
+@pytest.mark.parametrize(("fmt", "name"), [("awq_g32", "awq"), ("awq_g32", "awq_marlin"),
+                                           ("gptq8_g64_sym", "gptq_marlin"),
+                                           ("ct_int4_g32_asym", "compressed-tensors"),
+                                           ("ct_fp8_channel", "fp8"), ("fp8_block128", "fp8")])
+def test_vllms_name_for_the_checkpoints_own_format_loads_it_as_stored(fmt, name, quantized):
+    """``quantization: awq`` on an AWQ checkpoint (``fp8`` on an FP8 one, on CPU too) is
+    what vLLM command lines say: the weights load as stored, as with null."""
+    qdir, _ = quantized("llama_gqa", fmt)
+    model, _ = load_model(qdir, "float32", quantization=name)
+    stored, _ = load_model(qdir, "float32")
+    assert [m.quant.source for m in quantized_modules(model)] == \
+        [m.quant.source for m in quantized_modules(stored)]
+
+
+@pytest.mark.parametrize(("fmt", "name", "stored"), [
+    ("awq_g32", "gptq", "is awq"), ("ct_fp8_channel", "awq", "compressed-tensors fp8"),
+    (None, "awq", "not quantized"), (None, "gguf", "not quantized")])
+def test_a_format_name_the_checkpoint_is_not_stored_in_is_an_error_naming_both(
+        fmt, name, stored, quantized, tiny_model_dir):
+    path = quantized("llama_gqa", fmt)[0] if fmt else tiny_model_dir("llama_gqa")
+    with pytest.raises(ValueError, match=f"quantization = '{name}'.*{stored}"):
+        load_model(path, "float32", quantization=name)

@@ -23,7 +23,12 @@ from kvray.models.expert_placement import plan_placement
 from kvray.models.expert_stats import expert_report
 from kvray.models.llama import STACKED_PARAMS, LlamaForCausalLM
 from kvray.models.moe import MoEExperts
-from kvray.models.quantized import QUANTIZATION_METHODS, assemble_quantized, quantize_online
+from kvray.models.quantized import (
+    CHECKPOINT_METHODS,
+    QUANTIZATION_METHODS,
+    assemble_quantized,
+    quantize_online,
+)
 from kvray.models.spec import ModelSpec
 from kvray.parallel import ParallelContext
 from kvray.quant.tensor import QuantTensor
@@ -289,6 +294,45 @@ def open_checkpoint(path: str | Path) -> Any:
     return GGUFCheckpoint(path) if path.suffix == ".gguf" else HFCheckpoint(path)
 
 
+def resolve_quantization(requested: str | None, ckpt: Any, device: torch.device | str
+                         ) -> str | None:
+    """What loading does for ``quantization = requested`` on ``ckpt``: None (the weights as
+    stored), ``"none"``, ``"int8"`` or ``"fp8"`` (quantize online). vLLM's names for a
+    stored format (``awq``, ``gptq``, ``gguf``, ``compressed-tensors``, their ``_marlin``
+    kernels; ``fp8`` on an FP8 checkpoint) mean "as stored" and must match the checkpoint:
+    a ValueError naming both otherwise, as vLLM does."""
+    stored = _stored_format(ckpt)
+    if requested == "fp8" and stored in ("fp8", "compressed-tensors fp8"):
+        return None
+    if requested in CHECKPOINT_METHODS:
+        if stored is None or not stored.startswith(requested.removesuffix("_marlin")):
+            raise ValueError(f"quantization = {requested!r}, but the checkpoint at "
+                             f"{ckpt.path} is {stored or 'not quantized'}; leave quantization "
+                             "null to load it as it is stored")
+        return None
+    if requested not in (None, *QUANTIZATION_METHODS):
+        raise ValueError(f"quantization = {requested!r}: use one of "
+                         f"{', '.join(QUANTIZATION_METHODS + CHECKPOINT_METHODS)} or null "
+                         "(as the checkpoint is)")
+    if requested == "fp8" and torch.device(device).type != "cuda":
+        raise ValueError("quantization = 'fp8' runs on CUDA GPUs (FP8 weights and GEMMs); "
+                         "on CPU use 'int8'")
+    return requested
+
+
+def _stored_format(ckpt: Any) -> str | None:
+    """The format of a checkpoint's weights by vLLM's quantization names: gguf, awq, gptq,
+    fp8, compressed-tensors (``compressed-tensors fp8`` for its float format); None: dense."""
+    if not isinstance(ckpt, HFCheckpoint):
+        return "gguf"
+    scheme = ckpt.scheme
+    if scheme is None:
+        return None
+    if scheme.method == "compressed-tensors" and scheme.is_float:
+        return "compressed-tensors fp8"
+    return scheme.method
+
+
 def resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
     """The configured context length, bounded by what the model was trained for (with its
     rope scaling: :func:`kvray.kernels.rotary.max_context`)."""
@@ -319,13 +363,8 @@ def load_model(model_path: str | Path, dtype: str, ctx: ParallelContext | None =
     ``expert_loads``: each MoE layer's tokens per expert (``expert_placement``); under
     expert parallelism the experts go to the ranks balanced by them (ConfigError naming
     the setting when they do not fit the model)."""
-    if quantization not in (None, *QUANTIZATION_METHODS):
-        raise ValueError(f"quantization = {quantization!r}: use one of "
-                         f"{', '.join(QUANTIZATION_METHODS)} or null (as the checkpoint is)")
-    if quantization == "fp8" and torch.device(device).type != "cuda":
-        raise ValueError("quantization = 'fp8' runs on CUDA GPUs (FP8 weights and GEMMs); "
-                         "on CPU use 'int8'")
     ckpt = open_checkpoint(model_path)
+    quantization = resolve_quantization(quantization, ckpt, device)
     spec = ModelSpec.from_hf_config(ckpt.hf_config)
     max_len = resolve_max_model_len(max_model_len, spec)
     ctx = ctx or ParallelContext()

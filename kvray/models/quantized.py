@@ -30,6 +30,9 @@ from kvray.quant.tensor import QuantKind, QuantTensor
 logger = logging.getLogger("kvray")
 
 QUANTIZATION_METHODS = ("none", "int8", "fp8")
+# vLLM's names for the format a checkpoint is stored in: accepted when it is stored so (the
+# same as null then), an error naming both otherwise, so a vLLM command line carries over
+CHECKPOINT_METHODS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "gguf")
 _CPU_KINDS = {QuantKind.U4, QuantKind.U5, QuantKind.U6, QuantKind.S8}
 
 
