@@ -82,6 +82,9 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and torch's) short names
+
+
 class ModelConfig(_Section):
     """Which weights to run and how to hold them."""
 
@@ -95,8 +98,15 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
         description="Weight/activation/KV dtype. 'auto': on CPU bf16 where it is native "
-        "(amx_bf16/avx512_bf16), else fp32; on GPU the checkpoint's dtype (fp16 without bf16).",
+        "(amx_bf16/avx512_bf16), else fp32; on GPU the checkpoint's dtype (fp16 without bf16). "
+        "vLLM's 'half' and 'float' mean float16 and float32.",
     )
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: Any) -> Any:
+        return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
     quantization: Literal["none", "int8", "fp8", "awq", "awq_marlin", "gptq", "gptq_marlin",
                           "compressed-tensors", "gguf"] | None = Field(
         None,

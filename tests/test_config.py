@@ -52,6 +52,15 @@ def test_bad_value_names_field_value_and_bound():
     assert "block_size = 0" in msg and "greater than or equal to 1" in msg
 
 
+@pytest.mark.parametrize(("alias", "dtype"), [("half", "float16"), ("float", "float32")])
+def test_vllms_short_dtype_names_mean_the_full_ones(alias, dtype, tmp_path):
+    assert load_config(dtype=alias).model.dtype == dtype
+    (tmp_path / "c.yaml").write_text(f"dtype: {alias}\n")
+    assert load_config(tmp_path / "c.yaml").model.dtype == dtype
+    with pytest.raises(ConfigError, match="dtype = 'double'"):
+        load_config(dtype="double")
+
+
 def test_bad_choice_lists_the_allowed_values(tmp_path):
     (tmp_path / "c.yaml").write_text("preemption_mode: evict\n")
     with pytest.raises(ConfigError) as err:
