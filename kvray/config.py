@@ -82,6 +82,29 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
+def read_chat_template(value: str) -> str:
+    """The template text of ``chat_template``: a file's contents, or ``value`` itself when
+    it holds Jinja markup. ValueError naming the key for a missing file or a template Jinja
+    cannot parse (found at start-up rather than at the first chat request)."""
+    import jinja2
+
+    path = Path(value).expanduser()
+    if "{" not in value and "\n" not in value:
+        try:
+            value = path.read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            shown = str(path) if len(str(path)) <= 200 else str(path)[:200] + "..."
+            raise ValueError(f"chat_template = {shown!r}: cannot read it as a template "
+                             f"file ({err.__class__.__name__}); give a file or the Jinja text "
+                             "itself") from None
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(value)
+    except jinja2.TemplateSyntaxError as err:
+        raise ValueError(f"chat_template: not a valid Jinja template (line {err.lineno}: "
+                         f"{err.message})") from None
+    return value
+
+
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and torch's) short names
 
 
@@ -95,6 +118,15 @@ class ModelConfig(_Section):
     tokenizer: str | None = Field(
         None, description="Tokenizer directory; None = the model's own."
     )
+    chat_template: str | None = Field(
+        None, description="Jinja chat template for chat requests, as a file or the template "
+        "text itself (vLLM's --chat-template); None = the tokenizer's own. A file is read "
+        "when the config is loaded, so every replica and node gets its text.")
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _read_chat_template(cls, value: Any) -> Any:
+        return read_chat_template(value) if isinstance(value, str) else value
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
         description="Weight/activation/KV dtype. 'auto': on CPU bf16 where it is native "
@@ -432,6 +464,9 @@ class ServerConfig(_Section):
         "the least loaded. load: the less loaded of two random replicas.")
     enable_docs: bool = Field(
         False, description="Serve /docs, /redoc and /openapi.json (behind the API key if set).")
+    log_requests: bool = Field(
+        True, description="Log one line per finished request (its id, token counts, finish "
+        "reason and time; never its text). vLLM's --disable-log-requests turns it off.")
     metrics_require_key: bool = Field(
         False, description="Require the API key on /metrics too (/health never needs it).")
     stream_interval: int = Field(
@@ -698,19 +733,29 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _names_a_file_in(base: Path, value: str) -> bool:
+    """``value`` is a relative path that exists under ``base`` (not template text)."""
+    if "{" in value or "\n" in value or Path(value).is_absolute():
+        return False
+    try:
+        return (base / value).exists()
+    except OSError:  # e.g. a name too long for the file system
+        return False
+
+
 def load_config(path: str | Path | None = None, **overrides: Any) -> EngineConfig:
     """Load a flat YAML config (or defaults when ``path`` is None) and apply overrides.
 
     Overrides whose value is None are ignored, so unset CLI flags keep the file's value.
-    A relative ``model``/``tokenizer`` path in the file is resolved against the file's folder
-    when that path exists there.
+    A relative path in the file (``model``, ``tokenizer``, ``expert_placement``,
+    ``chat_template``) is resolved against the file's folder when that path exists there.
     """
     flat = read_yaml(path) if path is not None else {}
     if path is not None:
         base = Path(path).resolve().parent
-        for key in ("model", "tokenizer", "expert_placement"):
+        for key in ("model", "tokenizer", "expert_placement", "chat_template"):
             value = flat.get(key)
-            if isinstance(value, str) and not Path(value).is_absolute() and (base / value).exists():
+            if isinstance(value, str) and _names_a_file_in(base, value):
                 flat[key] = str(base / value)
     flat.update({k: v for k, v in overrides.items() if v is not None})
     return config_from_flat(flat)

@@ -29,9 +29,18 @@ def check_model_path(path: str | Path) -> Path:
     return path
 
 
-def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = None) -> Any:
+def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = None,
+                   chat_template: str | None = None) -> Any:
     """The tokenizer at ``tokenizer_path`` if given, else the model's own: a Hugging Face
-    directory's files, or the tokenizer (with chat template) embedded in a GGUF file."""
+    directory's files, or the tokenizer (with chat template) embedded in a GGUF file.
+    ``chat_template`` (the template text) replaces the tokenizer's own."""
+    tokenizer = _load(model_path, tokenizer_path)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def _load(model_path: str | Path, tokenizer_path: str | Path | None) -> Any:
     from transformers import AutoTokenizer
 
     if tokenizer_path is not None:

@@ -119,6 +119,26 @@ def test_server_limits_are_flags_and_bad_values_name_the_field(capsys):
     assert rc == 2 and "max_stop" in capsys.readouterr().err
 
 
+def test_a_vllm_command_line_parses_to_the_same_settings(tmp_path, capsys):
+    """The flags of a typical `vllm serve` line (a Helm chart's args) run unchanged:
+    aliases map to kvray's settings, flags with nothing to do here are accepted."""
+    from kvray.cli import config_from_args
+    from kvray.cli.flags import resolve_num_replicas
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    args = _serve_args("--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser",
+                       "hermes", "--disable-log-requests", "--dtype", "half",
+                       "--data-parallel-size", "2", "--chat-template", str(tmp_path / "t.jinja"),
+                       "--max-model-len", "512", "--gpu-memory-utilization", "0.8")
+    config = config_from_args(args)
+    assert config.server.log_requests is False and config.model.dtype == "float16"
+    assert config.model.chat_template == template and config.server.tool_call_parser == "hermes"
+    assert resolve_num_replicas(args) == 2
+    rc = main(["serve", "--data-parallel-size", "2", "--num-replicas", "3"])
+    assert rc == 2 and "--data-parallel-size 2 and --num-replicas 3" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("ingress", ["process", "replica"])
 def test_the_single_replica_front_ends_refuse_several_replicas_before_starting_anything(
         capsys, ingress):

@@ -61,6 +61,25 @@ def test_vllms_short_dtype_names_mean_the_full_ones(alias, dtype, tmp_path):
         load_config(dtype="double")
 
 
+def test_chat_template_is_read_from_a_file_or_taken_as_text(tmp_path):
+    text = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(text)
+    assert load_config(chat_template=str(tmp_path / "t.jinja")).model.chat_template == text
+    assert load_config(chat_template=text).model.chat_template == text
+    (tmp_path / "c.yaml").write_text("chat_template: t.jinja\n")  # relative to the file
+    assert load_config(tmp_path / "c.yaml").model.chat_template == text
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("/no/such/template.jinja", "chat_template = '/no/such/template.jinja': cannot read"),
+    ("{% for m in messages %}", "chat_template: not a valid Jinja template"),
+    ("x" * 5000, "chat_template = 'xxx"),
+])
+def test_a_bad_chat_template_is_an_error_naming_it(value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(chat_template=value)
+
+
 def test_bad_choice_lists_the_allowed_values(tmp_path):
     (tmp_path / "c.yaml").write_text("preemption_mode: evict\n")
     with pytest.raises(ConfigError) as err:

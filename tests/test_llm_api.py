@@ -192,6 +192,34 @@ def test_chat_uses_the_template(llm):
     assert len(llm.chat([conv, conv], SamplingParams(max_tokens=2), use_tqdm=False)) == 2
 
 
+PLAIN_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}>>"
+
+
+def test_chat_takes_a_template_per_call(llm):
+    """vLLM's ``LLM.chat(..., chat_template=)``: this call's prompt is that template's."""
+    conv = [{"role": "user", "content": "Hello"}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,
+                   chat_template=PLAIN_TEMPLATE)[0]
+    assert out.prompt == "[user]Hello>>"
+    assert out.prompt_token_ids == llm.get_tokenizer().encode("[user]Hello>>",
+                                                              add_special_tokens=False)
+    default = llm.chat(conv, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert default.prompt.startswith("<|im_start|>user")  # the tokenizer's own, untouched
+
+
+def test_a_configured_chat_template_file_replaces_the_tokenizers(model_dir, tmp_path):
+    path = tmp_path / "plain.jinja"
+    path.write_text(PLAIN_TEMPLATE)
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_gpu_blocks_override=32,
+              chat_template=str(path))
+    try:
+        out = llm.chat([{"role": "user", "content": "Hi"}],
+                       SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    assert out.prompt == "[user]Hi>>"
+
+
 def test_penalties_and_logit_bias_steer_greedy_output(llm, hf):
     tok = llm.get_tokenizer()
     prompt_ids = _ids(10, 21)

@@ -105,3 +105,18 @@ def test_without_lora_other_models_and_the_adapter_routes_are_404(client):
     models = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in models] == ["m"]
 
+
+
+@pytest.mark.parametrize("log_requests", [True, False])
+def test_each_finished_request_logs_one_line_unless_log_requests_is_off(
+        tiny_async_llm, caplog, log_requests):
+    from kvray.config import ServerConfig
+
+    engine = tiny_async_llm(max_model_len=256, num_gpu_blocks_override=256)
+    app = OpenAIServer(engine, "m", 256, limits=ServerConfig(log_requests=log_requests)).app
+    with caplog.at_level("INFO", logger="kvray"), TestClient(app) as http:
+        resp = http.post("/v1/completions", json={"model": "m", "prompt": "Hello",
+                                                  "max_tokens": 3})
+    assert resp.status_code == 200
+    lines = [r.getMessage() for r in caplog.records if "generated tokens" in r.getMessage()]
+    assert len(lines) == (1 if log_requests else 0), lines

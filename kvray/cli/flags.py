@@ -11,13 +11,26 @@ from __future__ import annotations
 import argparse
 from typing import Any, get_args
 
-from kvray.config import FIELD_SECTION, SECTIONS, EngineConfig, load_config
+from kvray.config import FIELD_SECTION, SECTIONS, ConfigError, EngineConfig, load_config
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine config of ``--config FILE`` with every config flag given laid over it."""
     overrides = {key: getattr(args, key, None) for key in FIELD_SECTION}
+    if getattr(args, "disable_log_requests", False) and overrides["log_requests"] is None:
+        overrides["log_requests"] = False
     return load_config(args.config, **overrides)
+
+
+def resolve_num_replicas(args: argparse.Namespace) -> int:
+    """``--num-replicas``, or vLLM's ``--data-parallel-size`` for it (equal when both)."""
+    dp = getattr(args, "data_parallel_size", None)
+    if dp is None:
+        return args.num_replicas
+    if args.num_replicas not in (1, dp):
+        raise ConfigError(f"--data-parallel-size {dp} and --num-replicas {args.num_replicas} "
+                          "disagree: give one of them")
+    return dp
 
 
 def _positive_int(text: str) -> int:
@@ -78,8 +91,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "OpenAI app and the engine core in this process (uvicorn), Ray "
                              "only for TP x PP workers: one replica, no Ray hop per token "
                              "(the faster choice for one replica on a small host)")
+    parser.add_argument("--data-parallel-size", type=_positive_int, default=None,
+                        metavar="N", help="vLLM's name for --num-replicas")
+    _add_vllm_compat_flags(parser)
     parser.add_argument("--address", default=None,
                         help="Ray cluster address, e.g. 'auto' for the cluster `ray start` runs "
                              "here (default: RAY_ADDRESS, else a new private cluster on "
                              "127.0.0.1)")
     add_config_flags(parser)
+
+
+def _add_vllm_compat_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM flags that need nothing more here, accepted so a vLLM command line (a Helm
+    chart's args) runs unchanged."""
+    group = parser.add_argument_group("vLLM flags accepted as they are")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="no effect: kvray runs its own code for the architectures it "
+                            "supports, never a checkpoint's")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="no effect: tool_choice 'auto' is always on (calls found by "
+                            "--tool-call-parser)")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="the same as --no-log-requests")

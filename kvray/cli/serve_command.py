@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvray.cli.flags import config_from_args
+from kvray.cli.flags import config_from_args, resolve_num_replicas
 from kvray.cli.serve_lifecycle import run_bounded
 from kvray.config import ConfigError, EngineConfig
 
@@ -79,6 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.model_positional is not None:
         args.model = args.model_positional
+    args.num_replicas = resolve_num_replicas(args)
     config = with_builtin_model(config_from_args(args))
     api_key = resolve_api_key(args)
     model_path = resolve_model_path(config.model.model)

@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvray.config import EngineConfig, config_from_flat, load_config
+from kvray.config import EngineConfig, config_from_flat, load_config, read_chat_template
 from kvray.engine.beam_search import (
     BeamSearch,
     BeamSearchOutput,
@@ -193,19 +193,26 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them via the chat template;
         ``tools`` (OpenAI's function specs) go to the template as vLLM's ``LLM.chat`` passes
         them. The reply is text: :func:`kvray.serve.tools.parse_tool_calls` finds calls in
         it, and ``structured_outputs={"json": required_schema(...)}`` forces them.
-        ``chat_template_kwargs`` are further template variables (``enable_thinking``)."""
+        ``chat_template_kwargs`` are further template variables (``enable_thinking``);
+        ``chat_template`` (a file or the Jinja text) replaces the configured template for
+        this call, as in vLLM."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use generate()")
+        template = read_chat_template(chat_template) if chat_template is not None else None
+        if not (template or getattr(tok, "chat_template", None)):
+            raise ValueError("this model's tokenizer has no chat template; give chat_template "
+                             "or use generate()")
         prompts = []
         for conv in convs:
-            extra = chat_template_kwargs or {}
+            extra = dict(chat_template_kwargs or {})
+            if template is not None:
+                extra["chat_template"] = template
             ids = tok.apply_chat_template(conv, tools=tools,
                                           add_generation_prompt=add_generation_prompt,
                                           tokenize=True, return_dict=True, **extra)["input_ids"]

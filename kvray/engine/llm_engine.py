@@ -67,7 +67,8 @@ class LLMEngine:
         self.model_path = str(resolve_model_path(config.model.model))
         # the workers take the model's files from the object store themselves if need be
         local_path = local_model_path(self.model_path, config.model.share_weights)
-        self.tokenizer = load_tokenizer(local_path, config.model.tokenizer)
+        self.tokenizer = load_tokenizer(local_path, config.model.tokenizer,
+                                        config.model.chat_template)
         self.stats = EngineStats()
         # A copy taken by the engine's own thread after each update, for readers on other
         # threads: they never see a half-updated set of gauges (running but no blocks).

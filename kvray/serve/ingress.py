@@ -49,7 +49,8 @@ class OpenAIIngress(ReplicaLifecycle):
         from kvray.tokenizer import load_tokenizer
 
         api_key = resolve_api_key(options)
-        tokenizer = load_tokenizer(config.model.model, config.model.tokenizer)
+        tokenizer = load_tokenizer(config.model.model, config.model.tokenizer,
+                                   config.model.chat_template)
         directory = None
         if config.lora.enabled:
             from kvray.serve.lora_directory import lora_directory

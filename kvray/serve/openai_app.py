@@ -436,5 +436,6 @@ class OpenAIServer:
         itl = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
         self.metrics.observe_request(len(out.prompt_token_ids), gen_tokens, reason,
                                      m.queue_time if m else None, ttft, e2e, itl)
-        logger.info("request %s: %d prompt + %d generated tokens, %s, %.3f s",
-                    out.request_id, len(out.prompt_token_ids), gen_tokens, reason, e2e)
+        if self.limits.log_requests:
+            logger.info("request %s: %d prompt + %d generated tokens, %s, %.3f s",
+                        out.request_id, len(out.prompt_token_ids), gen_tokens, reason, e2e)

@@ -85,7 +85,7 @@ def _serve_command(config: dict, report: ClusterReport) -> ServeCommand | None:
         serve = ServeCommand(command=command)
         if w := re.search(r"kvray(?:\.ops\.|\s+)cluster\s+wait-gpus\s+(\d+)", command):
             serve.wait_gpus = int(w[1])
-        from kvray.cli.flags import add_serve_arguments
+        from kvray.cli.flags import add_serve_arguments, resolve_num_replicas
 
         parser = argparse.ArgumentParser(prog="kvray serve")
         add_serve_arguments(parser)
@@ -93,6 +93,7 @@ def _serve_command(config: dict, report: ClusterReport) -> ServeCommand | None:
         try:
             with contextlib.redirect_stderr(err):
                 args = parser.parse_args(shlex.split(m[1]))
+                args.num_replicas = resolve_num_replicas(args)
         except (SystemExit, ValueError) as exc:
             report.problems.append(f"the head command `kvray serve{m[1]}` does not parse as "
                                    f"kvray serve: {err.getvalue().strip() or exc}")
