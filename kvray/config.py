@@ -105,7 +105,15 @@ def read_chat_template(value: str) -> str:
     return value
 
 
+def _template_text(value: Any) -> Any:
+    return read_chat_template(value) if isinstance(value, str) else value
+
+
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and torch's) short names
+
+
+def _full_dtype_name(value: Any) -> Any:
+    return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
 
 
 class ModelConfig(_Section):
@@ -123,10 +131,8 @@ class ModelConfig(_Section):
         "text itself (vLLM's --chat-template); None = the tokenizer's own. A file is read "
         "when the config is loaded, so every replica and node gets its text.")
 
-    @field_validator("chat_template", mode="before")
-    @classmethod
-    def _read_chat_template(cls, value: Any) -> Any:
-        return read_chat_template(value) if isinstance(value, str) else value
+    _read_chat_template = field_validator("chat_template", mode="before")(_template_text)
+
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
         description="Weight/activation/KV dtype. 'auto': on CPU bf16 where it is native "
@@ -134,10 +140,7 @@ class ModelConfig(_Section):
         "vLLM's 'half' and 'float' mean float16 and float32.",
     )
 
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _dtype_alias(cls, value: Any) -> Any:
-        return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+    _dtype_alias = field_validator("dtype", mode="before")(_full_dtype_name)
 
     quantization: Literal["none", "int8", "fp8", "awq", "awq_marlin", "gptq", "gptq_marlin",
                           "compressed-tensors", "gguf"] | None = Field(
