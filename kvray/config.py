@@ -132,6 +132,11 @@ class ModelConfig(_Section):
         "when the config is loaded, so every replica and node gets its text.")
 
     _read_chat_template = field_validator("chat_template", mode="before")(_template_text)
+    generation_config: str = Field(
+        "auto", description="Default sampling parameters for requests that leave them unset "
+        "(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), as vLLM takes "
+        "them: auto = the model's generation_config.json; vllm = none (OpenAI's defaults); "
+        "or a folder holding a generation_config.json.")
 
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
@@ -751,12 +756,14 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> EngineConfi
 
     Overrides whose value is None are ignored, so unset CLI flags keep the file's value.
     A relative path in the file (``model``, ``tokenizer``, ``expert_placement``,
-    ``chat_template``) is resolved against the file's folder when that path exists there.
+    ``chat_template``, ``generation_config``) is resolved against the file's folder when
+    that path exists there.
     """
     flat = read_yaml(path) if path is not None else {}
     if path is not None:
         base = Path(path).resolve().parent
-        for key in ("model", "tokenizer", "expert_placement", "chat_template"):
+        for key in ("model", "tokenizer", "expert_placement", "chat_template",
+                    "generation_config"):
             value = flat.get(key)
             if isinstance(value, str) and _names_a_file_in(base, value):
                 flat[key] = str(base / value)

@@ -220,6 +220,17 @@ def test_a_configured_chat_template_file_replaces_the_tokenizers(model_dir, tmp_
     assert out.prompt == "[user]Hi>>"
 
 
+def test_default_sampling_params_come_from_the_generation_config(model_dir, tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.5, "top_k": 7}')
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_gpu_blocks_override=32,
+              generation_config=str(tmp_path))
+    try:
+        params = llm.get_default_sampling_params()
+    finally:
+        llm.shutdown()
+    assert (params.temperature, params.top_k, params.top_p) == (0.5, 7, 1.0)
+
+
 def test_penalties_and_logit_bias_steer_greedy_output(llm, hf):
     tok = llm.get_tokenizer()
     prompt_ids = _ids(10, 21)

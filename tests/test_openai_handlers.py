@@ -120,3 +120,25 @@ def test_each_finished_request_logs_one_line_unless_log_requests_is_off(
     assert resp.status_code == 200
     lines = [r.getMessage() for r in caplog.records if "generated tokens" in r.getMessage()]
     assert len(lines) == (1 if log_requests else 0), lines
+
+
+def test_unset_sampling_fields_take_the_models_generation_config(tiny_async_llm, tmp_path):
+    """A generation_config.json with temperature 0 and max_new_tokens 5: a chat request
+    that sets neither is greedy and 5 tokens long (the explicit greedy request's text); a
+    request's own values still win."""
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "max_new_tokens": 5}))
+    engine = tiny_async_llm(max_model_len=256, num_gpu_blocks_override=256,
+                            generation_config=str(tmp_path))
+    http = TestClient(OpenAIServer(engine, "m", 256).app)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Once upon a"}]}
+    first, second = (http.post("/v1/chat/completions", json=body).json() for _ in range(2))
+    assert first["usage"]["completion_tokens"] == 5
+    assert first["choices"][0]["finish_reason"] == "length"
+    explicit = http.post("/v1/chat/completions", json={**body, "temperature": 0,
+                                                        "max_tokens": 5}).json()
+    assert first["choices"][0]["message"] == second["choices"][0]["message"] \
+        == explicit["choices"][0]["message"]
+    longer = http.post("/v1/chat/completions", json={**body, "max_tokens": 9,
+                                                      "ignore_eos": True}).json()
+    assert longer["usage"]["completion_tokens"] == 9

@@ -77,6 +77,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` / ``chat`` use without ``sampling_params``: vLLM's defaults
+        with the model's generation_config.json values over them (``generation_config``)."""
+        return SamplingParams(**self.llm_engine.sampling_defaults)
+
     def expert_load(self) -> dict[int, list[int]]:
         """MoE models: tokens routed to each expert of each layer so far (global layer ->
         count per expert; empty for a dense model). See :meth:`LLMEngine.expert_load`."""
@@ -94,7 +99,8 @@ class LLM:
         prompts or one per prompt (None: the base model), as vLLM takes them.
         """
         prompts = _prompt_list(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None \
+            else self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

@@ -17,6 +17,7 @@ from kvray.actors.executor import Executor, initialize_kv_cache, make_executor
 from kvray.actors.weights_store import local_model_path
 from kvray.config import EngineConfig
 from kvray.engine.detokenizer import IncrementalDetokenizer
+from kvray.engine.generation_config import generation_defaults
 from kvray.engine.request_state import RequestState, SequenceState
 from kvray.engine.stats import EngineStats
 from kvray.errors import EngineUnavailableError, InvalidRequestError
@@ -69,6 +70,9 @@ class LLMEngine:
         local_path = local_model_path(self.model_path, config.model.share_weights)
         self.tokenizer = load_tokenizer(local_path, config.model.tokenizer,
                                         config.model.chat_template)
+        # what a request's unset sampling parameters default to (the model's own)
+        self.sampling_defaults = generation_defaults(config.model.generation_config,
+                                                     local_path)
         self.stats = EngineStats()
         # A copy taken by the engine's own thread after each update, for readers on other
         # threads: they never see a half-updated set of gauges (running but no blocks).

@@ -48,6 +48,7 @@ class ServerContext(Protocol):
     eos_token_ids: tuple[int, ...]  # the ids that end a sequence (beam search)
     limits: ServerConfig  # bounds every request
     tokenizer: Any  # the model's Hugging Face tokenizer
+    sampling_defaults: dict[str, Any]  # the model's own, for unset sampling fields
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work off the event loop."""
@@ -317,7 +318,8 @@ class CompletionHandler(_Handler):
         return self.req.max_tokens
 
     def sampling_params(self, max_tokens):
-        return self.req.sampling_params(max_tokens, self.req.logprobs)
+        return self.req.sampling_params(max_tokens, self.req.logprobs,
+                                        defaults=self.server.sampling_defaults)
 
     def num_prompts(self) -> int:
         try:
@@ -418,7 +420,8 @@ class ChatHandler(_Handler):
         top = self.req.top_logprobs
         if top is not None and not self.req.logprobs:
             raise ProtocolError("top_logprobs needs logprobs=true", "top_logprobs")
-        params = self.req.sampling_params(max_tokens, (top or 0) if self.req.logprobs else None)
+        params = self.req.sampling_params(max_tokens, (top or 0) if self.req.logprobs else None,
+                                          defaults=self.server.sampling_defaults)
         if self.tool_mode == "auto" and keeps_special_tokens(self.tool_parser):
             params.skip_special_tokens = False  # Mistral's [TOOL_CALLS] / [ARGS] are special
         span = self._reasoning_span()

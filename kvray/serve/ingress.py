@@ -61,7 +61,8 @@ class OpenAIIngress(ReplicaLifecycle):
         self.server = OpenAIServer(client, model_name, info["max_model_len"], api_key,
                                    config.server, lora=config.lora,
                                    model_head=info.get("head", "lm"),
-                                   eos_token_ids=info.get("eos_token_ids"))
+                                   eos_token_ids=info.get("eos_token_ids"),
+                                   sampling_defaults=info.get("sampling_defaults"))
         self._refresher = asyncio.create_task(client.stats.run())
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -137,7 +137,8 @@ class OpenAIServer:
                  api_key: str | None = None, limits: ServerConfig | None = None,
                  app: FastAPI | None = None, enable_docs: bool | None = None,
                  lora: LoRAConfig | None = None, model_head: str = "lm",
-                 eos_token_ids: tuple[int, ...] | None = None) -> None:
+                 eos_token_ids: tuple[int, ...] | None = None,
+                 sampling_defaults: dict[str, Any] | None = None) -> None:
         self.client, self.model_name = client, model_name
         # lm | embed | classify (ModelSpec.head): /score and /rerank use the classification
         # head of a classify model, else embeddings' cosine similarity
@@ -155,6 +156,11 @@ class OpenAIServer:
                 (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None
                 else ())
         self.eos_token_ids = tuple(eos_token_ids)
+        if sampling_defaults is None:  # the model's generation_config.json, via the engine
+            engine = getattr(client, "engine", None)
+            sampling_defaults = getattr(engine, "sampling_defaults", None) or {}
+        # unset request fields take these (vLLM's --generation-config auto)
+        self.sampling_defaults = dict(sampling_defaults)
         self.metrics = ServerMetrics(model_name)
         self.draining = False
         self._abort: asyncio.Future | None = None  # set by abort_all: ends every stream
@@ -223,11 +229,12 @@ class OpenAIServer:
         return model
 
     def resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
-        """``max_tokens`` for a prompt: as requested, or all the room left in the context;
+        """``max_tokens`` for a prompt: as requested, or all the room left in the context
+        (at most the model's default, if its generation config has one);
         an APIError (400) when prompt + max_tokens exceeds the context length."""
         room = self.max_model_len - prompt_len
         if requested is None:
-            requested = room
+            requested = min(room, self.sampling_defaults.get("max_tokens") or room)
         if prompt_len + requested > self.max_model_len or room < 1:
             raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({requested}) "
                            f"exceeds the model's context length ({self.max_model_len})",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -159,8 +160,17 @@ class _Sampling(_Request):
                                 field) from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """The engine's parameters for this request; outputs stream back as deltas."""
+                        prompt_logprobs: int | None = None,
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The engine's parameters for this request; outputs stream back as deltas.
+        ``defaults``: the model's values (generation_config.json) for fields left unset,
+        before OpenAI's."""
+        defaults = defaults or {}
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
         bias = None
         if self.logit_bias:
             try:
@@ -171,11 +181,9 @@ class _Sampling(_Request):
         structured = self.structured()
         try:
             return SamplingParams(
-                n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=-1 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
-                repetition_penalty=self.repetition_penalty or 1.0,
+                n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", -1), min_p=pick("min_p", 0.0),
+                repetition_penalty=pick("repetition_penalty", 1.0) or 1.0,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logit_bias=bias, seed=self.seed, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,

@@ -105,7 +105,8 @@ class LLMServer(ReplicaLifecycle, ChannelEndpoint):
     def model_info(self) -> dict:
         return {"max_model_len": self.engine.engine.max_model_len,
                 "head": self.engine.engine.spec.head,
-                "eos_token_ids": list(self.engine.engine.eos_token_ids)}
+                "eos_token_ids": list(self.engine.engine.eos_token_ids),
+                "sampling_defaults": self.engine.engine.sampling_defaults}
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:

@@ -1,0 +1,58 @@
+"""Default sampling parameters from a model's ``generation_config.json``, as vLLM applies
+them (``--generation-config auto``): a request that leaves ``temperature`` (or ``top_p``,
+``top_k``, ``min_p``, ``repetition_penalty``, ``max_tokens``) unset gets the model
+author's value instead of OpenAI's default. Qwen and Llama instruct checkpoints ship such
+values (e.g. temperature 0.6, top_p 0.9); serving them without would sample differently
+from vLLM on the same request."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from kvray.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvray")
+
+# generation_config.json key -> SamplingParams field, with the value transformers takes
+# when the key is absent (vLLM applies only values that differ from these)
+_KEYS = {"temperature": ("temperature", 1.0), "top_p": ("top_p", 1.0),
+         "top_k": ("top_k", 50), "min_p": ("min_p", None),
+         "repetition_penalty": ("repetition_penalty", 1.0),
+         "max_new_tokens": ("max_tokens", None)}
+
+
+def generation_defaults(source: str, model_path: str | Path) -> dict[str, Any]:
+    """The sampling defaults ``generation_config`` names: ``auto`` the model directory's
+    ``generation_config.json`` (nothing for a GGUF file or a directory without one),
+    ``vllm`` none (vLLM's and OpenAI's own defaults), else a directory holding that file.
+    ValueError naming the file and key when a value is not a valid sampling parameter."""
+    if source == "vllm":
+        return {}
+    folder = Path(model_path) if source == "auto" else Path(source).expanduser()
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if source != "auto":
+            raise ValueError(f"generation_config = {source!r}: no generation_config.json "
+                             "there; give 'auto' (the model's), 'vllm' (none) or its folder")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"generation_config: cannot read {path} as JSON ({err}); set "
+                         "generation_config: vllm to ignore it") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"generation_config: {path} is not a JSON object")
+    defaults = {field: data[key] for key, (field, unset) in _KEYS.items()
+                if data.get(key) is not None and data[key] != unset}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"generation_config: {path}: {err}; set generation_config: vllm "
+                         "to ignore the file") from None
+    if defaults:
+        logger.info("kvray: default sampling parameters from %s: %s (a request's own values "
+                    "win; generation_config: vllm ignores the file)", path, defaults)
+    return defaults
