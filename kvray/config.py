@@ -105,6 +105,16 @@ def read_chat_template(value: str) -> str:
     return value
 
 
+def _json_object(value: Any, key: str) -> Any:
+    """A dict-valued key may come as the command line's JSON text."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as err:
+        raise ValueError(f"{key}: not valid JSON ({err})") from None
+
+
 def _template_text(value: Any) -> Any:
     return read_chat_template(value) if isinstance(value, str) else value
 
@@ -137,6 +147,13 @@ class ModelConfig(_Section):
         "(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), as vLLM takes "
         "them: auto = the model's generation_config.json; vllm = none (OpenAI's defaults); "
         "or a folder holding a generation_config.json.")
+    override_generation_config: dict[str, Any] | None = Field(
+        None, description="Generation-config values laid over generation_config's (vLLM's "
+        "--override-generation-config), as JSON, e.g. '{\"temperature\": 0.5}'; its keys are "
+        "generation_config.json's (max_new_tokens for max_tokens).")
+
+    _parse_generation_override = field_validator("override_generation_config", mode="before")(
+        lambda value: _json_object(value, "override_generation_config"))
 
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
@@ -192,15 +209,8 @@ class ModelConfig(_Section):
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
         "or '{\"model\": \"/path/to/draft\", \"num_speculative_tokens\": 4}'. None = off.")
 
-    @field_validator("speculative_config", mode="before")
-    @classmethod
-    def _parse_speculative(cls, value: Any) -> Any:
-        if isinstance(value, str):  # the command line's JSON form
-            try:
-                return json.loads(value)
-            except ValueError as err:
-                raise ValueError(f"speculative_config: not valid JSON ({err})") from None
-        return value
+    _parse_speculative = field_validator("speculative_config", mode="before")(
+        lambda value: _json_object(value, "speculative_config"))
 
     @field_validator("cuda_graph_sizes")
     @classmethod

@@ -130,10 +130,13 @@ def test_a_vllm_command_line_parses_to_the_same_settings(tmp_path, capsys):
     args = _serve_args("--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser",
                        "hermes", "--disable-log-requests", "--dtype", "half",
                        "--data-parallel-size", "2", "--chat-template", str(tmp_path / "t.jinja"),
-                       "--max-model-len", "512", "--gpu-memory-utilization", "0.8")
+                       "--max-model-len", "512", "--gpu-memory-utilization", "0.8",
+                       "--generation-config", "vllm",
+                       "--override-generation-config", '{"temperature": 0.5}')
     config = config_from_args(args)
     assert config.server.log_requests is False and config.model.dtype == "float16"
     assert config.model.chat_template == template and config.server.tool_call_parser == "hermes"
+    assert config.model.override_generation_config == {"temperature": 0.5}
     assert resolve_num_replicas(args) == 2
     rc = main(["serve", "--data-parallel-size", "2", "--num-replicas", "3"])
     assert rc == 2 and "--data-parallel-size 2 and --num-replicas 3" in capsys.readouterr().err

@@ -53,3 +53,12 @@ def test_a_value_sampling_cannot_take_is_an_error_naming_the_file(tmp_path, data
     with pytest.raises(ValueError, match=message) as err:
         generation_defaults("auto", tmp_path)
     assert "generation_config" in str(err.value)
+
+
+def test_overrides_lie_over_the_file_and_apply_even_at_transformers_defaults(tmp_path):
+    _write(tmp_path, {"temperature": 0.6, "top_p": 0.9})
+    assert generation_defaults("auto", tmp_path, {"temperature": 1.0, "max_new_tokens": 64}) \
+        == {"temperature": 1.0, "top_p": 0.9, "max_tokens": 64}
+    assert generation_defaults("vllm", tmp_path, {"top_k": 5}) == {"top_k": 5}
+    with pytest.raises(ValueError, match="override_generation_config: top_k = -5"):
+        generation_defaults("vllm", tmp_path, {"top_k": -5})

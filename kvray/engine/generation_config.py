@@ -24,11 +24,33 @@ _KEYS = {"temperature": ("temperature", 1.0), "top_p": ("top_p", 1.0),
          "max_new_tokens": ("max_tokens", None)}
 
 
-def generation_defaults(source: str, model_path: str | Path) -> dict[str, Any]:
+def generation_defaults(source: str, model_path: str | Path,
+                        overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The sampling defaults ``generation_config`` names: ``auto`` the model directory's
     ``generation_config.json`` (nothing for a GGUF file or a directory without one),
-    ``vllm`` none (vLLM's and OpenAI's own defaults), else a directory holding that file.
+    ``vllm`` none (vLLM's and OpenAI's own defaults), else a directory holding that file;
+    ``overrides`` (``override_generation_config``, the file's keys) laid over them. A file's
+    values equal to transformers' defaults are not applied, as vLLM reads the file.
     ValueError naming the file and key when a value is not a valid sampling parameter."""
+    data = _file_values(source, model_path)
+    data.update(overrides or {})
+    defaults = {field: data[key] for key, (field, _) in _KEYS.items()
+                if data.get(key) is not None}
+    where = "override_generation_config" if overrides else "generation_config"
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}; set generation_config: vllm to ignore the "
+                         "model's file") from None
+    if defaults:
+        logger.info("kvray: default sampling parameters %s (generation_config %s; a "
+                    "request's own values win)", defaults, source)
+    return defaults
+
+
+def _file_values(source: str, model_path: str | Path) -> dict[str, Any]:
+    """The sampling keys of the generation_config.json ``source`` names whose values differ
+    from transformers' defaults."""
     if source == "vllm":
         return {}
     folder = Path(model_path) if source == "auto" else Path(source).expanduser()
@@ -45,14 +67,11 @@ def generation_defaults(source: str, model_path: str | Path) -> dict[str, Any]:
                          "generation_config: vllm to ignore it") from None
     if not isinstance(data, dict):
         raise ValueError(f"generation_config: {path} is not a JSON object")
-    defaults = {field: data[key] for key, (field, unset) in _KEYS.items()
-                if data.get(key) is not None and data[key] != unset}
+    values = {key: data[key] for key, (_, unset) in _KEYS.items()
+              if data.get(key) is not None and data[key] != unset}
     try:
-        SamplingParams(**defaults)
+        SamplingParams(**{_KEYS[k][0]: v for k, v in values.items()})
     except (TypeError, ValueError) as err:
         raise ValueError(f"generation_config: {path}: {err}; set generation_config: vllm "
                          "to ignore the file") from None
-    if defaults:
-        logger.info("kvray: default sampling parameters from %s: %s (a request's own values "
-                    "win; generation_config: vllm ignores the file)", path, defaults)
-    return defaults
+    return values

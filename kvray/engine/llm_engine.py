@@ -71,8 +71,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(local_path, config.model.tokenizer,
                                         config.model.chat_template)
         # what a request's unset sampling parameters default to (the model's own)
-        self.sampling_defaults = generation_defaults(config.model.generation_config,
-                                                     local_path)
+        self.sampling_defaults = generation_defaults(
+            config.model.generation_config, local_path, config.model.override_generation_config)
         self.stats = EngineStats()
         # A copy taken by the engine's own thread after each update, for readers on other
         # threads: they never see a half-updated set of gauges (running but no blocks).
