@@ -24,7 +24,11 @@ pytestmark = pytest.mark.parity
 BLOCK = 4
 # (Gemma's layers keep the Python layer: tests/test_gemma.py)
 VARIANTS = {**{arch: (arch, {}) for arch in ARCHS if arch not in UNFUSED_ARCHS},
-            "mistral_window": ("mistral", dict(sliding_window=8))}
+            "mistral_window": ("mistral", dict(sliding_window=8)),
+            # one KV head / one head: per-head q/k norms over strided one-head rows
+            "qwen3_one_kv_head": ("qwen3_qknorm_headdim", dict(num_key_value_heads=1)),
+            "qwen3_one_head": ("qwen3_qknorm_headdim", dict(
+                num_attention_heads=1, num_key_value_heads=1, head_dim=32))}
 # the layer the tests compare: the second, or a MoE model's second MoE one (Qwen2-MoE's
 # second layer is dense)
 LAYER = {"qwen2_moe_shared": 2}

@@ -71,3 +71,38 @@ def test_bf16_default_runs_and_stays_close(tiny_model_dir):
         a = model32.compute_logits(model32(seq, meta))
         b = model16.compute_logits(model16(seq, meta)).float()
     assert b.dtype == torch.float32 and (a - b).abs().max().item() < 0.1
+
+
+# Shapes the main tiny models miss, each once broken: one KV head (or one head) under
+# Qwen3's per-head norms in the fused decode layer (a strided per-head view reached the C++
+# RMSNorm), Gemma 3 with one rope base for both layer types (the layers shared the first
+# layer's rotary, keyed by base alone), a Qwen2-MoE shared expert 0 wide (its saved empty
+# tensors were "unexpected").
+EDGE_SHAPES = {
+    "qwen3_one_kv_head": ("qwen3_qknorm_headdim", dict(num_key_value_heads=1)),
+    "qwen3_one_head": ("qwen3_qknorm_headdim", dict(num_attention_heads=1,
+                                                    num_key_value_heads=1, head_dim=32)),
+    "qwen3_moe_one_kv_head": ("qwen3_moe", dict(num_key_value_heads=1)),
+    "gemma3_one_rope_base": ("gemma3_text", dict(rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}})),
+    "qwen2_moe_no_shared_expert": ("qwen2_moe_shared", dict(shared_expert_intermediate_size=0)),
+}
+
+
+@pytest.mark.parametrize("shape", list(EDGE_SHAPES))
+def test_edge_shapes_decode_batches_in_an_engine_as_transformers_does(shape, tmp_path):
+    from kvray import LLM, SamplingParams
+    from tests.helpers.tiny_models import make_tiny_model, transformers_greedy
+
+    arch, overrides = EDGE_SHAPES[shape]
+    path = make_tiny_model(arch, tmp_path / shape, **overrides)
+    prompts = [{"prompt_token_ids": s.tolist()} for s in _random_seqs([1, 5, 17, 40], seed=1)]
+    llm = LLM(str(path), dtype="float32", block_size=4, num_gpu_blocks_override=128)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+            use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == transformers_greedy(path, prompts, 12)

@@ -8,6 +8,7 @@ The forward pass takes a flat batch of tokens with positions (no padding).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from types import ModuleType
 
@@ -297,14 +298,17 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.start_layer, self.end_layer = pp_layer_range(spec.num_layers, ctx.pp_rank,
                                                           ctx.pp_size)
-        rotaries: dict[float, RotaryEmbedding] = {}  # one per rope base (Gemma 3 has two)
+        # one per distinct rule (Gemma 3 has two: its sliding and full layers' bases and
+        # scalings; both matter, the bases may be equal)
+        rotaries: dict[str, RotaryEmbedding] = {}
 
         def rotary(i: int) -> RotaryEmbedding:
             theta, scaling = spec.layer_rope(i)
-            if theta not in rotaries:
-                rotaries[theta] = RotaryEmbedding(spec.head_dim, theta, scaling, max_positions,
-                                                  spec.max_position_embeddings, spec.rot_dim)
-            return rotaries[theta]
+            key = json.dumps([theta, scaling], sort_keys=True, default=str)
+            if key not in rotaries:
+                rotaries[key] = RotaryEmbedding(spec.head_dim, theta, scaling, max_positions,
+                                                spec.max_position_embeddings, spec.rot_dim)
+            return rotaries[key]
 
         self.embed_tokens = (VocabParallelEmbedding(ctx, spec.vocab_size, spec.hidden_size, dtype)
                              if ctx.is_first_stage or spec.tie_word_embeddings else None)

@@ -130,7 +130,11 @@ def load_weights(model: LlamaForCausalLM,
         target, shard_id = _target_param(name)
         if target not in params:
             if _belongs_to_other_stage(target, model) or (
-                    target == "lm_head.weight" and model.spec.tie_word_embeddings):
+                    target == "lm_head.weight" and model.spec.tie_word_embeddings) or (
+                    ".mlp.shared_expert" in name and model.spec.num_experts
+                    and not model.spec.shared_expert_intermediate_size):
+                # (a Qwen2-MoE shared expert 0 wide adds nothing: transformers saves its
+                # empty matrices and its gate all the same)
                 continue
             unexpected.append(name)
             continue

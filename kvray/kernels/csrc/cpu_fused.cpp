@@ -103,8 +103,11 @@ void silu_and_mul_f32(const float* g, const float* u, float* o, int64_t I) {
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps,
                     c10::optional<at::Tensor> residual) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.numel() == x.size(1),
-              "rms_norm: contiguous x [T, H] and weight [H] expected");
+  // Rows may be strided (a per-head view of a QKV output: one head per row), each row
+  // itself contiguous; the output is contiguous.
+  TORCH_CHECK(x.dim() == 2 && (x.stride(1) == 1 || x.size(1) == 1) &&
+                  weight.numel() == x.size(1),
+              "rms_norm: x [T, H] with contiguous rows and weight [H] expected");
   // fp32 activations of a bf16 model (its fused decode layers): the weight in x's dtype.
   if (weight.scalar_type() != x.scalar_type()) weight = weight.to(x.scalar_type());
   weight = weight.contiguous();
@@ -112,8 +115,8 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps,
   if (has_res)
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
                 residual->scalar_type() == x.scalar_type(), "rms_norm: residual like x");
-  const int64_t T = x.size(0), H = x.size(1);
-  auto out = at::empty_like(x);
+  const int64_t T = x.size(0), H = x.size(1), row_stride = x.stride(0);
+  auto out = at::empty({T, H}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
@@ -121,7 +124,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps,
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, T, row_grain(H), [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
-        rms_norm_row(xp + t * H, rp ? rp + t * H : nullptr, wp, op + t * H, H, eps);
+        rms_norm_row(xp + t * row_stride, rp ? rp + t * H : nullptr, wp, op + t * H, H, eps);
     });
   });
   return out;
