@@ -106,3 +106,21 @@ def test_edge_shapes_decode_batches_in_an_engine_as_transformers_does(shape, tmp
     finally:
         llm.shutdown()
     assert got == transformers_greedy(path, prompts, 12)
+
+
+@pytest.mark.parametrize(("arch", "overrides", "message"), [
+    ("llama_gqa", dict(intermediate_size=101), "intermediate_size (101)"),
+    ("qwen2_moe_shared", dict(shared_expert_intermediate_size=81),
+     "shared_expert_intermediate_size (81)"),
+    ("qwen3_qknorm_headdim", dict(num_attention_heads=5, num_key_value_heads=5),
+     "num_attention_heads (5)"),
+])
+def test_a_size_tensor_parallelism_cannot_split_is_an_error_naming_its_key(
+        arch, overrides, message, tmp_path):
+    from kvray.parallel import ParallelContext
+    from tests.helpers.tiny_models import make_tiny_model
+
+    path = make_tiny_model(arch, tmp_path / "m", **overrides)
+    with pytest.raises(ValueError, match=rf"{message.replace('(', '[(]').replace(')', '[)]')}"
+                                         r" is not divisible by tensor_parallel_size \(2\)"):
+        load_model(path, "float32", ParallelContext(tp_rank=0, tp_size=2))

@@ -144,3 +144,86 @@ def test_a_format_name_the_checkpoint_is_not_stored_in_is_an_error_naming_both(
     path = quantized("llama_gqa", fmt)[0] if fmt else tiny_model_dir("llama_gqa")
     with pytest.raises(ValueError, match=f"quantization = '{name}'.*{stored}"):
         load_model(path, "float32", quantization=name)
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _add_tensors(folder, tensors: dict) -> None:
+    """Add ``tensors`` to a sharded checkpoint as one more shard listed in its index."""
+    import json
+
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(folder / "extra.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"].update({name: "extra.safetensors" for name in tensors})
+    index.write_text(json.dumps(data))
+
+
+def _assert_loads_as(path, twin) -> None:
+    model, _ = load_model(path, "float32")
+    _install(model, "dense")
+    ref, _ = load_model(twin, "float32")
+    _install(ref, "dense")
+    torch.testing.assert_close(_logits(model), _logits(ref), rtol=0, atol=1e-5)
+
+
+def test_autogptqs_zero_biases_on_bias_free_linears_are_skipped(quantized, tmp_path):
+    """AutoGPTQ saves a zero bias for every quantized linear, also where the model has
+    none (Llama); a non-zero one there is still an unexpected tensor."""
+    qdir, twin = quantized("llama_gqa", "gptq8_g64_sym")
+    path = _copy(qdir, tmp_path / "q")
+    names = [f"model.layers.{i}.{m}.bias" for i in range(3)
+             for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")]
+    _add_tensors(path, {n: torch.zeros(64, dtype=torch.float16) for n in names})
+    _assert_loads_as(path, twin)
+    _add_tensors(path, {names[0]: torch.ones(64, dtype=torch.float16)})
+    with pytest.raises(ValueError, match="unexpected tensors.*q_proj.bias"):
+        load_model(path, "float32")
+
+
+@pytest.mark.parametrize(("fmt", "side_file", "settings"), [
+    ("gptq8_g64_sym", "quantize_config.json",
+     {"bits": 8, "group_size": 64, "sym": True, "desc_act": False,
+      "checkpoint_format": "gptq_v2"}),
+    ("awq_g32", "quant_config.json",
+     {"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"})])
+def test_a_quantization_config_in_an_older_side_file_is_read(fmt, side_file, settings,
+                                                              quantized, tmp_path):
+    import json
+
+    qdir, twin = quantized("llama_gqa", fmt)
+    path = _copy(qdir, tmp_path / "q")
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
+    (path / side_file).write_text(json.dumps(settings))
+    _assert_loads_as(path, twin)
+
+
+def test_a_kv_cache_only_compressed_tensors_checkpoint_loads_its_dense_weights(
+        tiny_model_dir, tmp_path):
+    """llm-compressor's KV-cache-only output: dense weights, a kv_cache_scheme and a
+    k_scale / v_scale per attention layer (kvray scales its KV cache per token itself)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    src = tiny_model_dir("llama_gqa")
+    path = _copy(src, tmp_path / "kv_only")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                            "dynamic": False, "symmetric": True},
+        "quantization_status": "compressed"}
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({f"model.layers.{i}.self_attn.{s}": torch.tensor(0.02) for i in range(3)
+               for s in ("k_scale", "v_scale")}, str(path / "scales.safetensors"))
+    _assert_loads_as(path, src)

@@ -287,6 +287,27 @@ def test_inconsistent_shapes_are_an_error_naming_the_module():
         convert_one(tensors, quantization_config("awq", group=32))
 
 
+def test_more_scale_groups_than_the_group_size_gives_are_an_error_not_a_misread():
+    """Scales of groups of 32 read as groups of 128 (a per-module override the config does
+    not carry) would spread the first groups' scales over every column."""
+    tensors, _ = quantize_linear(random_weight(64, 256), "gptq", bits=4, group=32, sym=True,
+                                 desc_act=False)
+    tensors.pop("g_idx", None)
+    with pytest.raises(QuantizedCheckpointError, match="8 groups of scales for 256 columns "
+                                                       "in groups of 128"):
+        convert_one(tensors, quantization_config("gptq", bits=4, group=128, sym=True))
+
+
+def test_compressed_tensors_int8_with_one_scale_per_tensor_dequantizes_bit_exactly():
+    rng = np.random.default_rng(5)
+    q = rng.integers(-128, 128, (64, 96)).astype(np.int8)
+    config = _ct_int8_config()
+    config["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
+    tensors = {"weight": torch.from_numpy(q), "weight_scale": torch.tensor([0.03])}
+    qt = convert_one(tensors, config)
+    assert_exact(qt, q.astype(np.float32) * np.float32(0.03))
+
+
 @pytest.mark.parametrize("config,key", [
     ({"quant_method": "bitsandbytes"}, "quant_method"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version"),
@@ -298,6 +319,12 @@ def test_inconsistent_shapes_are_an_error_naming_the_module():
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt"),
     ({**quantization_config("ct-fp8"), "format": "naive-quantized"}, "format"),
     ({**quantization_config("ct-int"), "quantization_status": "frozen"}, "quantization_status"),
+    # GPTQModel's per-module overrides of the scheme (a second scheme)
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128,
+      "dynamic": {r"+:.*down_proj.*": {"group_size": 32}}}, r"dynamic\['\+:"),
+    # rotations around the linears (QuIP / SpinQuant) that kvray does not apply
+    ({**quantization_config("ct-int"), "transform_config": {"config_groups": {"u": {}}}},
+     "transform_config"),
 ])
 def test_unsupported_quantization_configs_are_errors_naming_the_key(config, key):
     with pytest.raises(UnsupportedQuantizationError, match=rf"quantization_config\.{key}"):
@@ -306,6 +333,43 @@ def test_unsupported_quantization_configs_are_errors_naming_the_key(config, key)
 
 def test_unquantized_config_has_no_scheme():
     assert checkpoint_quantization({"architectures": ["LlamaForCausalLM"]}) is None
+
+
+def test_gptqmodel_overrides_that_only_leave_modules_out_are_read():
+    """``-:`` patterns keep modules dense (stored as plain weights); an override that
+    repeats the global values changes nothing."""
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 128,
+              "dynamic": {r"-:.*layers\.0\.mlp\..*": {}, r"+:.*q_proj": {"bits": 4}}}
+    assert checkpoint_quantization({"quantization_config": config}).group_size == 128
+
+
+@pytest.mark.parametrize("groups", [{}, {"group_0": {"targets": []}},
+                                    {"group_0": {"targets": ["Linear"], "weights": None,
+                                                 "input_activations": {"num_bits": 8}}}])
+def test_a_compressed_tensors_config_quantizing_no_weights_is_a_dense_checkpoint(groups):
+    """llm-compressor's KV-cache-only checkpoints: dense weights (their k_scale / v_scale
+    tensors are skipped by the loader)."""
+    config = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": groups,
+              "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+              "quantization_status": "compressed"}
+    assert checkpoint_quantization({"quantization_config": config}) is None
+
+
+def test_older_autogptq_and_autoawq_side_files_are_read(tmp_path):
+    """Before quantization_config went into config.json, AutoGPTQ wrote quantize_config.json
+    and AutoAWQ quant_config.json beside it."""
+    (tmp_path / "quantize_config.json").write_text(
+        '{"bits": 8, "group_size": 64, "desc_act": false, "sym": true}')
+    scheme = checkpoint_quantization({}, tmp_path)
+    assert (scheme.method, scheme.bits, scheme.group_size) == ("gptq", 8, 64)
+    (tmp_path / "quantize_config.json").unlink()
+    (tmp_path / "quant_config.json").write_text(
+        '{"zero_point": true, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}')
+    scheme = checkpoint_quantization({}, tmp_path)
+    assert (scheme.method, scheme.bits, scheme.group_size) == ("awq", 4, 32)
+    (tmp_path / "quant_config.json").write_text("[1]")
+    with pytest.raises(UnsupportedQuantizationError, match="quant_config.json: not a JSON"):
+        checkpoint_quantization({}, tmp_path)
 
 
 # ---- online int8 ----------------------------------------------------------------------------

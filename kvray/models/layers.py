@@ -315,8 +315,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     (gate and up of the MLP); ``shard_id`` is the index of the projection."""
 
     def __init__(self, ctx: ParallelContext, in_features: int, out_sizes: Sequence[int],
-                 bias: bool, dtype: torch.dtype) -> None:
-        self.out_local = [_split(s, ctx.tp_size, "output size") for s in out_sizes]
+                 bias: bool, dtype: torch.dtype, size_name: str = "output size") -> None:
+        self.out_local = [_split(s, ctx.tp_size, size_name) for s in out_sizes]
         super().__init__(ctx, in_features, sum(out_sizes), bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -390,9 +390,9 @@ class RowParallelLinear(LinearBase):
     """Input features split across TP ranks; partial outputs summed by one all-reduce."""
 
     def __init__(self, ctx: ParallelContext, in_features: int, out_features: int,
-                 bias: bool, dtype: torch.dtype) -> None:
+                 bias: bool, dtype: torch.dtype, size_name: str = "input size") -> None:
         self.ctx = ctx
-        super().__init__(_split(in_features, ctx.tp_size, "input size"), out_features, bias, dtype)
+        super().__init__(_split(in_features, ctx.tp_size, size_name), out_features, bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # the bias is not split; it is added once, after the reduce

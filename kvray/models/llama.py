@@ -109,11 +109,14 @@ class LlamaMLP(nn.Module):
     def __init__(self, spec: ModelSpec, ctx: ParallelContext, dtype: torch.dtype,
                  size: int | None = None) -> None:
         super().__init__()
-        size = size or spec.intermediate_size  # Qwen2-MoE's shared expert: its own width
+        # Qwen2-MoE's shared expert: its own width (named in a split error)
+        name = "intermediate_size" if size is None else "shared_expert_intermediate_size"
+        size = size or spec.intermediate_size
         self.act = spec.hidden_act
         self.gate_up_proj = MergedColumnParallelLinear(ctx, spec.hidden_size, [size, size],
-                                                       spec.mlp_bias, dtype)
-        self.down_proj = RowParallelLinear(ctx, size, spec.hidden_size, spec.mlp_bias, dtype)
+                                                       spec.mlp_bias, dtype, name)
+        self.down_proj = RowParallelLinear(ctx, size, spec.hidden_size, spec.mlp_bias, dtype,
+                                           name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act != "silu":  # Gemma's tanh GELU: no fused kernel

@@ -130,11 +130,8 @@ def load_weights(model: LlamaForCausalLM,
         target, shard_id = _target_param(name)
         if target not in params:
             if _belongs_to_other_stage(target, model) or (
-                    target == "lm_head.weight" and model.spec.tie_word_embeddings) or (
-                    ".mlp.shared_expert" in name and model.spec.num_experts
-                    and not model.spec.shared_expert_intermediate_size):
-                # (a Qwen2-MoE shared expert 0 wide adds nothing: transformers saves its
-                # empty matrices and its gate all the same)
+                    target == "lm_head.weight" and model.spec.tie_word_embeddings) or \
+                    _adds_nothing(name, tensor, model.spec):
                 continue
             unexpected.append(name)
             continue
@@ -230,6 +227,24 @@ def _expected_keys(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter
     return expected
 
 
+# activation / KV-cache scales of a quantized checkpoint: kvray computes its own per token
+_SCALE_LEAVES = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point",
+                 ".k_scale", ".v_scale", ".kv_scale")
+
+
+def _adds_nothing(name: str, tensor: torch.Tensor | QuantTensor, spec: ModelSpec) -> bool:
+    """A tensor with no parameter to go to that the model does not need: activation / KV
+    scales (a KV-cache-only compressed-tensors checkpoint's), a zero bias on a linear
+    without one (AutoGPTQ writes one for every quantized linear; vLLM skips them too), or
+    a Qwen2-MoE shared expert 0 wide (transformers saves its empty matrices and its gate)."""
+    if name.endswith(_SCALE_LEAVES):
+        return True
+    if name.endswith(".bias") and isinstance(tensor, torch.Tensor) and not torch.any(tensor):
+        return True
+    return (".mlp.shared_expert" in name and spec.num_experts > 0
+            and not spec.shared_expert_intermediate_size)
+
+
 def _check_complete(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter],
                     filled: set[str], unexpected: list[str]) -> None:
     problems = []
@@ -268,7 +283,7 @@ class HFCheckpoint:
 
         self.path = Path(path)
         self.hf_config = load_hf_config(self.path)
-        self.scheme = checkpoint_quantization(self.hf_config)
+        self.scheme = checkpoint_quantization(self.hf_config, self.path)
 
     def iter_weights(self, keep_quantized: bool = True
                      ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:

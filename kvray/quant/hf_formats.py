@@ -23,10 +23,12 @@ order (``g_idx``) sorts the columns so each group is contiguous and records the 
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,12 +79,21 @@ class QuantScheme:
 
 # ---- quantization_config -> QuantScheme ------------------------------------------------
 
-def checkpoint_quantization(hf_config: Any) -> QuantScheme | None:
-    """The scheme of a checkpoint's ``quantization_config`` (None when it has none).
+# Older AutoGPTQ / AutoAWQ releases kept the settings beside config.json, not in it
+SIDE_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+def checkpoint_quantization(hf_config: Any, folder: str | Path | None = None
+                            ) -> QuantScheme | None:
+    """The scheme of a checkpoint's ``quantization_config`` (None when it has none), or of
+    a ``quantize_config.json`` / ``quant_config.json`` in ``folder`` when config.json has
+    none (older AutoGPTQ / AutoAWQ checkpoints, as vLLM reads them).
 
     Raises UnsupportedQuantizationError naming the key and value kvray cannot read."""
     qc = hf_config.get("quantization_config") if isinstance(hf_config, Mapping) else \
         getattr(hf_config, "quantization_config", None)
+    if qc is None and folder is not None:
+        qc = _side_file_config(Path(folder))
     if qc is None:
         return None
     if not isinstance(qc, Mapping):
@@ -95,6 +106,22 @@ def checkpoint_quantization(hf_config: Any) -> QuantScheme | None:
             f"quantization_config.quant_method = {qc.get('quant_method')!r}: kvray reads "
             f"{', '.join(parsers)} checkpoints")
     return parsers[method](qc)
+
+
+def _side_file_config(folder: Path) -> dict[str, Any] | None:
+    for name, method in SIDE_FILES.items():
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            qc = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise UnsupportedQuantizationError(f"{path}: cannot read it as JSON ({err})"
+                                               ) from None
+        if not isinstance(qc, dict):
+            raise UnsupportedQuantizationError(f"{path}: not a JSON object")
+        return {"quant_method": method, **qc}
+    return None
 
 
 def _unsupported(key: str, value: Any, allowed: str) -> UnsupportedQuantizationError:
@@ -135,9 +162,25 @@ def _gptq_scheme(qc: Mapping[str, Any]) -> QuantScheme:
     if fmt not in ("gptq", "gptq_v2"):
         raise _unsupported(fmt_key, qc.get(fmt_key), "'gptq' or 'gptq_v2'")
     group = _group("group_size", qc.get("group_size", 128))
+    _check_dynamic(qc)
     return QuantScheme("gptq", bits=bits, group_size=group, sym=bool(qc.get("sym", True)),
                        act_order=bool(qc.get("desc_act", False)) and group != -1,
                        zero_offset=1 if fmt == "gptq" else 0)
+
+
+def _check_dynamic(qc: Mapping[str, Any]) -> None:
+    """GPTQModel's per-module overrides (``dynamic``): modules it leaves out (``-:``) are
+    stored dense and load as such; an override of bits / group size / symmetry / act
+    order for some modules is a second scheme, which kvray does not read."""
+    for pattern, override in (qc.get("dynamic") or {}).items():
+        if str(pattern).startswith("-:"):
+            continue
+        changed = {k: v for k, v in (override or {}).items()
+                   if k in ("bits", "group_size", "sym", "desc_act") and v != qc.get(k)}
+        if changed:
+            raise _unsupported(f"dynamic[{pattern!r}]", changed,
+                               "overrides that leave modules out ('-:' patterns) only: one "
+                               "scheme for every quantized module")
 
 
 def _fp8_scheme(qc: Mapping[str, Any]) -> QuantScheme:
@@ -152,14 +195,20 @@ def _fp8_scheme(qc: Mapping[str, Any]) -> QuantScheme:
     return QuantScheme("fp8", bits=8, weight_block=block)
 
 
-def _compressed_tensors_scheme(qc: Mapping[str, Any]) -> QuantScheme:
+def _compressed_tensors_scheme(qc: Mapping[str, Any]) -> QuantScheme | None:
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
         raise _unsupported("quantization_status", status, "'compressed'")
     sparsity = qc.get("sparsity_config") or {}
     if sparsity.get("format", "dense") != "dense":
         raise _unsupported("sparsity_config.format", sparsity.get("format"), "'dense'")
-    groups = qc.get("config_groups") or {}
+    if qc.get("transform_config"):  # rotations (QuIP, SpinQuant) applied around the linears
+        raise _unsupported("transform_config", "(set)", "checkpoints without transforms")
+    # groups that quantize weights (a KV-cache-only checkpoint has none: dense weights)
+    groups = {name: g for name, g in (qc.get("config_groups") or {}).items()
+              if g.get("targets", ["Linear"]) and g.get("weights")}
+    if not groups:
+        return None
     schemes = {_ct_group_scheme(name, g, qc.get("format")) for name, g in groups.items()}
     if len(schemes) != 1:
         raise UnsupportedQuantizationError(
@@ -191,8 +240,8 @@ def _ct_group_scheme(name: str, group: Mapping[str, Any], fmt: str | None) -> Qu
     if kind != "int" or bits not in ((4, 8) if fmt == "pack-quantized" else (8,)):
         raise _unsupported(f"{key}.num_bits", bits, f"int4/int8 ({fmt}: int8 only for "
                            "int-quantized)")
-    if strategy not in ("channel", "group"):
-        raise _unsupported(f"{key}.strategy", strategy, "channel or group")
+    if strategy not in ("tensor", "channel", "group"):
+        raise _unsupported(f"{key}.strategy", strategy, "tensor, channel or group")
     gs = _group(f"{key}.group_size", w.get("group_size")) if strategy == "group" else -1
     return QuantScheme("compressed-tensors", fmt, bits=bits, group_size=gs,
                        sym=bool(w.get("symmetric", True)),
@@ -345,15 +394,20 @@ def _convert_ct_int(parts: dict[str, torch.Tensor], scheme: QuantScheme) -> Quan
     else:
         codes = parts["weight"].view(torch.uint8) ^ 0x80  # int8 q -> q + 128
         n, k = codes.shape
-    scales = parts["weight_scale"].reshape(n, -1)
+    scales = _per_row(parts["weight_scale"], n)
     zp = parts.get("weight_zero_point")
     if zp is None:
         zeros = torch.full(scales.shape, half, dtype=torch.int32)
-    elif zp.dtype == torch.int32:  # packed along N, offset by half like the codes
+    elif zp.dtype == torch.int32 and zp.numel() > 1:  # packed along N, offset by half
         zeros = _unpack_t(zp.T, scheme.bits)[:n].to(torch.int32)
     else:
-        zeros = zp.reshape(n, -1).to(torch.int32) + half
+        zeros = _per_row(zp, n).to(torch.int32) + half
     return _int_tensor(codes, scales, zeros, parts.get("weight_g_idx"), scheme)
+
+
+def _per_row(t: torch.Tensor, n: int) -> torch.Tensor:
+    """A scale (or zero point) tensor as [n, groups]: one per tensor broadcast to rows."""
+    return t.reshape(1, 1).expand(n, 1) if t.numel() == 1 else t.reshape(n, -1)
 
 
 def _int_tensor(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -368,8 +422,10 @@ def _int_tensor(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     if g_idx is not None and not torch.equal(g_idx.to(torch.int64), col_group):
         perm = torch.argsort(g_idx.to(torch.int64), stable=True)
         codes, col_group = codes[:, perm], g_idx.to(torch.int64)[perm]
-    if int(col_group[-1]) >= scales.shape[1]:
-        raise ValueError(f"{scales.shape[1]} groups of scales for {k} columns")
+    groups = 1 if scheme.group_size <= 0 else -(-k // scheme.group_size)
+    if scales.shape[1] != groups or int(col_group[-1]) >= groups:
+        raise ValueError(f"{scales.shape[1]} groups of scales for {k} columns in groups of "
+                         f"{scheme.group_size if scheme.group_size > 0 else k}")
     group, chunk_group = _group_layout(col_group, k, scheme.group_size)
     s = scales.to(torch.float32)[:, chunk_group]
     z = zeros[:, chunk_group].to(torch.float32)
