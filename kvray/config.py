@@ -142,6 +142,7 @@ class ModelConfig(_Section):
         "when the config is loaded, so every replica and node gets its text.")
 
     _read_chat_template = field_validator("chat_template", mode="before")(_template_text)
+
     generation_config: str = Field(
         "auto", description="Default sampling parameters for requests that leave them unset "
         "(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), as vLLM takes "
