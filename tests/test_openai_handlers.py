@@ -142,3 +142,17 @@ def test_unset_sampling_fields_take_the_models_generation_config(tiny_async_llm,
     longer = http.post("/v1/chat/completions", json={**body, "max_tokens": 9,
                                                       "ignore_eos": True}).json()
     assert longer["usage"]["completion_tokens"] == 9
+
+
+def test_the_openai_client_retrieves_the_served_model_and_gets_a_404_for_others(client):
+    """``client.models.retrieve`` (OpenAI's GET /v1/models/{model}) through the real
+    ``openai`` client over the app."""
+    import openai
+
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client,
+                        max_retries=0)
+    card = oai.models.retrieve("m")
+    assert (card.id, card.object, card.owned_by) == ("m", "model", "kvray")
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.models.retrieve("org/other-model")
+    assert "org/other-model" in str(err.value)

@@ -248,6 +248,7 @@ class OpenAIServer:
         app.get("/version")(self.version)
         app.get("/metrics")(self.metrics_endpoint)
         app.get("/v1/models")(self.models)
+        app.get("/v1/models/{model_id:path}")(self.model)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         app.post("/v1/completions")(self.completions)
@@ -292,6 +293,14 @@ class OpenAIServer:
                              "owned_by": "kvray", "root": name, "parent": self.model_name,
                              "max_model_len": self.max_model_len})
         return {"object": "list", "data": data}
+
+    async def model(self, model_id: str) -> dict:
+        """OpenAI's retrieve-model route: the card of the base model or a served adapter
+        (``client.models.retrieve``); 404 in OpenAI's shape for any other name."""
+        for card in (await self.models())["data"]:
+            if card["id"] == model_id:
+                return card
+        raise APIError(404, f"The model '{model_id}' does not exist", "NotFoundError", "model")
 
     async def load_lora_adapter(self, req: LoadLoRAAdapterRequest) -> Response:
         """vLLM's route: read and check the adapter (400 naming why it cannot be served),
