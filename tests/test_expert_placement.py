@@ -170,3 +170,10 @@ def test_a_bad_load_file_names_the_key_and_the_file(tmp_path, text, message):
         path.write_text(text)
     with pytest.raises(ConfigError, match=f"expert_placement = '{path}': {message}"):
         load_config(expert_placement=str(path), enable_expert_parallel=True)
+
+
+def test_experts_that_do_not_split_over_the_ranks_are_an_error_naming_the_setting():
+    """As with contiguous placement (MoEExperts' check), not a bare assertion."""
+    with pytest.raises(ConfigError, match="enable_expert_parallel: 5 experts do not split "
+                                          "evenly over tensor_parallel_size = 2"):
+        plan_placement({0: [5, 1, 9, 2, 7]}, [0], num_experts=5, num_ranks=2)

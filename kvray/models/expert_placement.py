@@ -108,6 +108,11 @@ def plan_placement(loads: Mapping[int, Sequence[int]], moe_layers: Sequence[int]
     if not moe_layers:
         raise ConfigError("expert_placement: this model has no mixture-of-experts layers; "
                           "use 'contiguous'")
+    if num_experts % num_ranks:
+        raise ConfigError(f"enable_expert_parallel: {num_experts} experts do not split evenly "
+                          f"over tensor_parallel_size = {num_ranks} (every rank holds as many "
+                          "whole experts); use a tensor_parallel_size that divides them, or "
+                          "turn enable_expert_parallel off")
     for layer, counts in sorted(loads.items()):
         if len(counts) != num_experts:
             raise ConfigError(
