@@ -180,3 +180,35 @@ def test_stop_string_made_of_special_token_text_when_kept(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [], stop=["<|im_end|>"], skip_special_tokens=False)
     assert stream(detok, ids)[0] == "<|im_end|>"
     assert detok.output_text == "Hi"
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_a_stop_string_lands_on_the_id_that_completes_it_however_many_arrive(tokenizer,
+                                                                              chunk):
+    """Speculative decoding adds several ids a step: the stop is found at the id a
+    one-by-one stream finds it at, and ``num_unused`` counts the ids after it, which the
+    engine drops so token_ids equal plain decoding's."""
+    ids = encode(tokenizer, "Hello world! kvray serves language models.")
+    one_by_one = IncrementalDetokenizer(tokenizer, [], stop=["serves"])
+    at = next(i for i in range(len(ids)) if one_by_one.add_tokens(ids[i:i + 1]))
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["serves"])
+    fed = 0
+    for start in range(0, len(ids), chunk):
+        part = ids[start:start + chunk]
+        if detok.add_tokens(part):
+            fed += len(part) - detok.num_unused
+            break
+        fed += len(part)
+    assert fed == at + 1 and detok.output_text == one_by_one.output_text == "Hello world! kvray "
+
+
+def test_a_stop_string_in_text_held_back_for_an_incomplete_character_is_found_at_the_end(
+        tiny_tokenizer):
+    """The last id ends inside a character: its text waits for the next id, and when the
+    sequence ends there the flushed text still meets the stop strings (``matched_stop``
+    tells the engine to report the stop)."""
+    partial = encode(tiny_tokenizer, "日")[:1]
+    assert tiny_tokenizer.decode(partial).endswith("\ufffd")
+    detok = IncrementalDetokenizer(tiny_tokenizer, [], stop=["\ufffd"])
+    assert detok.add_tokens(encode(tiny_tokenizer, "ab") + partial) is None
+    assert detok.get_delta(finished=True) == "ab" and detok.matched_stop == "\ufffd"

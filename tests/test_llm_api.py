@@ -231,6 +231,20 @@ def test_default_sampling_params_come_from_the_generation_config(model_dir, tmp_
     assert (params.temperature, params.top_k, params.top_p) == (0.5, 7, 1.0)
 
 
+def test_a_stop_string_met_only_when_the_last_partial_character_is_flushed_reports_stop(llm):
+    """The one token generated is the first byte of a character: its text (U+FFFD) waits
+    for a next token that never comes, is flushed at the end and meets the stop string
+    there; the text is cut and the finish reason says stop, not length."""
+    partial = llm.get_tokenizer().encode("日", add_special_tokens=False)[0]
+    params = dict(temperature=0, max_tokens=1, logit_bias={partial: 100.0})
+    plain = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(**params),
+                         use_tqdm=False)[0].outputs[0]
+    assert plain.token_ids == [partial] and plain.text == "\ufffd"
+    out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(**params, stop=["\ufffd"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == ("", "stop", "\ufffd")
+
+
 def test_penalties_and_logit_bias_steer_greedy_output(llm, hf):
     tok = llm.get_tokenizer()
     prompt_ids = _ids(10, 21)

@@ -309,3 +309,35 @@ def test_drafts_on_a_quantized_target_keep_its_greedy_tokens_and_grammar(weights
     _agree_but_at_near_ties(plain_json, [o.outputs[0].token_ids for o in drafted_json])
     for o in drafted_json:
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
+
+
+def test_stop_strings_under_ngram_speculation_end_where_plain_decoding_ends(tiny_model_dir):
+    """A speculative step accepts several tokens; a stop string the first of them completes
+    ends the sequence there: token ids, text and finish reason equal plain decoding's (the
+    accepted tokens after it were kept once). Repetitive outputs (a negative frequency
+    penalty) make the n-gram drafts hit; the stops are pieces of the plain output."""
+    path = str(tiny_model_dir("qwen3_moe"))
+    prompts = [[114], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [40, 41, 40, 41, 40]]
+    base = dict(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=-0.8)
+    runs = {}
+    for name, spec in (("plain", None), ("ngram", {
+            "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})):
+        llm = LLM(path, dtype="float32", block_size=4, speculative_config=spec)
+        try:
+            free = [o.outputs[0] for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], SamplingParams(**base),
+                use_tqdm=False)]
+            if name == "plain":  # stops: 2-6 characters from several places of each text
+                stops = [[o.text[i:i + n]] for o in free for i, n in ((1, 4), (3, 2), (6, 6))
+                         if o.text[i:i + n].strip()]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts for _ in stops],
+                                [SamplingParams(**base, stop=s) for _ in prompts
+                                 for s in stops], use_tqdm=False)
+            runs[name] = [(o.outputs[0].token_ids, o.outputs[0].text,
+                           o.outputs[0].finish_reason) for o in outs]
+            drafts = llm.llm_engine.stats.spec_decode_num_accepted_tokens
+        finally:
+            llm.shutdown()
+    assert drafts > 0, "the n-gram drafts were never accepted: the test proves nothing"
+    assert sum(r[2] == "stop" for r in runs["plain"]) >= len(stops)
+    assert runs["ngram"] == runs["plain"]

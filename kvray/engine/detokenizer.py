@@ -41,14 +41,34 @@ class IncrementalDetokenizer:
         self._num_chars = 0
         self._num_sent = 0
         self._matched_stop: str | None = None
+        # ids of the last add_tokens call after the one that completed a stop string
+        self.num_unused = 0
+
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string the text ended at, if any."""
+        return self._matched_stop
 
     def add_tokens(self, new_token_ids: list[int]) -> str | None:
         """Append generated ids; return the stop string matched (output text is then truncated
         just before it, or just after it with include_stop_str_in_output), else None. After a
-        match, further calls are not expected."""
+        match, further calls are not expected.
+
+        Several ids at once (speculative decoding accepts a few per step) are added one by
+        one while stop strings are set, so a stop lands on the id that completes it, as in
+        plain decoding; ``num_unused`` then counts the ids after it, for the caller to drop."""
         assert self._matched_stop is None, "add_tokens called after a stop string matched"
-        self._ids.extend(new_token_ids)
-        return self._append_text(self._decode_new_text(flush=False))
+        self.num_unused = 0
+        if len(new_token_ids) == 1 or not self._stop:
+            self._ids.extend(new_token_ids)
+            return self._append_text(self._decode_new_text(flush=False))
+        for i, token in enumerate(new_token_ids):
+            self._ids.append(token)
+            stop = self._append_text(self._decode_new_text(flush=False))
+            if stop is not None:
+                self.num_unused = len(new_token_ids) - i - 1
+                return stop
+        return None
 
     @property
     def output_text(self) -> str:

@@ -468,15 +468,22 @@ class LLMEngine:
             parent_id, index = entry
             seq = self._parents[parent_id].seqs[index]
             num_new = len(result.sampled_token_ids[index_of[req.request_id]])
-            seq.cumulative_logprob += sum(slp_by_req[req.request_id])
+            sampled_lps = slp_by_req[req.request_id]
+            seq.cumulative_logprob += sum(sampled_lps)
             if seq.logprobs is not None and lp_by_req[req.request_id]:
                 seq.logprobs.extend(lp_by_req[req.request_id])
             self.stats.generation_tokens_total += num_new
             try:
-                self._detokenize(seq, req, num_new)
+                unused = self._detokenize(seq, req, num_new)
             except Exception as err:  # this request's own failure: end it, not the step
                 self._fail_request(parent_id, err)
                 continue
+            if unused:  # accepted tokens after a stop string's last: not part of the output
+                del req.output_token_ids[-unused:]
+                seq.cumulative_logprob -= sum(sampled_lps[-unused:])
+                if seq.logprobs is not None and lp_by_req[req.request_id]:
+                    del seq.logprobs[-unused:]
+                self.stats.generation_tokens_total -= unused
             touched.add(parent_id)
         return touched
 
@@ -493,16 +500,27 @@ class LLMEngine:
         failed, self._failed = self._failed, []
         return failed
 
-    def _detokenize(self, seq: SequenceState, req: Request, num_new: int) -> None:
+    def _detokenize(self, seq: SequenceState, req: Request, num_new: int) -> int:
+        """Add the step's new tokens to the sequence's text; a stop string in it ends the
+        request, also one this step ended by a stop token or length after the string (a
+        speculative step accepts several tokens), as plain decoding would have ended it.
+        Returns how many of the new tokens came after the string's last: the caller drops
+        them."""
         new_tokens = req.output_token_ids[-num_new:]
+        num_set_aside = 0
         if req.status is RequestStatus.FINISHED_STOPPED and isinstance(req.stop_reason, int):
-            new_tokens = new_tokens[:-1]  # the stop token itself produces no text
+            new_tokens, num_set_aside = new_tokens[:-1], 1  # a stop token produces no text
         if not new_tokens:
-            return
+            return 0
         stop = seq.detok.add_tokens(new_tokens)
-        if stop is not None and not req.is_finished:
-            req.stop_reason = stop
+        if stop is None:
+            return 0
+        if req.is_finished:
+            req.status = RequestStatus.FINISHED_STOPPED
+        else:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        req.stop_reason = stop
+        return seq.detok.num_unused + num_set_aside
 
     def _update_gauges(self) -> None:
         s, sched = self.stats, self.scheduler

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from kvray.engine.detokenizer import IncrementalDetokenizer
 from kvray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
-from kvray.scheduler.request import Request
+from kvray.scheduler.request import Request, RequestStatus
 
 
 @dataclass
@@ -22,6 +22,18 @@ class SequenceState:
     cumulative_logprob: float = 0.0
     num_sent_tokens: int = 0  # DELTA: output tokens already in an output
     finish_sent: bool = False  # DELTA: the finish reason went out
+
+    def take_text(self) -> str:
+        """The text since the previous output (all of it once the request has ended). A
+        stop string found only in the text flushed at the end (held back while its last
+        character was incomplete) turns a finish by length into a stop at it: the text is
+        cut there, so the finish reason says why."""
+        req = self.request
+        text = self.detok.get_delta(finished=req.is_finished)
+        stop = self.detok.matched_stop
+        if stop is not None and req.status is RequestStatus.FINISHED_LENGTH:
+            req.stop_reason, req.status = stop, RequestStatus.FINISHED_STOPPED
+        return text
 
     def cumulative(self, index: int) -> CompletionOutput:
         """Everything this sequence has produced so far."""
@@ -78,7 +90,7 @@ class RequestState:
         outs = []
         for i, seq in enumerate(self.seqs):
             # Held-back text (a possible stop string's start) is released only when safe.
-            text = seq.detok.get_delta(finished=seq.request.is_finished)
+            text = seq.take_text()
             comp = seq.delta(i, text) if delta else seq.cumulative(i)
             if comp is not None:
                 outs.append(comp)
