@@ -156,3 +156,5 @@ def test_the_openai_client_retrieves_the_served_model_and_gets_a_404_for_others(
     with pytest.raises(openai.NotFoundError) as err:
         oai.models.retrieve("org/other-model")
     assert "org/other-model" in str(err.value)
+    long = client.get("/v1/models/" + "x" * 5000)  # not echoed whole
+    assert long.status_code == 404 and len(long.text) < 600

@@ -300,7 +300,8 @@ class OpenAIServer:
         for card in (await self.models())["data"]:
             if card["id"] == model_id:
                 return card
-        raise APIError(404, f"The model '{model_id}' does not exist", "NotFoundError", "model")
+        shown = model_id if len(model_id) <= 200 else model_id[:200] + "..."
+        raise APIError(404, f"The model '{shown}' does not exist", "NotFoundError", "model")
 
     async def load_lora_adapter(self, req: LoadLoRAAdapterRequest) -> Response:
         """vLLM's route: read and check the adapter (400 naming why it cannot be served),
