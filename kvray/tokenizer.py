@@ -33,8 +33,17 @@ def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = N
                    chat_template: str | None = None) -> Any:
     """The tokenizer at ``tokenizer_path`` if given, else the model's own: a Hugging Face
     directory's files, or the tokenizer (with chat template) embedded in a GGUF file.
-    ``chat_template`` (the template text) replaces the tokenizer's own."""
-    tokenizer = _load(model_path, tokenizer_path)
+    ``chat_template`` (the template text) replaces the tokenizer's own. A directory
+    transformers cannot read (its config.json fails transformers' own checks, e.g. a rope
+    dict missing a key) is a ValueError naming it and why."""
+    try:
+        tokenizer = _load(model_path, tokenizer_path)
+    except OSError:
+        raise
+    except Exception as err:
+        where = tokenizer_path if tokenizer_path is not None else model_path
+        raise ValueError(f"{where}: transformers cannot read its config or tokenizer "
+                         f"({type(err).__name__}: {err})") from None
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer

@@ -70,6 +70,23 @@ def test_missing_model_path_is_a_clear_error(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_a_config_json_transformers_rejects_is_a_clear_error_naming_the_model(
+        tiny_model_dir, tmp_path, capsys):
+    """A rope dict missing a key fails transformers' own config checks (a KeyError deep in
+    it): the CLI says which model and why, exit 2, no traceback."""
+    import json
+    import shutil
+
+    path = tmp_path / "bad_rope"
+    shutil.copytree(tiny_model_dir("llama_gqa"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0}
+    (path / "config.json").write_text(json.dumps(config))
+    assert main(["generate", "--model", str(path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "'factor'" in err and "Traceback" not in err
+
+
 def test_builtin_model_completion_through_the_cli():
     builtin_model_or_skip()
     out = _run("generate", "--prompt", "The capital of France is", "--max-tokens", "8")

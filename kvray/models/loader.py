@@ -29,7 +29,7 @@ from kvray.models.quantized import (
     assemble_quantized,
     quantize_online,
 )
-from kvray.models.spec import ModelSpec
+from kvray.models.spec import ModelSpec, UnsupportedModelError
 from kvray.parallel import ParallelContext
 from kvray.quant.tensor import QuantTensor
 from kvray.tokenizer import check_model_path, load_tokenizer
@@ -74,7 +74,13 @@ def load_hf_config(model_path: str | Path) -> Any:
     from transformers import AutoConfig
 
     path = check_model_path(model_path)
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except OSError:
+        raise
+    except Exception as err:  # transformers' own checks: a rope dict missing a key, ...
+        raise UnsupportedModelError(f"{path / 'config.json'}: transformers cannot read it "
+                                    f"({type(err).__name__}: {err})") from None
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
