@@ -486,6 +486,10 @@ class ServerConfig(_Section):
     log_requests: bool = Field(
         True, description="Log one line per finished request (its id, token counts, finish "
         "reason and time; never its text). vLLM's --disable-log-requests turns it off.")
+    log_stats: bool = Field(
+        True, description="`kvray serve` prints a throughput line (tokens/s, running, "
+        "waiting) every 10 s. vLLM's --disable-log-stats turns it off; /metrics is "
+        "unaffected.")
     metrics_require_key: bool = Field(
         False, description="Require the API key on /metrics too (/health never needs it).")
     stream_interval: int = Field(

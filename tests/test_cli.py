@@ -238,6 +238,31 @@ def test_a_swallowed_stop_is_still_seen_by_the_next_throughput_tick(monkeypatch)
     assert _throughput_ticks_until_stopped(monkeypatch, lifecycle, get_actor) == 2
 
 
+def test_without_log_stats_the_loop_asks_ray_nothing_and_still_stops_on_sigterm(
+        monkeypatch, capsys):
+    """--disable-log-stats (vLLM's) / log_stats: false: no throughput line and no Ray call
+    per tick, but the loop still ends at the tick after a SIGTERM set the stop flag."""
+    import ray
+
+    from kvray.cli import config_from_args
+    from kvray.cli.serve_lifecycle import ServeLifecycle, ServeStop
+
+    assert config_from_args(_serve_args("--disable-log-stats")).server.log_stats is False
+    lifecycle = ServeLifecycle("m", drain_timeout_s=1.0, log_stats=False)
+    calls, ticks = [], []
+
+    def sleep(seconds):
+        ticks.append(seconds)
+        if len(ticks) == 2:
+            lifecycle.stop_requested = True  # what the SIGTERM handler sets
+
+    monkeypatch.setattr(ray, "get_actor", lambda *a, **k: calls.append(a))
+    lifecycle.serving = True
+    with pytest.raises(ServeStop):
+        lifecycle.log_throughput(sleep, period=0.0)
+    assert len(ticks) == 2 and not calls and "tok/s" not in capsys.readouterr().out
+
+
 def test_a_sigterm_during_start_up_is_noted_for_a_drain_and_a_second_stops_at_once(
         monkeypatch):
     # The HTTP app can admit requests before serve.run returns: a SIGTERM then must not

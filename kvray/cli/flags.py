@@ -17,8 +17,10 @@ from kvray.config import FIELD_SECTION, SECTIONS, ConfigError, EngineConfig, loa
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine config of ``--config FILE`` with every config flag given laid over it."""
     overrides = {key: getattr(args, key, None) for key in FIELD_SECTION}
-    if getattr(args, "disable_log_requests", False) and overrides["log_requests"] is None:
-        overrides["log_requests"] = False
+    for flag, key in (("disable_log_requests", "log_requests"),
+                      ("disable_log_stats", "log_stats")):  # vLLM's spellings
+        if getattr(args, flag, False) and overrides[key] is None:
+            overrides[key] = False
     return load_config(args.config, **overrides)
 
 
@@ -113,3 +115,5 @@ def _add_vllm_compat_flags(parser: argparse.ArgumentParser) -> None:
                             "--tool-call-parser)")
     group.add_argument("--disable-log-requests", action="store_true",
                        help="the same as --no-log-requests")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="the same as --no-log-stats")

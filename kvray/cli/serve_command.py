@@ -121,7 +121,8 @@ def _serve_on_ray_serve(args: argparse.Namespace, config: EngineConfig, model_pa
     config = config.model_copy(update={"model": config.model.model_copy(
         update={"model": str(model_path)})})
     lifecycle = ServeLifecycle(name, config.server.drain_timeout_s,
-                               on_shutdown=stop_ray if started else None)
+                               on_shutdown=stop_ray if started else None,
+                               log_stats=config.server.log_stats)
     lifecycle.run(lambda: build_serve_app(config, options), args.host, args.port, replicas)
     return 0
 

@@ -75,8 +75,10 @@ class ServeLifecycle:
     """
 
     def __init__(self, model_name: str, drain_timeout_s: float,
-                 on_shutdown: Callable[[], None] | None = None) -> None:
+                 on_shutdown: Callable[[], None] | None = None, log_stats: bool = True
+                 ) -> None:
         self.model_name = model_name
+        self.log_stats = log_stats  # the throughput line every 10 s
         self.drain_timeout_s = drain_timeout_s
         self.on_shutdown = on_shutdown  # after Serve is down (stop a private cluster)
         self.stop_requested = False  # a SIGTERM arrived
@@ -179,6 +181,8 @@ class ServeLifecycle:
             sleep(period)
             if self.stop_requested:  # a SIGTERM whose ServeStop something below swallowed
                 raise ServeStop
+            if not self.log_stats:
+                continue
             try:
                 board = ray.get_actor(board_name, namespace=STATS_NAMESPACE)
                 snap = ray.get(board.snapshot.remote(), timeout=5)

@@ -126,8 +126,9 @@ def serve_in_process(config: EngineConfig, name: str, host: str, port: int,
             http = _DrainingServer(
                 uv_config, lambda: drain(server, engine, config.server.drain_timeout_s))
             loop = asyncio.get_running_loop()
-            tasks = [loop.create_task(_log_throughput(engine, name)),
-                     loop.create_task(_announce(http, name, host, port))]
+            tasks = [loop.create_task(_announce(http, name, host, port))]
+            if config.server.log_stats:
+                tasks.append(loop.create_task(_log_throughput(engine, name)))
             try:
                 await http.serve()
             finally:
