@@ -36,7 +36,7 @@
 // Whether decode reads a cache of T codes in place (decode_int8.h) for head size DK.
 #ifdef KVRAY_INT8_DOT
 template <typename T, int64_t DK>
-constexpr bool kReadsCodes = std::is_same_v<T, int8_t> && kvray::kInt8DotHead<DK>;
+constexpr bool kReadsCodes = std::is_same_v<T, int8_t> && kvray::kVectorHead<DK>;
 #else
 template <typename T, int64_t DK>
 constexpr bool kReadsCodes = false;
@@ -116,14 +116,11 @@ static inline void block_scores(const float* __restrict__ qf, const float* __res
 using kvray::sum8;
 using kvray::to8;
 using kvray::Vec;
+using kvray::kVectorHead;
 
 // K or V blocks the vector code reads in place: fp32, or bf16 widened in registers.
 template <typename T>
 constexpr bool kReadsInPlace = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
-
-// Head sizes the vector code takes: whole chunks of four vectors.
-template <int64_t DK>
-constexpr bool kVectorHead = DK > 0 && DK % (4 * Vec::kWidth) == 0;
 
 // Scores of one query row (fp32) against eight keys of head size DK (T: fp32 or bf16), to
 // s[0..8): eight accumulators (named: GCC keeps them in registers), one combined horizontal
@@ -182,7 +179,6 @@ static inline void block_scores_vec(const float* __restrict__ qf, const T* __res
     }
   }
 }
-
 
 // Query rows that block_values_vec takes together: each value vector loaded once feeds
 // kRowsTogether rows' FMAs (3 x 4 accumulators of the 32 AVX-512 registers, 2 x 4 of the 16

@@ -64,11 +64,6 @@ struct IntDot {
   static constexpr int64_t kCodes = 2 * Vec::kWidth;  // int16 lanes of one I
 };
 
-// Whether decode takes an int8 cache of head size DK through these loops: whole chunks of
-// four vectors (the values' step).
-template <int64_t DK>
-constexpr bool kInt8DotHead = DK > 0 && DK % (4 * Vec::kWidth) == 0;
-
 // The scaled fp32 query rows as int16 codes qi[g * DK + d] and their scales qs[g], as
 // round_query_rows: x * (1 / scale) rounded to nearest even.
 template <int64_t DK>

@@ -69,7 +69,7 @@ inline int64_t chunk_for_threads(int64_t n, int64_t per_thread = 4) {
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor seq_lens,
                         double scale, int64_t window, double softcap);
 // Whether paged_decode scores this cache with each query row rounded to int16 codes (an int8
-// cache on CPUs with AVX-512 VNNI, head sizes 64 and 128; kv_quant.round_query_rows).
+// cache, head sizes 64 and 128, on a build with AVX2; kv_quant.round_query_rows).
 bool paged_decode_query_codes(at::Tensor kv, int64_t head_dim);
 
 // Paged prefill attention: the new tokens q [T, Hq, D] of B sequences (sequence b's at

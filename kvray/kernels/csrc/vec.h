@@ -1,6 +1,7 @@
 // Vector traits shared by kvray's CPU kernels: fp32 lanes, loaded from fp32, bf16 or int8
-// codes and stored back to fp32 or bf16. The build is -march=native: AVX-512 machines get 16 lanes, AVX2
-// ones 8; without AVX2 there is no vector code (the kernels keep scalar loops for that).
+// codes and stored back to fp32 or bf16. The build is -march=native: AVX-512 machines get 16
+// lanes, AVX2 ones 8; without AVX2 there is no vector code (the kernels keep scalar loops for
+// that).
 //
 // bf16 is the top half of an fp32: widening is exact. Narrowing rounds to nearest even and
 // maps NaN to 0x7fc0, bit for bit what c10::BFloat16's constructor does (not the AVX-512
@@ -168,6 +169,10 @@ using Vec = Vec16;
 #else
 using Vec = Vec8;
 #endif
+
+// Head sizes the vector decode loops take: whole chunks of four vectors.
+template <int64_t DK>
+constexpr bool kVectorHead = DK > 0 && DK % (4 * Vec::kWidth) == 0;
 
 // The lanes of v summed pairwise down to 8 (one AVX2 register).
 inline __m256 to8(Vec::T v) {
