@@ -82,6 +82,11 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
+def _is_template_text(value: str) -> bool:
+    """A chat template given as text (Jinja markup or several lines), not as a file."""
+    return "{" in value or "\n" in value
+
+
 def read_chat_template(value: str) -> str:
     """The template text of ``chat_template``: a file's contents, or ``value`` itself when
     it holds Jinja markup. ValueError naming the key for a missing file or a template Jinja
@@ -89,7 +94,7 @@ def read_chat_template(value: str) -> str:
     import jinja2
 
     path = Path(value).expanduser()
-    if "{" not in value and "\n" not in value:
+    if not _is_template_text(value):
         try:
             value = path.read_text()
         except (OSError, UnicodeDecodeError) as err:
@@ -758,7 +763,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 def _names_a_file_in(base: Path, value: str) -> bool:
     """``value`` is a relative path that exists under ``base`` (not template text)."""
-    if "{" in value or "\n" in value or Path(value).is_absolute():
+    if _is_template_text(value) or Path(value).is_absolute():
         return False
     try:
         return (base / value).exists()

@@ -6,6 +6,8 @@ the weights: those live in the workers. Loading is local only; nothing is downlo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,20 @@ def check_model_path(path: str | Path) -> Path:
     return path
 
 
+@contextmanager
+def transformers_errors(where: str | Path) -> Iterator[None]:
+    """Turn transformers' own failures reading the model files at ``where`` (a config.json
+    failing its checks raises KeyError or a dataclass error from deep inside it) into a
+    ValueError naming the place and why; missing files stay OSErrors."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as err:
+        raise ValueError(f"{where}: transformers cannot read its config or tokenizer "
+                         f"({type(err).__name__}: {err})") from None
+
+
 def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = None,
                    chat_template: str | None = None) -> Any:
     """The tokenizer at ``tokenizer_path`` if given, else the model's own: a Hugging Face
@@ -36,14 +52,8 @@ def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = N
     ``chat_template`` (the template text) replaces the tokenizer's own. A directory
     transformers cannot read (its config.json fails transformers' own checks, e.g. a rope
     dict missing a key) is a ValueError naming it and why."""
-    try:
+    with transformers_errors(tokenizer_path if tokenizer_path is not None else model_path):
         tokenizer = _load(model_path, tokenizer_path)
-    except OSError:
-        raise
-    except Exception as err:
-        where = tokenizer_path if tokenizer_path is not None else model_path
-        raise ValueError(f"{where}: transformers cannot read its config or tokenizer "
-                         f"({type(err).__name__}: {err})") from None
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer

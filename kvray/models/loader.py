@@ -29,10 +29,10 @@ from kvray.models.quantized import (
     assemble_quantized,
     quantize_online,
 )
-from kvray.models.spec import ModelSpec, UnsupportedModelError
+from kvray.models.spec import ModelSpec
 from kvray.parallel import ParallelContext
 from kvray.quant.tensor import QuantTensor
-from kvray.tokenizer import check_model_path, load_tokenizer
+from kvray.tokenizer import check_model_path, load_tokenizer, transformers_errors
 
 logger = logging.getLogger("kvray")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -74,13 +74,8 @@ def load_hf_config(model_path: str | Path) -> Any:
     from transformers import AutoConfig
 
     path = check_model_path(model_path)
-    try:
+    with transformers_errors(path):
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except OSError:
-        raise
-    except Exception as err:  # transformers' own checks: a rope dict missing a key, ...
-        raise UnsupportedModelError(f"{path / 'config.json'}: transformers cannot read it "
-                                    f"({type(err).__name__}: {err})") from None
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

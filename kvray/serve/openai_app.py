@@ -150,14 +150,13 @@ class OpenAIServer:
         if enable_docs is not None:
             self.limits = self.limits.model_copy(update={"enable_docs": enable_docs})
         self.tokenizer = client.tokenizer
+        engine = getattr(client, "engine", None)  # in process: the engine's own facts
         if eos_token_ids is None:  # the engine's, where the caller knows them
-            engine = getattr(client, "engine", None)
             eos_token_ids = getattr(engine, "eos_token_ids", None) or (
                 (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None
                 else ())
         self.eos_token_ids = tuple(eos_token_ids)
         if sampling_defaults is None:  # the model's generation_config.json, via the engine
-            engine = getattr(client, "engine", None)
             sampling_defaults = getattr(engine, "sampling_defaults", None) or {}
         # unset request fields take these (vLLM's --generation-config auto)
         self.sampling_defaults = dict(sampling_defaults)
