@@ -3,6 +3,7 @@ same logits as the original, and transformers' own GGUF reader agrees on the fil
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -12,7 +13,7 @@ from kvray.kernels.attention import AttentionMetadata
 from kvray.models.loader import load_model
 from kvray.tokenizer import load_tokenizer
 from tests.helpers.tiny_gguf import write_gguf
-from tests.helpers.tiny_models import VOCAB_SIZE, load_hf
+from tests.helpers.tiny_models import VOCAB_SIZE, load_hf, make_tiny_model
 
 pytestmark = pytest.mark.parity
 
@@ -34,6 +35,91 @@ def test_gguf_logits_and_greedy_tokens_match_the_hf_original(arch, tiny_model_di
     expected = hf.generate(prompt[None], max_new_tokens=8, do_sample=False, eos_token_id=None,
                            pad_token_id=0)[0, len(prompt):].tolist()
     assert generate_by_recompute(model, prompt.tolist(), 8) == expected
+
+
+# Tiny models of the other GGUF architectures and rope rules, shaped as the real ones the
+# files hold: Gemma 2's converter drops the LM head (tied), and the Gemmas' files hold no
+# query scale (head_dim) or layer pattern (every 2nd / 6th layer global).
+GGUF_VARIANTS = {
+    "gemma2": ("gemma2_softcap", dict(query_pre_attn_scalar=16, tie_word_embeddings=True,
+                                      num_hidden_layers=4)),
+    "gemma3": ("gemma3_text", dict(num_hidden_layers=7, layer_types=None,
+                                   tie_word_embeddings=True)),
+    "phi3_longrope": ("phi3_longrope", dict(sliding_window=64)),
+    "phi4_partial_rotary": ("phi4_partial_rotary", {}),
+    "llama3_rope": ("llama3_rope_tied", {}),  # rope_freqs: divisors past position 64 too
+    "llama_yarn": ("llama_yarn", {}),
+    "qwen2_linear": ("qwen2_bias", dict(rope_parameters={"rope_type": "linear", "factor": 4.0,
+                                                         "rope_theta": 10000.0})),
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_variant(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_variants")
+
+    def get(name: str, quant=None):
+        arch, overrides = GGUF_VARIANTS[name]
+        src = root / name
+        if not src.exists():
+            make_tiny_model(arch, src, **overrides)
+        tag = "-".join(f"{v}" for v in (quant or {}).values()) or "f32"
+        return src, write_gguf(src, root / f"{name}-{tag}.gguf", quant=quant)
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(GGUF_VARIANTS))
+@torch.inference_mode()
+def test_gemma_phi3_and_rope_scaled_ggufs_match_the_hf_original(name, gguf_variant):
+    """Gemma 2 / 3 (norms stored as 1 + w, sandwich norms, window pattern derived), Phi-3 /
+    Phi-4-mini (fused tensors, LongRoPE factors as tensors, partial rotary) and the rope
+    rules a file states (Llama 3's rope_freqs, YaRN and linear keys) give the original's
+    logits, past the rules' original contexts (64 and 256 tokens), and its greedy tokens."""
+    src, path = gguf_variant(name)
+    hf = load_hf(src)
+    model, _ = load_model(path, "float32")
+    lengths = [9, 30, 1, 300]
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, VOCAB_SIZE, (n,), generator=g) for n in lengths]
+    ours = model.compute_logits(model(torch.cat(seqs), AttentionMetadata.for_full_sequences(
+        lengths)))
+    ref = torch.cat([hf(s[None]).logits[0] for s in seqs])
+    assert (ours - ref).abs().max().item() <= 1e-4
+    prompt = seqs[1]
+    expected = hf.generate(prompt[None], max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    assert generate_by_recompute(model, prompt.tolist(), 8) == expected
+
+
+@pytest.mark.parametrize("name,quant", [("phi3_longrope", "Q8_0"), ("phi3_longrope", "Q4_K_M"),
+                                        ("gemma3", "Q8_0"), ("gemma2", "Q4_0")])
+@torch.inference_mode()
+def test_quantized_gemma_and_phi3_ggufs_stay_in_their_blocks(name, quant, gguf_variant):
+    """Phi-3's fused qkv / gate_up tensors and the Gemmas' linears load as blocks (none
+    dequantized once the CPU kernels are in) and compute the dequantized weights' logits."""
+    from kvray.kernels.plan import choose_kernel_plan
+    from kvray.models.kernel_install import install_kernel_plan
+    from kvray.models.quantized import quantized_modules
+    from tests.helpers.tiny_gguf import Q4_K_M, dequantized_reference
+
+    mapping = Q4_K_M if quant == "Q4_K_M" else {"*": quant}
+    src, path = gguf_variant(name, mapping)
+    model, _ = load_model(path, "float32")
+    held = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+            if getattr(m, "quant", None) is not None}
+    assert {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} <= held
+    ids = torch.randint(3, VOCAB_SIZE, (12,), generator=torch.Generator().manual_seed(0))
+    meta = AttentionMetadata.for_full_sequences([12])
+    want = dequantized_reference(src, mapping)(ids[None]).logits[0]
+    torch.testing.assert_close(model.compute_logits(model(ids, meta)), want, rtol=0,
+                               atol=1e-4)
+    plan = choose_kernel_plan("auto", torch.device("cpu"), torch.float32, None, 1)
+    installed = install_kernel_plan(model, plan).quantized
+    assert installed.dequantized == 0 and all(m.qweight is not None
+                                              for m in quantized_modules(model))
+    err = model.compute_logits(model(ids, meta)) - want
+    assert err.abs().max().item() <= 0.2 * want.std().item()
 
 
 def test_quantization_gguf_names_a_gguf_file_and_other_format_names_are_errors(
@@ -90,6 +176,40 @@ def test_gguf_with_missing_or_per_layer_metadata_names_the_key(tmp_path, drop, v
             w.add_uint32(key, v)
         elif value is not None:
             w.add_array(key, value)
+    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match=message):
+        GGUFCheckpoint(path)
+
+
+@pytest.mark.parametrize("rope,message", [
+    ({"llama.rope.scaling.type": "longrope"},
+     "'llama.rope.scaling.type' = 'longrope' is not supported"),
+    ({"llama.rope.scaling.type": "yarn"}, "without 'llama.rope.scaling.factor'"),
+    ({"rope_freqs.weight": np.ones(3, np.float32)},
+     "'rope_freqs.weight' holds 3 factors for a rotary dim of 8"),
+])
+def test_gguf_rope_rules_kvray_cannot_apply_are_errors_naming_the_key(tmp_path, rope, message):
+    """A rope rule is never dropped silently: an unknown scaling type, a rule without its
+    factor or rope factors that do not fit the heads name what is wrong."""
+    import gguf
+
+    from kvray.models.gguf_loader import GGUFCheckpoint
+    from kvray.models.spec import UnsupportedModelError
+
+    path = tmp_path / "rope.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, v in {"llama.block_count": 2, "llama.embedding_length": 32,
+                   "llama.feed_forward_length": 64, "llama.attention.head_count": 4}.items():
+        w.add_uint32(key, v)
+    for key, v in rope.items():
+        if key.endswith(".weight"):
+            w.add_tensor(key, v)
+        else:
+            w.add_string(key, v)
     w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

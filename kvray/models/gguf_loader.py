@@ -12,6 +12,15 @@ tensors of their own), or a Mixtral one (``llama`` with an expert count), stores
 layer's experts stacked ([experts, rows, K], quantized row by row): they are yielded one
 expert at a time under the hub's per-expert names, quantized ones as row ranges of one
 converted matrix. A layer without a router is a dense one (``mlp_only_layers``).
+
+Gemma 2 / 3 files store every RMSNorm weight as ``1 + w`` (llama.cpp's converter folds
+Gemma's ``(1 + w)`` in): ``1`` is taken back off. Their query scale and sliding-window
+layer pattern are not in the file: both are derived as llama.cpp derives them. A Phi-3
+file keeps ``qkv_proj`` and ``gate_up_proj`` fused (``attn_qkv``, ``ffn_up``), as the hub
+does. Rope scaling comes from the ``rope.scaling.*`` keys (linear, YaRN) and from the
+tensors some converters write instead: Llama-3's ``rope_freqs`` (one divisor per
+frequency) and Phi-3's ``rope_factors_short`` / ``rope_factors_long`` (LongRoPE), which
+become the config's rope rule and are not weights.
 """
 
 from __future__ import annotations
@@ -34,7 +43,13 @@ _ARCHS = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", False),
     "qwen2moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", False),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", False),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", False),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", False),
 }
+_GEMMA = ("gemma2", "gemma3")
+# rope tensors that describe the rule, not weights
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
 # stacked expert tensors: GGUF name -> the per-expert HF projection
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                  "ffn_down_exps": "down_proj"}
@@ -62,6 +77,17 @@ _LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# where an architecture names a layer tensor otherwise: Gemma's sandwich norms (its
+# ffn_norm is the norm before the MLP, not after attention), Phi-3's fused projections
+_ARCH_LAYER_NAMES = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
+# llama.cpp's n_layer of the 27B Gemmas, whose query scale is hidden / heads, not head_dim
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -90,17 +116,19 @@ def _number(reader: Any, key: str, cast: type, default: Any = _REQUIRED) -> Any:
                                     "supported)") from None
 
 
-def _hf_name(gguf_name: str, expert: int | None = None) -> str:
-    """The Hugging Face name of a GGUF tensor (of one ``expert`` of a stacked one)."""
+def _hf_name(gguf_name: str, arch: str = "llama", expert: int | None = None) -> str:
+    """The Hugging Face name of a GGUF tensor of ``arch`` (of one ``expert`` of a stacked
+    one)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
     if m and m.group(2) in _EXPERT_NAMES and expert is not None:
         return (f"model.layers.{m.group(1)}.mlp.experts.{expert}."
                 f"{_EXPERT_NAMES[m.group(2)]}.{m.group(3)}")
-    if not m or m.group(2) not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if not m or m.group(2) not in names:
         raise UnsupportedModelError(f"GGUF tensor '{gguf_name}' has no Hugging Face equivalent")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def _is_experts(gguf_name: str) -> bool:
@@ -136,10 +164,6 @@ class GGUFCheckpoint:
                 f"GGUF architecture '{arch}' is not supported; supported: {', '.join(_ARCHS)}")
         self.arch = arch
         names = {t.name for t in self.reader.tensors}
-        if "rope_freqs.weight" in names:
-            raise UnsupportedModelError(
-                "GGUF with precomputed rope_freqs (Llama-3.1 rope scaling) is not supported; "
-                "load the Hugging Face checkpoint instead")
         self.hf_config = self._build_config(names)
 
     def _build_config(self, names: set[str]) -> Any:
@@ -155,6 +179,8 @@ class GGUFCheckpoint:
             raise UnsupportedModelError("GGUF without a 'token_embd.weight' tensor")
         n_head = _number(r, f"{a}.attention.head_count", int)
         hidden = _number(r, f"{a}.embedding_length", int)
+        head_dim = _number(r, f"{a}.attention.key_length", int, hidden // n_head)
+        rot_dim = _number(r, f"{a}.rope.dimension_count", int, head_dim)
         kwargs = dict(
             architectures=[hf_arch],
             vocab_size=int(embd.shape[1]),
@@ -163,15 +189,25 @@ class GGUFCheckpoint:
             num_hidden_layers=_number(r, f"{a}.block_count", int),
             num_attention_heads=n_head,
             num_key_value_heads=_number(r, f"{a}.attention.head_count_kv", int, n_head),
-            head_dim=_number(r, f"{a}.attention.key_length", int, hidden // n_head),
+            head_dim=head_dim,
             rms_norm_eps=_number(r, f"{a}.attention.layer_norm_rms_epsilon", float, 1e-6),
             max_position_embeddings=_number(r, f"{a}.context_length", int, 2048),
-            rope_theta=_number(r, f"{a}.rope.freq_base", float, 10000.0),
+            rope_parameters=self._rope_rule(names, rot_dim),
             tie_word_embeddings="output.weight" not in names,
             bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
             eos_token_id=_field(r, "tokenizer.ggml.eos_token_id"),
+            pad_token_id=_field(r, "tokenizer.ggml.padding_token_id"),
             torch_dtype="bfloat16",
         )
+        if rot_dim != head_dim:  # Phi-4-mini; an error for the families that rotate whole heads
+            kwargs["rope_parameters"]["partial_rotary_factor"] = rot_dim / head_dim
+        if a in _GEMMA:
+            kwargs.update(self._gemma_fields(kwargs))
+        elif a == "phi3":
+            window = _number(r, f"{a}.attention.sliding_window", int, 0)
+            kwargs.update(sliding_window=window or None, original_max_position_embeddings=(
+                kwargs["rope_parameters"].get("original_max_position_embeddings")
+                or kwargs["max_position_embeddings"]))
         if a in ("qwen2moe", "qwen3moe"):
             layers = kwargs["num_hidden_layers"]
             kwargs.update(
@@ -190,6 +226,101 @@ class GGUFCheckpoint:
                           num_experts_per_tok=_number(r, f"{a}.expert_used_count", int))
         return getattr(transformers, config_cls)(**kwargs)
 
+    def _rope_rule(self, names: set[str], rot_dim: int) -> dict[str, Any]:
+        """The rope rule (``rope_parameters``) of the file's full-attention layers, from
+        the ``rope.scaling.*`` keys or the rope tensors a converter wrote instead."""
+        a, r = self.arch, self.reader
+        rule: dict[str, Any] = {"rope_type": "default",
+                                "rope_theta": _number(r, f"{a}.rope.freq_base", float, 10000.0)}
+        kind = _field(r, f"{a}.rope.scaling.type")
+        factor = _number(r, f"{a}.rope.scaling.factor", float, None)
+        if kind is None and _field(r, f"{a}.rope.scale_linear") is not None:  # older files
+            kind, factor = "linear", _number(r, f"{a}.rope.scale_linear", float)
+        original = _number(r, f"{a}.rope.scaling.original_context_length", int, None)
+        context = _number(r, f"{a}.context_length", int, 2048)
+        if "rope_freqs.weight" in names:
+            # Llama 3.1's rule written out: frequency i divided by rope_freqs[i] at every
+            # position, which is LongRoPE with one set of factors and no attention factor
+            factors = self._rope_factors("rope_freqs.weight", rot_dim)
+            return rule | {"rope_type": "longrope", "short_factor": factors,
+                           "long_factor": factors, "attention_factor": 1.0,
+                           "original_max_position_embeddings": context}
+        if "rope_factors_long.weight" in names:  # Phi-3's LongRoPE
+            long = self._rope_factors("rope_factors_long.weight", rot_dim)
+            short = (self._rope_factors("rope_factors_short.weight", rot_dim)
+                     if "rope_factors_short.weight" in names else long)
+            rule |= {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                     "original_max_position_embeddings": original or context}
+            attention = _number(r, f"{a}.rope.scaling.attn_factor", float, None)
+            return rule if attention is None else rule | {"attention_factor": attention}
+        if kind in (None, "none"):
+            return rule
+        if kind not in ("linear", "yarn") or factor is None:
+            raise UnsupportedModelError(
+                f"GGUF metadata '{a}.rope.scaling.type' = '{kind}'"
+                + ("" if kind in ("linear", "yarn") else " is not supported (supported: "
+                   "none, linear, yarn)")
+                + ("" if factor is not None else f" without '{a}.rope.scaling.factor'"))
+        rule |= {"rope_type": kind, "factor": factor}
+        if kind == "yarn":
+            rule["original_max_position_embeddings"] = original or context
+            for key, hf_key in (("yarn_beta_fast", "beta_fast"),
+                                ("yarn_beta_slow", "beta_slow"),
+                                ("yarn_attn_factor", "attention_factor")):
+                value = _number(r, f"{a}.rope.scaling.{key}", float, None)
+                if value is not None:
+                    rule[hf_key] = value
+        return rule
+
+    def _rope_factors(self, name: str, rot_dim: int) -> list[float]:
+        import gguf
+
+        t = next(t for t in self.reader.tensors if t.name == name)
+        values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).ravel()
+        if values.size != rot_dim // 2:
+            raise UnsupportedModelError(f"GGUF tensor '{name}' holds {values.size} factors "
+                                        f"for a rotary dim of {rot_dim} (need {rot_dim // 2})")
+        return [float(v) for v in values]
+
+    def _gemma_fields(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Gemma 2 / 3's config fields. The file holds no query scale and (usually) no
+        layer pattern: as llama.cpp takes them, the scale is head_dim except for the 27B
+        models (hidden / heads), and every 2nd (Gemma 2) / 6th (Gemma 3) layer is global."""
+        a, r = self.arch, self.reader
+        layers, rule = kwargs["num_hidden_layers"], kwargs["rope_parameters"]
+        window = _number(r, f"{a}.attention.sliding_window", int, 4096 if a == "gemma2" else 0)
+        sliding = self._sliding_layers(layers, 2 if a == "gemma2" else 6) if window > 0 \
+            else [False] * layers
+        wide = layers == _GEMMA_27B_LAYERS[a]
+        fields = dict(
+            query_pre_attn_scalar=(kwargs["hidden_size"] // kwargs["num_attention_heads"]
+                                   if wide else kwargs["head_dim"]),
+            sliding_window=window or None,
+            layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+            final_logit_softcapping=_number(r, f"{a}.final_logit_softcapping", float, None))
+        if a == "gemma2":
+            fields["attn_logit_softcapping"] = _number(r, f"{a}.attn_logit_softcapping",
+                                                       float, None)
+        else:  # sliding layers turn at their own base, unscaled
+            local = _number(r, f"{a}.rope.freq_base_swa", float, 10000.0)
+            fields["rope_parameters"] = {
+                "full_attention": rule,
+                "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+        return fields
+
+    def _sliding_layers(self, layers: int, every: int) -> list[bool]:
+        """Which layers attend through the sliding window: the file's per-layer flags or
+        pattern length, else llama.cpp's default (all but every ``every``-th layer)."""
+        key = f"{self.arch}.attention.sliding_window_pattern"
+        value = _field(self.reader, key)
+        if isinstance(value, list):
+            if len(value) != layers:
+                raise UnsupportedModelError(f"GGUF metadata '{key}' has {len(value)} "
+                                            f"entries for {layers} layers")
+            return [bool(v) for v in value]
+        n = every if value is None else _number(self.reader, key, int)
+        return [n == 0 or i % n < n - 1 for i in range(layers)]
+
     def iter_weights(self, keep_quantized: bool = True
                      ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
         """Yield (Hugging Face name, tensor) for every tensor: a QuantTensor where the
@@ -201,10 +332,12 @@ class GGUFCheckpoint:
         permute = _ARCHS[self.arch][2]
         cfg = self.hf_config
         for t in self.reader.tensors:
+            if t.name in _ROPE_TENSORS:  # part of the config's rope rule
+                continue
             if _is_experts(t.name):
                 yield from self._experts(t, keep_quantized)
                 continue
-            name = _hf_name(t.name)
+            name = _hf_name(t.name, self.arch)
             shape = tuple(reversed(t.shape.tolist()))
             if name.endswith("shared_expert_gate.weight"):  # one row; llama.cpp keeps it 1-D
                 data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
@@ -221,6 +354,8 @@ class GGUFCheckpoint:
                 continue
             data = gguf.quants.dequantize(t.data, t.tensor_type)
             data = np.asarray(data, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+            if self.arch in _GEMMA and name.endswith("norm.weight"):
+                data = data - 1.0  # stored as Gemma's 1 + w
             if permute and ".q_proj." in name:
                 data = _unpermute(data, cfg.num_attention_heads)
             elif permute and ".k_proj." in name:
@@ -240,12 +375,12 @@ class GGUFCheckpoint:
             qt = to_quant_tensor(raw, t.tensor_type, (experts * rows, k))
             if qt is not None:
                 for e in range(experts):
-                    yield _hf_name(t.name, e), qt.narrow(0, e * rows, rows)
+                    yield _hf_name(t.name, self.arch, e), qt.narrow(0, e * rows, rows)
                 return
         data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         data = data.reshape(experts, rows, k)
         for e in range(experts):
-            yield _hf_name(t.name, e), torch.from_numpy(np.array(data[e], copy=True))
+            yield _hf_name(t.name, self.arch, e), torch.from_numpy(np.array(data[e], copy=True))
 
     def load_tokenizer(self) -> Any:
         """The tokenizer (with chat template) embedded in the GGUF, via transformers."""

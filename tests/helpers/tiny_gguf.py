@@ -7,6 +7,7 @@ llama.cpp's layout."""
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -41,7 +42,17 @@ def _expert_tensors(name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]
     return [(f"{prefix}.ffn_down_exps.weight", data)]
 
 
-def _gguf_name(name: str) -> str:
+# llama.cpp's names where an architecture differs: Gemma's sandwich norms, Phi-3's fused
+# projections
+_ARCH_LAYER = {
+    "gemma": {"post_attention_layernorm": "post_attention_norm",
+              "pre_feedforward_layernorm": "ffn_norm",
+              "post_feedforward_layernorm": "post_ffw_norm"},
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+
+
+def _gguf_name(name: str, arch: str = "llama") -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
            "output_norm.weight", "lm_head.weight": "output.weight"}
     if name in top:
@@ -50,7 +61,8 @@ def _gguf_name(name: str) -> str:
     module, kind = rest.rsplit(".", 1)
     if module == "mlp.gate":  # a MoE layer's router
         return f"blk.{idx}.ffn_gate_inp.{kind}"
-    return f"blk.{idx}.{_LAYER[module]}.{kind}"
+    names = {**_LAYER, **_ARCH_LAYER.get("gemma" if arch.startswith("gemma") else arch, {})}
+    return f"blk.{idx}.{names[module]}.{kind}"
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, tokenizer) -> None:
@@ -228,9 +240,13 @@ def _chosen_type(name: str, quant: Mapping[str, str | gguf.GGMLQuantizationType]
 
 def write_gguf(model_dir: str | Path, out: str | Path,
                quant: Mapping[str, str | gguf.GGMLQuantizationType] | None = None) -> Path:
-    """Convert the HF model in ``model_dir`` (llama, qwen2, qwen3, qwen2_moe, qwen3_moe or
-    mixtral) to a GGUF. A MoE router (and Qwen2-MoE's shared-expert gate, 1-D) stays F32 and
-    expert tensors are stacked per layer, as llama.cpp's converter does.
+    """Convert the HF model in ``model_dir`` (llama, mistral, qwen2, qwen3, qwen2_moe,
+    qwen3_moe, mixtral, gemma2, gemma3_text or phi3) to a GGUF, as llama.cpp's converter
+    does: a MoE router (and Qwen2-MoE's shared-expert gate, 1-D) stays F32 and expert tensors
+    are stacked per layer; Gemma's norms are stored as ``1 + w``, its head tied, its rope
+    base written for Gemma 3 only; Phi-3 keeps its fused tensors and writes its LongRoPE
+    factors as tensors, as Llama-3 rope scaling goes into ``rope_freqs``; linear and YaRN
+    rules into ``rope.scaling.*`` keys.
 
     ``quant`` maps fnmatch patterns of Hugging Face tensor names to GGUF types ("Q4_K" or
     ``GGMLQuantizationType.Q4_K``); the first matching pattern wins, unmatched tensors stay
@@ -240,7 +256,8 @@ def write_gguf(model_dir: str | Path, out: str | Path,
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     cfg = model.config
     arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-            "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}[cfg.model_type]
+            "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+            "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}[cfg.model_type]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -249,11 +266,17 @@ def write_gguf(model_dir: str | Path, out: str | Path,
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if arch != "phi3":  # (its converter leaves the head size to hidden / heads)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+    if arch not in ("gemma2", "gemma3", "phi3"):
+        w.add_vocab_size(cfg.vocab_size)
+    extra = _add_rope(w, arch, cfg, head_dim)
+    if arch.startswith("gemma"):
+        _add_gemma(w, arch, cfg)
+    elif arch == "phi3":
+        w.add_sliding_window(cfg.sliding_window or 0)
     if arch in ("qwen2moe", "qwen3moe"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -264,10 +287,14 @@ def write_gguf(model_dir: str | Path, out: str | Path,
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
     _add_tokenizer(w, tokenizer)
+    for name, data in extra:
+        w.add_tensor(name, data)
     for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
+        if name == "lm_head.weight" and (cfg.tie_word_embeddings or arch == "gemma2"):
+            continue  # (Gemma 2's converter drops it whatever the config says)
         data = t.float().numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            data = data + 1.0
         if data.ndim == 3:  # stacked experts, quantized row by row
             qtype = _chosen_type(name, quant or {})
             for gname, part in _expert_tensors(name, data):
@@ -288,13 +315,69 @@ def write_gguf(model_dir: str | Path, out: str | Path,
             data = _llama_cpp_permute(data, cfg.num_key_value_heads)
         qtype = _chosen_type(name, quant or {}) if data.ndim == 2 else gguf.GGMLQuantizationType.F32
         data, qtype = quantize(data, qtype)
-        w.add_tensor(_gguf_name(name), data, raw_dtype=None if qtype ==
+        w.add_tensor(_gguf_name(name, arch), data, raw_dtype=None if qtype ==
                      gguf.GGMLQuantizationType.F32 else qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return Path(out)
+
+
+def _add_rope(w: gguf.GGUFWriter, arch: str, cfg, head_dim: int
+              ) -> list[tuple[str, np.ndarray]]:
+    """Write the rope keys of ``cfg`` as llama.cpp's converter does; return the rope tensors
+    it writes instead of keys (Llama-3's ``rope_freqs``, Phi-3's LongRoPE factors)."""
+    params = dict(cfg.rope_parameters)
+    if arch == "gemma3":  # the global layers' rule; the sliding ones' base in its own key
+        w.add_rope_freq_base_swa(params["sliding_attention"]["rope_theta"])
+        params = dict(params["full_attention"])
+    rot_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    if arch != "gemma2":  # its converter writes neither base nor rotary dims
+        w.add_rope_freq_base(params["rope_theta"])
+    if not arch.startswith("gemma"):
+        w.add_rope_dimension_count(rot_dim)
+    kind, factor = params.get("rope_type", "default"), params.get("factor")
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(factor)
+    elif kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(factor)
+        w.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow),
+                         ("attention_factor", w.add_rope_scaling_yarn_attn_factor)):
+            if params.get(key) is not None:
+                add(params[key])
+    elif kind == "llama3":  # one divisor per frequency, as the converter computes them
+        inv = 1.0 / params["rope_theta"] ** (np.arange(0, rot_dim, 2) / rot_dim)
+        wavelen = 2 * math.pi / inv
+        old = params["original_max_position_embeddings"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        smooth = (old / wavelen - low) / (high - low)
+        divisors = np.where(wavelen < old / high, 1.0, np.where(
+            wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+        return [("rope_freqs.weight", divisors.astype(np.float32))]
+    elif kind == "longrope":
+        original = cfg.original_max_position_embeddings
+        w.add_rope_scaling_orig_ctx_len(original)
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        return [(f"rope_factors_{which}.weight",
+                 np.asarray(params[f"{which}_factor"], np.float32)) for which in ("long", "short")]
+    return []
+
+
+def _add_gemma(w: gguf.GGUFWriter, arch: str, cfg) -> None:
+    """Gemma's keys: the caps (Gemma 3 has only the final one) and the window. The layer
+    pattern and query scale are not written (readers derive them, as llama.cpp does)."""
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    if cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    w.add_sliding_window(cfg.sliding_window)
 
 
 def dequantized_reference(model_dir: str | Path,
