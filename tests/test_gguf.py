@@ -18,29 +18,13 @@ from tests.helpers.tiny_models import VOCAB_SIZE, load_hf, make_tiny_model
 pytestmark = pytest.mark.parity
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2_bias", "qwen3_qknorm_headdim"])
-@torch.inference_mode()
-def test_gguf_logits_and_greedy_tokens_match_the_hf_original(arch, tiny_model_dir, tmp_path):
-    src = tiny_model_dir(arch)
-    gguf_path = write_gguf(src, tmp_path / f"{arch}.gguf")
-    hf = load_hf(src)
-    model, _ = load_model(gguf_path, "float32")
-    lengths = [9, 30, 1]
-    seqs = [torch.randint(3, VOCAB_SIZE, (n,)) for n in lengths]
-    ours = model.compute_logits(model(torch.cat(seqs), AttentionMetadata.for_full_sequences(
-        lengths)))
-    ref = torch.cat([hf(s[None]).logits[0] for s in seqs])
-    assert (ours - ref).abs().max().item() <= 1e-4
-    prompt = seqs[1]
-    expected = hf.generate(prompt[None], max_new_tokens=8, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, len(prompt):].tolist()
-    assert generate_by_recompute(model, prompt.tolist(), 8) == expected
-
-
-# Tiny models of the other GGUF architectures and rope rules, shaped as the real ones the
-# files hold: Gemma 2's converter drops the LM head (tied), and the Gemmas' files hold no
-# query scale (head_dim) or layer pattern (every 2nd / 6th layer global).
+# Tiny models of each GGUF architecture and rope rule, shaped as the real ones the files
+# hold: Gemma 2's converter drops the LM head (tied), and the Gemmas' files hold no query
+# scale (head_dim) or layer pattern (every 2nd / 6th layer global).
 GGUF_VARIANTS = {
+    "llama_gqa": ("llama_gqa", {}),
+    "qwen2_bias": ("qwen2_bias", {}),
+    "qwen3_qknorm_headdim": ("qwen3_qknorm_headdim", {}),
     "gemma2": ("gemma2_softcap", dict(query_pre_attn_scalar=16, tie_word_embeddings=True,
                                       num_hidden_layers=4)),
     "gemma3": ("gemma3_text", dict(num_hidden_layers=7, layer_types=None,
@@ -56,6 +40,7 @@ GGUF_VARIANTS = {
 
 @pytest.fixture(scope="module")
 def gguf_variant(tmp_path_factory):
+    """name, quant mapping or None -> (the tiny HF model, its GGUF), built once per module."""
     root = tmp_path_factory.mktemp("gguf_variants")
 
     def get(name: str, quant=None):
@@ -71,8 +56,9 @@ def gguf_variant(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(GGUF_VARIANTS))
 @torch.inference_mode()
-def test_gemma_phi3_and_rope_scaled_ggufs_match_the_hf_original(name, gguf_variant):
-    """Gemma 2 / 3 (norms stored as 1 + w, sandwich norms, window pattern derived), Phi-3 /
+def test_gguf_logits_and_greedy_tokens_match_the_hf_original(name, gguf_variant):
+    """Llama (Q/K rows interleaved), Qwen2 / 3, Gemma 2 / 3 (norms stored as 1 + w, sandwich
+    norms, window pattern derived), Phi-3 /
     Phi-4-mini (fused tensors, LongRoPE factors as tensors, partial rotary) and the rope
     rules a file states (Llama 3's rope_freqs, YaRN and linear keys) give the original's
     logits, past the rules' original contexts (64 and 256 tokens), and its greedy tokens."""
