@@ -39,6 +39,53 @@ def test_sharded_checkpoint_with_index_loads_identically(tiny_model_dir, tmp_pat
         assert na == nb and torch.equal(pa, pb)
 
 
+def _as_torch_bins(src, dst, shards: int, **save_kwargs):
+    """``src``'s tensors as ``torch.save`` shards (and their index when more than one), the
+    way checkpoints were saved before safetensors."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = list(load_file(str(src / "model.safetensors")).items())
+    weight_map = {}
+    for i in range(shards):
+        name = "pytorch_model.bin" if shards == 1 else \
+            f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = dict(tensors[i::shards])
+        torch.save(part, dst / name, **save_kwargs)
+        weight_map.update(dict.fromkeys(part, name))
+    if shards > 1:
+        (dst / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return dst
+
+
+@pytest.mark.parametrize("shards,legacy", [(1, False), (3, False), (1, True)])
+def test_a_pytorch_bin_checkpoint_loads_identically(tiny_model_dir, tmp_path, shards, legacy):
+    """A checkpoint saved with ``torch.save`` (one ``pytorch_model.bin``, index-sharded
+    ones, or the pre-zip format) loads as its safetensors twin does."""
+    src = tiny_model_dir("llama_gqa")
+    kwargs = {"_use_new_zipfile_serialization": False} if legacy else {}
+    a, _ = load_model(src, "float32")
+    b, _ = load_model(_as_torch_bins(src, tmp_path / "bin", shards, **kwargs), "float32")
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert na == nb and torch.equal(pa, pb)
+
+
+def test_a_pytorch_bin_that_pickles_code_or_lacks_shards_is_refused(tiny_model_dir, tmp_path):
+    """``.bin`` files are read with ``weights_only``: one pickling anything but tensors (a
+    way to run code at load) is a WeightLoadError naming the file, never executed; an
+    index naming a missing shard names it."""
+    src = tiny_model_dir("llama_gqa")
+    bad = _as_torch_bins(src, tmp_path / "bad", 1)
+    torch.save({"x": torch.zeros(2), "evil": print}, bad / "pytorch_model.bin")
+    with pytest.raises(WeightLoadError, match="pytorch_model.bin: cannot read it"):
+        load_model(bad, "float32")
+    sharded = _as_torch_bins(src, tmp_path / "sharded", 2)
+    (sharded / "pytorch_model-00002-of-00002.bin").unlink()
+    with pytest.raises(WeightLoadError, match="missing.*00002-of-00002"):
+        load_model(sharded, "float32")
+
+
 def test_missing_tensor_is_named(tiny_model_dir, tmp_path):
     path = _copy_model(tiny_model_dir("llama_gqa"), tmp_path / "m",
                        lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))

@@ -78,21 +78,59 @@ def load_hf_config(model_path: str | Path) -> Any:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every ``*.safetensors`` shard, via the index when present."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
+def _shards(model_dir: Path, index_name: str, pattern: str) -> list[Path]:
+    """A checkpoint's shard files: those its index names, else every ``pattern`` file."""
+    index = model_dir / index_name
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        paths = [model_dir / f for f in files]
-    else:
-        paths = sorted(model_dir.glob("*.safetensors"))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise WeightLoadError(f"{index}: not a shard index ({err})") from None
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise WeightLoadError(f"{index} names shards that are missing: {missing[:3]}")
+        return [model_dir / f for f in files]
+    return sorted(model_dir.glob(pattern))
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every ``*.safetensors`` shard, via the index when present;
+    a checkpoint without any (older ones saved by ``torch.save``) from its ``*.bin``
+    shards, read with ``weights_only`` so a file cannot run code, as vLLM falls back."""
+    model_dir = Path(model_dir)
+    paths = _shards(model_dir, "model.safetensors.index.json", "*.safetensors")
     if not paths:
-        raise WeightLoadError(f"no *.safetensors files in {model_dir}")
+        yield from _iter_torch_bins(model_dir)
+        return
     for path in paths:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 yield name, f.get_tensor(name)
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # the legacy (pre-zip) format cannot be memory-mapped
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+
+
+def _iter_torch_bins(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    paths = [p for p in _shards(model_dir, "pytorch_model.bin.index.json", "*.bin")
+             if p.name != "training_args.bin"]
+    if not paths:
+        raise WeightLoadError(f"no *.safetensors or pytorch_model*.bin files in {model_dir}")
+    for path in paths:
+        try:
+            state = _torch_load(path)
+        except Exception as err:  # not a state dict, or one pickling more than tensors
+            raise WeightLoadError(f"{path}: cannot read it as a PyTorch state dict "
+                                  f"({str(err)[:200]})") from None
+        if not isinstance(state, dict):
+            raise WeightLoadError(f"{path}: holds a {type(state).__name__}, not a state dict")
+        for name, tensor in state.items():
+            if isinstance(tensor, torch.Tensor):
+                yield name, tensor
 
 
 def default_weight_loader(param: torch.nn.Parameter, loaded: torch.Tensor,
