@@ -143,3 +143,23 @@ def test_auto_dtype_uses_the_checkpoint_dtype(tiny_model_dir):
     assert model.model.embed_tokens.weight.dtype == torch.float32
     out = model(torch.tensor([3, 4]), AttentionMetadata.for_full_sequences([2]))
     assert out.shape == (2, 64)
+
+
+def test_a_truncated_safetensors_or_gguf_file_is_an_error_naming_it(tiny_model_dir, tmp_path):
+    """Regression: a cut-off download failed with the readers' own errors (a SafetensorError
+    about headers, numpy's 'cannot reshape'); each is now an error naming the file."""
+    from kvray.models.spec import UnsupportedModelError
+    from tests.helpers.tiny_gguf import write_gguf
+
+    src = tiny_model_dir("llama_gqa")
+    cut = _copy_model(src, tmp_path / "cut", lambda tensors: None)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(WeightLoadError, match="model.safetensors: not a readable safetensors"):
+        load_model(cut, "float32")
+    gguf_path = write_gguf(src, tmp_path / "m.gguf")
+    data = gguf_path.read_bytes()
+    for size in (len(data) // 2, 100, 0):
+        gguf_path.write_bytes(data[:size])
+        with pytest.raises(UnsupportedModelError, match="m.gguf is not a readable GGUF file"):
+            load_model(gguf_path, "float32")

@@ -157,7 +157,11 @@ class GGUFCheckpoint:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
-        self.reader = gguf.GGUFReader(str(self.path))
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except (ValueError, IndexError, OSError, KeyError) as err:  # truncated or not a GGUF
+            raise UnsupportedModelError(f"{self.path.name} is not a readable GGUF file "
+                                        f"(truncated or corrupt: {str(err)[:120]})") from None
         arch = _field(self.reader, "general.architecture")
         if arch not in _ARCHS:
             raise UnsupportedModelError(

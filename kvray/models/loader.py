@@ -103,7 +103,12 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
         yield from _iter_torch_bins(model_dir)
         return
     for path in paths:
-        with safe_open(str(path), framework="pt") as f:
+        try:
+            f = safe_open(str(path), framework="pt")
+        except Exception as err:  # SafetensorError: a truncated or foreign file
+            raise WeightLoadError(f"{path}: not a readable safetensors file "
+                                  f"({str(err)[:200]})") from None
+        with f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 yield name, f.get_tensor(name)
 
