@@ -169,6 +169,29 @@ def test_prefix_cache_is_per_adapter(lora_setup):
 
 
 @pytest.mark.engine
+def test_a_lora_int_id_given_again_after_unloading_runs_the_new_adapter(lora_setup):
+    """Regression: unloading adapter A and loading C under A's ``lora_int_id`` (a hot
+    reload) ran A's weights, still in the workers' slot under that id, and could reuse A's
+    cached blocks; the registry's own ids are never reused, so C gives PEFT's tokens."""
+    base, adapters, prompts, _, _ = lora_setup("llama_gqa")
+    llm = LLM(str(base), dtype="float32", block_size=4, enable_lora=True, max_loras=2,
+              max_lora_rank=64, enable_prefix_caching=True)
+    try:
+        prompt = prompts[2]
+        first = LoRARequest("first", 7, str(adapters["r8"]))
+        assert _generate(llm, [prompt], ["a"], {"a": first})[0] == peft_greedy(
+            base, adapters["r8"], [prompt], MAX_TOKENS)[0]
+        with pytest.raises(LoRAError, match="lora_int_id 7 already names adapter 'first'"):
+            llm.add_lora(LoRARequest("other", 7, str(adapters["attn"])))
+        assert llm.remove_lora("first")
+        again = LoRARequest("second", 7, str(adapters["attn"]))
+        assert _generate(llm, [prompt], ["a"], {"a": again})[0] == peft_greedy(
+            base, adapters["attn"], [prompt], MAX_TOKENS)[0]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.engine
 def test_unknown_and_unfit_adapters_are_refused_and_the_engine_goes_on(lora_setup, tmp_path):
     base, adapters, prompts, _, _ = lora_setup("llama_gqa")
     llm = LLM(str(base), dtype="float32", block_size=4, enable_lora=True, max_loras=2,

@@ -57,17 +57,22 @@ class LoRARegistry:
         self._fetched: dict[int, Any] = {}  # lora id -> weights reference from the source
         self._lock = threading.RLock()
         self._by_name: dict[str, LoRARequest] = {}
+        # Adapters are keyed by ids of this registry's own, never reused: they key the
+        # workers' slots and the prefix cache, so an id a client gives again after unloading
+        # (a hot reload) must not find the old weights or their K/V there.
         self._by_id: dict[int, LoRARequest] = {}  # also unregistered ones still in use
+        self._client_ids: dict[int, str] = {}  # a registered adapter's lora_int_id -> name
         self._weights: OrderedDict[int, tuple[LoRAAdapter, Any]] = OrderedDict()  # LRU
         self._live: Counter = Counter()  # lora id -> requests not finished
-        self._next_id = 1 << 20  # ids given to adapters registered by name only
+        self._next_id = 1  # the next adapter id of this registry's own
         self.stats = LoRAStats()
 
     # ---- registration -------------------------------------------------------------------
     def register(self, name: str, path: str, lora_id: int | None = None) -> LoRARequest:
         """Add adapter ``name`` (validated now: :class:`LoRAError` if it cannot be served).
         Registering the same name and path again is a no-op (the first id stays); another
-        path for a known name is an error."""
+        path for a known name is an error. The returned request carries the registry's id
+        for the adapter; ``lora_id``, the client's, may name no other registered adapter."""
         try:
             check_adapter_name(name)
         except ValueError as err:
@@ -79,17 +84,17 @@ class LoRARegistry:
                     return known
                 raise LoRAError(f"adapter {name!r} is already loaded (from "
                                 f"{known.lora_path}); unload it first")
-            if lora_id is None:
-                lora_id = self._next_id
-                self._next_id += 1
-            elif lora_id in self._by_id and self._by_id[lora_id].lora_name != name:
+            if lora_id is not None and self._client_ids.get(lora_id, name) != name:
                 raise LoRAError(f"lora_int_id {lora_id} already names adapter "
-                                f"{self._by_id[lora_id].lora_name!r}")
-            request = LoRARequest(name, lora_id, path)
+                                f"{self._client_ids[lora_id]!r}")
+            request = LoRARequest(name, self._next_id, path)
+            self._next_id += 1
         adapter = self._read(request)  # outside the lock: reading takes a while
         with self._lock:
             self._by_name[name] = request
-            self._by_id[lora_id] = request
+            self._by_id[request.lora_int_id] = request
+            if lora_id is not None:
+                self._client_ids[lora_id] = name
             self._store(adapter)
             self.stats.num_registered = len(self._by_name)
         logger.info("kvray: LoRA adapter %r (rank %d, %s) from %s", name, adapter.rank,
@@ -103,6 +108,8 @@ class LoRARegistry:
             request = self._by_name.pop(name, None)
             if request is None:
                 return False
+            for client_id in [i for i, n in self._client_ids.items() if n == name]:
+                del self._client_ids[client_id]
             if not self._live[request.lora_int_id]:
                 self._forget(request.lora_int_id)
             self.stats.num_registered = len(self._by_name)
@@ -139,9 +146,9 @@ class LoRARegistry:
 
     def _adopt(self, name: str) -> LoRARequest | None:
         """Serve ``name`` from the source (already checked there; its weights stay in the
-        object store, where the workers fetch them), or None if the source lacks it. The
-        adapter gets an id of this registry's own: ids key the workers' slots and the
-        prefix cache, and a source that restarted may hand out its ids again."""
+        object store, where the workers fetch them), or None if the source lacks it. Like
+        every adapter here it gets an id of this registry's own (the source's may be
+        handed out again after a restart)."""
         fetched = self.source(name)
         if fetched is None:
             return None
