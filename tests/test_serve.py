@@ -194,6 +194,25 @@ def test_dropped_stream_frees_its_blocks(server, model_name):
     assert _metric(server, 'kvray:request_success_total{finished_reason="abort"') == aborted + 1
 
 
+def test_a_client_gone_before_a_plain_response_aborts_its_request(server, model_name):
+    """Regression: a non-streaming request whose client timed out ran to max_tokens under
+    ``--ingress process`` (nothing read the disconnect); it is aborted, as a stream is."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    aborted = _metric(server, 'kvray:request_success_total{finished_reason="abort"')
+    body = {"model": model_name, "prompt": "Tell me a long story", "max_tokens": 1000,
+            "n": 4, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=0.3)
+    deadline = time.monotonic() + 30  # Serve's metrics lag by seconds
+    while time.monotonic() < deadline:
+        if (_metric(server, "kvray:num_requests_running") == 0 and _metric(
+                server, 'kvray:request_success_total{finished_reason="abort"') > aborted):
+            break
+        time.sleep(0.5)
+    assert _metric(server, "kvray:num_requests_running") == 0
+    assert _metric(server, 'kvray:request_success_total{finished_reason="abort"') > aborted
+
+
 def test_metrics_have_vllm_names(server, client, model_name):
     client.completions.create(model=model_name, prompt="x", max_tokens=2)
     text = httpx.get(f"{server}/metrics").text

@@ -88,16 +88,34 @@ class _Gate:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        body, sent = b"".join(chunks), False
+        body, sent, gone = b"".join(chunks), False, asyncio.Event()
 
         async def replay():
             nonlocal sent
             if not sent:
                 sent = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # later: the client's disconnect
+            await gone.wait()  # later: the client's disconnect, seen by the watcher
+            return {"type": "http.disconnect"}
 
-        return await self.app(scope, replay, send)
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        # A client that goes away aborts its request (vLLM's with_cancellation): a stream
+        # sees the disconnect through replay; a plain response never reads again, so its
+        # handler is cancelled, which closes the engine stream and aborts the request.
+        handler = asyncio.ensure_future(self.app(scope, replay, send))
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait((handler, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not handler.done():
+                handler.cancel()
+            watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            return await handler
 
     def _refusal(self, scope) -> Response | None:
         """401 without the API key (except on the open paths); 503 for a POST while
@@ -326,7 +344,8 @@ class OpenAIServer:
             check_messages(req.messages, self.limits)
             conv = conversation_of(req.messages)
             ids = await self.off_loop(self.chat_prompt_ids, conv, req.add_generation_prompt,
-                                      None, check_template_kwargs(req.chat_template_kwargs))
+                                      None, check_template_kwargs(req.chat_template_kwargs),
+                                      req.continue_final_message)
         elif req.prompt is not None:
             self.check_prompt_text(req.prompt, "prompt")
             ids = (await self.off_loop(lambda: self.tokenizer(
@@ -350,10 +369,12 @@ class OpenAIServer:
 
     def chat_prompt_ids(self, conv: list[dict], add_generation_prompt: bool,
                         tools: list[dict] | None = None,
-                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                        template_kwargs: dict[str, Any] | None = None,
+                        continue_final_message: bool = False) -> list[int]:
         """Token ids of a conversation (and the tools offered, if any) through the chat
         template, with the request's ``chat_template_kwargs`` (400 if it has none or
-        rejects the messages)."""
+        rejects the messages); ``continue_final_message`` leaves the last (assistant)
+        message open."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            "BadRequestError", "messages")
@@ -362,7 +383,8 @@ class OpenAIServer:
         try:
             return list(self.tokenizer.apply_chat_template(
                 conv, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                tokenize=True, return_dict=True, **(template_kwargs or {}))["input_ids"])
+                continue_final_message=continue_final_message, tokenize=True,
+                return_dict=True, **(template_kwargs or {}))["input_ids"])
         except jinja2.TemplateError as err:  # the template rejects these messages
             raise APIError(400, f"the chat template rejected the messages: {err.message}",
                            "BadRequestError", "messages") from None
