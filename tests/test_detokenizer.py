@@ -123,6 +123,29 @@ def test_stop_string_spanning_two_tokens_is_found(tokenizer, include):
     assert detok.output_text == "".join(deltas) == text[:cut]
 
 
+def test_stop_strings_count_only_from_min_tokens_on(tokenizer):
+    """Regression: ``min_tokens`` held back stop token ids but not stop strings (a stop
+    string in the first tokens ended the output short). As in vLLM, a stop string counts
+    once the output has min_tokens tokens, and text before that is not searched again."""
+    text = "a, b, c, d, e, f, g, h, i, j"
+    ids = encode(tokenizer, text)
+
+    def expected(min_tokens: int) -> str:  # cut at the first comma a counted token adds
+        for n in range(max(min_tokens, 1), len(ids) + 1):
+            before, now = tokenizer.decode(ids[:n - 1]), tokenizer.decode(ids[:n])
+            if (at := now.find(",", len(before))) >= 0:
+                return now[:at]
+        return text
+
+    first_comma = next(n for n in range(1, len(ids) + 1) if "," in tokenizer.decode(ids[:n]))
+    for min_tokens in (0, first_comma, first_comma + 1, len(ids) + 1):
+        detok = IncrementalDetokenizer(tokenizer, [], stop=[","], min_tokens=min_tokens)
+        stop, deltas, _ = stream(detok, ids)
+        assert "".join(deltas) == expected(min_tokens)
+        assert stop == (None if min_tokens > len(ids) else ",")
+    assert expected(first_comma + 1) != expected(0) == text[:text.index(",")]
+
+
 @pytest.mark.parametrize("chunk", [1, 100])
 def test_stop_string_that_completes_first_wins(tokenizer, chunk):
     ids = encode(tokenizer, "Hello world! kvray serves language models.")

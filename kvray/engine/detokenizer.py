@@ -26,7 +26,9 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
                  stop: list[str], skip_special_tokens: bool = True,
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False, min_tokens: int = 0) -> None:
+        """``min_tokens``: stop strings count only from the output's ``min_tokens``-th
+        token on (vLLM's rule: earlier text is not searched again)."""
         self._tokenizer = tokenizer
         self._stop = [s for s in stop if s]
         self._skip_special_tokens = skip_special_tokens
@@ -34,6 +36,7 @@ class IncrementalDetokenizer:
         # Characters that could be the start of a stop string not yet complete.
         self._num_holdback = max((len(s) for s in self._stop), default=1) - 1
         self._ids = list(prompt_token_ids)
+        self._stops_from = len(self._ids) + min_tokens  # ids held when stops start to count
         self._prefix_offset = max(len(self._ids) - _NUM_CONTEXT_TOKENS, 0)
         self._read_offset = len(self._ids)
         # Output text in pieces, so that appending stays O(new text).
@@ -124,6 +127,8 @@ class IncrementalDetokenizer:
         tail = self._suffix(min(self._num_holdback, self._num_chars))
         self._chunks.append(new_text)
         self._num_chars += len(new_text)
+        if len(self._ids) < self._stops_from:
+            return None
         match = self._find_stop(tail + new_text, len(tail))
         if match is None:
             return None

@@ -233,7 +233,8 @@ class LLMEngine:
             self.scheduler.add_request(child)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                            params.skip_special_tokens,
-                                           params.include_stop_str_in_output)
+                                           params.include_stop_str_in_output,
+                                           params.min_tokens)
             parent.seqs.append(SequenceState(child, detok, [] if params.logprobs is not None
                                              else None))
             self._child_to_parent[child.request_id] = (request_id, i)
