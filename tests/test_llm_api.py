@@ -192,6 +192,18 @@ def test_chat_uses_the_template(llm):
     assert len(llm.chat([conv, conv], SamplingParams(max_tokens=2), use_tqdm=False)) == 2
 
 
+def test_chat_continues_the_final_message_when_asked(llm):
+    """vLLM's ``LLM.chat(..., continue_final_message=True)``: the assistant's prefilled
+    answer stays open (no end-of-turn after it), and it needs add_generation_prompt off."""
+    conv = [{"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "Hi! My name"}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,
+                   add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("Hi! My name")
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(conv, continue_final_message=True, use_tqdm=False)
+
+
 PLAIN_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}>>"
 
 

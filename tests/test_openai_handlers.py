@@ -158,3 +158,125 @@ def test_the_openai_client_retrieves_the_served_model_and_gets_a_404_for_others(
     assert "org/other-model" in str(err.value)
     long = client.get("/v1/models/" + "x" * 5000)  # not echoed whole
     assert long.status_code == 404 and len(long.text) < 600
+
+
+def test_echo_with_logprobs_covers_the_prompt_tokens_too(client):
+    """Regression: echo + logprobs gave only the completion's tokens; as in OpenAI and
+    vLLM the echoed prompt's tokens come first (the first one's logprob null), so the
+    tokens and offsets cover the whole text."""
+    body = {"model": "m", "prompt": "Hello world", "max_tokens": 4, "temperature": 0,
+            "echo": True, "logprobs": 1}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"][0] == 0 and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None
+    assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"])
+
+
+def test_null_means_the_default_for_fields_that_hold_no_null(client):
+    """Regression: clients that send unset fields as null got 400s for n, stream, echo,
+    penalties, logprobs, parallel_tool_calls (OpenAI's "or null" fields)."""
+    nulls = dict.fromkeys(["n", "stream", "presence_penalty", "frequency_penalty", "echo",
+                           "min_tokens", "ignore_eos", "skip_special_tokens"])
+    resp = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2,
+                                                **nulls})
+    assert resp.status_code == 200, resp.text
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            **dict.fromkeys(["logprobs", "parallel_tool_calls", "n", "stream",
+                             "add_generation_prompt"])}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"best_of": 1}, 200, None),  # best_of == n: OpenAI's default, nothing to do
+    ({"best_of": 2}, 400, "best_of"),  # more than n: beam search only
+    ({"repetition_penalty": 0}, 400, "repetition_penalty"),  # was turned into 1.0
+    ({"logprobs": 20}, 200, None),  # vLLM's cap (max_logprobs), not OpenAI's 5
+    ({"truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+])
+def test_completion_fields_vllm_accepts_or_refuses(client, body, status, param):
+    resp = client.post("/v1/completions", json={"model": "m", "prompt": "Hi",
+                                                "max_tokens": 2, **body})
+    assert resp.status_code == status, resp.text
+    if param:
+        assert resp.json()["error"]["param"] == param
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client):
+    """Regression: ``truncate_prompt_tokens`` was ignored (a long prompt got the
+    context-length 400); the last k tokens are kept, -1 keeps what the context holds."""
+    long_prompt = list(range(10, 310))  # 300 ids: more than the 256-token context
+    body = {"model": "m", "prompt": long_prompt, "max_tokens": 1, "temperature": 0}
+    assert client.post("/v1/completions", json=body).status_code == 400
+    cut = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 20}).json()
+    assert cut["usage"]["prompt_tokens"] == 20
+    tail = client.post("/v1/completions", json={**body, "prompt": long_prompt[-20:]}).json()
+    assert cut["choices"][0]["text"] == tail["choices"][0]["text"]
+    whole = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": -1}).json()
+    assert whole["usage"]["prompt_tokens"] == 255
+
+
+def test_continue_final_message_leaves_the_assistant_message_open(client):
+    """Regression: ``continue_final_message`` was ignored (the prefilled answer was
+    closed, so the model started a new turn); the prompt now ends in its text."""
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello! My name"}]
+    open_ = client.post("/tokenize", json={"model": "m", "messages": messages,
+                                           "add_generation_prompt": False,
+                                           "continue_final_message": True}).json()["tokens"]
+    closed = client.post("/tokenize", json={"model": "m", "messages": messages,
+                                            "add_generation_prompt": False}).json()["tokens"]
+    detok = client.post("/detokenize", json={"model": "m", "tokens": open_}).json()
+    assert detok["prompt"].endswith("Hello! My name") and len(open_) < len(closed)
+    body = {"model": "m", "messages": messages, "max_tokens": 3, "temperature": 0,
+            "continue_final_message": True}
+    resp = client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "continue_final_message"
+    resp = client.post("/v1/chat/completions", json={**body, "add_generation_prompt": False})
+    assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] == len(open_)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
+    """Regression: ``stream_options.continuous_usage_stats`` was ignored."""
+    body = {"model": "m", "prompt": "Hi", "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = _events(client.post("/v1/completions", json=body))
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts and counts == sorted(counts) and counts[-1] == 5
+    assert chunks[-1]["usage"]["completion_tokens"] == 5 and not chunks[-1]["choices"]
+
+
+def test_min_tokens_holds_back_stop_strings(client):
+    """Regression: a stop string in the first tokens ended the output before min_tokens
+    (stop token ids were held back, stop strings not)."""
+    body = {"model": "m", "prompt": "Hi", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    free = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = free[1]  # the completion's second character
+    short = client.post("/v1/completions", json={**body, "stop": [stop]}).json()
+    assert short["usage"]["completion_tokens"] < 6
+    held = client.post("/v1/completions", json={**body, "stop": [stop], "min_tokens": 6})
+    assert held.json()["usage"]["completion_tokens"] >= 6
+
+
+@pytest.mark.parametrize("model,status", [("/models/m", 200), ("/models/m/", 200),
+                                          ("models/m.gguf", 200), ("/models/other", 404),
+                                          ("other", 404)])
+def test_a_path_to_the_served_model_names_it(client, model, status):
+    """vLLM serves a model under the path it was given; kvray under its directory's name
+    ("m" here), and takes a path ending in that name for it too."""
+    resp = client.post("/v1/completions", json={"model": model, "prompt": "Hi",
+                                                "max_tokens": 1})
+    assert resp.status_code == status, resp.text
+
+
+def test_stream_options_without_a_stream_are_refused(client):
+    """As in vLLM: stream_options only make sense on a stream."""
+    resp = client.post("/v1/completions", json={
+        "model": "m", "prompt": "Hi", "max_tokens": 1,
+        "stream_options": {"include_usage": True}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options"

@@ -57,7 +57,7 @@ BOUNDARIES = [
     ("/v1/completions", _completion(n=2, prompt=["a", "b"]),
      _completion(n=3, prompt=["a", "b"]), "prompt"),
     ("/v1/completions", _completion(n=4), _completion(n=100000), "n"),
-    ("/v1/completions", _completion(logprobs=5), _completion(logprobs=6), "logprobs"),
+    ("/v1/completions", _completion(logprobs=20), _completion(logprobs=21), "logprobs"),
     ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=20),
      _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("/v1/completions", _completion(stop=["a", "b"]), _completion(stop=["a", "b", "c"]),

@@ -96,7 +96,9 @@ def test_n_logprobs_and_seed(client, model_name):
     echoed = client.completions.create(model=model_name, prompt="Hello", max_tokens=3,
                                        echo=True, logprobs=1, temperature=0).choices[0]
     assert echoed.text.startswith("Hello")
-    assert echoed.logprobs.text_offset[0] == len("Hello")  # offsets count the echoed prompt
+    # the echoed prompt's tokens come first, the first one without a logprob (OpenAI's shape)
+    assert "".join(echoed.logprobs.tokens) == echoed.text
+    assert echoed.logprobs.text_offset[0] == 0 and echoed.logprobs.token_logprobs[0] is None
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 6 and len(lp.top_logprobs[0]) >= 3
     again = client.completions.create(model=model_name, prompt="Hello", max_tokens=6, n=2,

@@ -200,14 +200,20 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them via the chat template;
         ``tools`` (OpenAI's function specs) go to the template as vLLM's ``LLM.chat`` passes
         them. The reply is text: :func:`kvray.serve.tools.parse_tool_calls` finds calls in
         it, and ``structured_outputs={"json": required_schema(...)}`` forces them.
         ``chat_template_kwargs`` are further template variables (``enable_thinking``);
         ``chat_template`` (a file or the Jinja text) replaces the configured template for
-        this call, as in vLLM."""
+        this call, as in vLLM. ``continue_final_message`` leaves each conversation's last
+        (assistant) message open for the reply to continue it (with
+        ``add_generation_prompt=False``)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message cannot be combined with "
+                             "add_generation_prompt; set add_generation_prompt=False")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         template = read_chat_template(chat_template) if chat_template is not None else None
@@ -217,6 +223,7 @@ class LLM:
         prompts = []
         for conv in convs:
             extra = dict(chat_template_kwargs or {})
+            extra["continue_final_message"] = continue_final_message
             if template is not None:
                 extra["chat_template"] = template
             ids = tok.apply_chat_template(conv, tools=tools,

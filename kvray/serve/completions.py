@@ -61,7 +61,8 @@ class ServerContext(Protocol):
 
     def chat_prompt_ids(self, conv: list[dict], add_generation_prompt: bool,
                         tools: list[dict] | None = None,
-                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                        template_kwargs: dict[str, Any] | None = None,
+                        continue_final_message: bool = False) -> list[int]:
         """A conversation's token ids through the chat template."""
 
     def stream(self, request_id: str, prompt: Any, params: Any, priority: int
@@ -147,8 +148,12 @@ class _Handler:
         for comp in out.outputs:
             pend = self.pending.setdefault((i, comp.index), _Pending())
             ids, lps = pend.take(comp)
-            prefix = ""
+            prefix, echoed = "", None
             if not pend.started:
+                echoed = self.echoed_logprobs(i)
+                if echoed is False and comp.finish_reason is None:  # prompt's still coming
+                    pend.keep(ids, lps)
+                    continue
                 pend.started = True
                 prefix = self.prefix_text(i)
                 pend.text_offset = len(prefix)
@@ -157,11 +162,18 @@ class _Handler:
                 pend.keep(ids, lps)
                 continue
             choice = self.choice(i, comp, text, ids, lps, pend.text_offset)
+            if echoed:
+                _prepend_logprobs(choice, echoed)
             chunks.append(self.envelope(self.chunk_name, [choice]))
             offsets = (choice["logprobs"] or {}).get("text_offset")
             if offsets:  # tokens whose text is still held back count all the same
                 pend.text_offset = offsets[-1] + len(choice["logprobs"]["tokens"][-1])
         return chunks
+
+    def echoed_logprobs(self, i: int) -> dict | bool | None:
+        """With ``echo`` and ``logprobs``: the echoed prompt's tokens as completions'
+        logprobs fields (False while its prompt logprobs have not all arrived); else None."""
+        return None
 
     def usage(self, outs: list[RequestOutput]) -> dict:
         prompt = sum(len(o.prompt_token_ids or ()) for o in outs)
@@ -188,6 +200,8 @@ class _Handler:
         prompts = await self.server.off_loop(self.prompt_ids)
         streams = []
         for i, (text, ids) in enumerate(prompts):
+            kept = self.req.truncated(ids, self.server.max_model_len)
+            text, ids = (text, ids) if kept is ids else (None, kept)
             params = self._params(len(ids))
             engine_prompt = {"prompt_token_ids": ids, "prompt": text}
             if self.lora is not None:  # the engine checks it exists (404 if not)
@@ -225,6 +239,9 @@ class _Handler:
 
         tasks = [asyncio.create_task(pump(i, f, s))
                  for i, (f, s) in enumerate(zip(firsts, streams, strict=True))]
+        opts = self.req.stream_options
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far
+        running_usage = opts is not None and opts.include_usage and opts.continuous_usage_stats
         try:
             for chunk in self.first_chunks():
                 yield chunk
@@ -239,8 +256,9 @@ class _Handler:
                     yield error_body(api.message, api.err_type, api.status, api.param)
                     break
                 for chunk in self.delta_chunks(i, out):
+                    if running_usage:
+                        chunk["usage"] = self.usage(list(self.totals.values()))
                     yield chunk
-            opts = self.req.stream_options
             if opts is not None and opts.include_usage:
                 totals = [self.totals[i] for i in sorted(self.totals)]
                 yield self.envelope(self.chunk_name, [], usage=self.usage(totals))
@@ -318,8 +336,28 @@ class CompletionHandler(_Handler):
         return self.req.max_tokens
 
     def sampling_params(self, max_tokens):
-        return self.req.sampling_params(max_tokens, self.req.logprobs,
+        # echo with logprobs shows the prompt's tokens' logprobs too, as OpenAI and vLLM do
+        echo_lps = self.req.logprobs if self.req.echo else None
+        return self.req.sampling_params(max_tokens, self.req.logprobs, echo_lps,
                                         defaults=self.server.sampling_defaults)
+
+    def echoed_logprobs(self, i: int) -> dict | bool | None:
+        if not self.req.echo or self.req.logprobs is None:
+            return None
+        total = self.totals[i]
+        ids, entries = total.prompt_token_ids or [], total.prompt_logprobs or []
+        if len(entries) < len(ids):
+            return False
+        tok = self.server.tokenizer
+        tokens = [tok.decode([t]) for t in ids]
+        offsets = [sum(len(t) for t in tokens[:n]) for n in range(len(tokens))]
+        return {"tokens": tokens,
+                "token_logprobs": [None if e is None else e.get(t)
+                                   for t, e in zip(ids, entries, strict=False)],
+                "top_logprobs": [None if e is None else {tok.decode([k]): v
+                                                         for k, v in e.items()}
+                                 for e in entries[:len(ids)]],
+                "text_offset": offsets}
 
     def num_prompts(self) -> int:
         try:
@@ -376,12 +414,22 @@ class CompletionHandler(_Handler):
         choices = []
         for i, out in enumerate(finals):
             prefix = self.prefix_text(i)  # logprob offsets count the echoed prompt
-            choices.extend(self.choice(i, c, prefix + c.text, c.token_ids, c.logprobs,
-                                       len(prefix)) for c in out.outputs)
+            echoed = self.echoed_logprobs(i)
+            for c in out.outputs:
+                choices.append(self.choice(i, c, prefix + c.text, c.token_ids, c.logprobs,
+                                           len(prefix)))
+                if echoed:
+                    _prepend_logprobs(choices[-1], echoed)
         return self.envelope(self.object_name, choices, usage=self.usage(finals))
 
     def first_chunks(self) -> list[dict]:
         return []
+
+
+def _prepend_logprobs(choice: dict, echoed: dict) -> None:
+    """Put the echoed prompt's logprobs fields before a completion choice's own."""
+    own = choice["logprobs"] or {key: [] for key in echoed}
+    choice["logprobs"] = {key: echoed[key] + own[key] for key in echoed}
 
 
 class ChatHandler(_Handler):
@@ -453,7 +501,8 @@ class ChatHandler(_Handler):
         tools = self.req.tool_dicts() if self.tool_mode != "none" else None
         ids = self.server.chat_prompt_ids(self.req.conversation(),
                                           self.req.add_generation_prompt, tools,
-                                          self.req.template_kwargs())
+                                          self.req.template_kwargs(),
+                                          self.req.continue_final_message)
         if self.reasoning_parser is not None:
             tail = self.server.tokenizer.decode(ids[-16:], skip_special_tokens=False)
             self.reasoning_begins = starts_in_reasoning(self.reasoning_parser,

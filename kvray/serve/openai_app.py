@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import PurePath
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -55,6 +56,16 @@ logger = logging.getLogger("kvray.serve")
 T = TypeVar("T")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
 OPEN_PATHS = ("/health", "/version")  # never need the API key (/metrics: configurable)
+
+
+def _path_naming(model: str, served_name: str) -> bool:
+    """Whether ``model`` is a path to the served model: vLLM serves a model under the
+    path it was given (its default served name), kvray under the directory's name, so
+    clients moving from vLLM may send the path."""
+    if "/" not in model and "\\" not in model:
+        return False
+    path = PurePath(model.rstrip("/\\"))
+    return (path.stem if path.suffix == ".gguf" else path.name) == served_name
 
 
 class _Gate:
@@ -238,7 +249,7 @@ class OpenAIServer:
         """The LoRA adapter ``model`` names (None: the base model). Without LoRA anything
         but the base model's name is a 404 here; with LoRA the engine checks that the
         adapter exists when the request arrives (404 then)."""
-        if model is None or model == self.model_name:
+        if model is None or model == self.model_name or _path_naming(model, self.model_name):
             return None
         if self.lora is None:
             raise APIError(404, f"model '{model}' does not exist; this server serves "

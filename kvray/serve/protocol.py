@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import typing
 import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -19,7 +20,6 @@ from kvray.serve.tools import required_schema
 ProtocolError = InvalidRequestError  # a request parameter is invalid (400 naming it)
 
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # the documented range of `priority`
-OPENAI_MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` cap at OpenAI
 
 
 def find_lone_surrogate(value: Any, path: str = "") -> str | None:
@@ -62,9 +62,28 @@ class _Request(BaseModel):
                 f"{where}: invalid Unicode (a lone surrogate) in a string", where)
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """An explicit ``null`` for a field that holds no None (``n``, ``stream``, ``echo``,
+        penalties...) means the default, as OpenAI's "or null" fields and vLLM's Optional
+        ones take it: clients that serialise unset fields as null are common."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items()
+                if v is not None or k not in cls.model_fields
+                or _accepts_none(cls.model_fields[k].annotation)}
+
+
+def _accepts_none(annotation: Any) -> bool:
+    return annotation in (None, Any) or type(None) in typing.get_args(annotation) or (
+        typing.get_origin(annotation) is typing.Annotated
+        and _accepts_none(typing.get_args(annotation)[0]))
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -107,6 +126,8 @@ class _Sampling(_Request):
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # keep the prompt's last k tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (one of them per request).
     response_format: ResponseFormat | None = None
@@ -115,6 +136,12 @@ class _Sampling(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ProtocolError("stream_options: only with stream true", "stream_options")
+        return self
 
     def structured(self) -> StructuredOutputsParams | None:
         """The request's output constraint, from whichever field gave one; a 400 naming the
@@ -183,7 +210,7 @@ class _Sampling(_Request):
             return SamplingParams(
                 n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
                 top_k=pick("top_k", -1), min_p=pick("min_p", 0.0),
-                repetition_penalty=pick("repetition_penalty", 1.0) or 1.0,
+                repetition_penalty=pick("repetition_penalty", 1.0),
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logit_bias=bias, seed=self.seed, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
@@ -193,6 +220,18 @@ class _Sampling(_Request):
                 output_kind=RequestOutputKind.DELTA, structured_outputs=structured)
         except ValueError as err:
             raise ProtocolError(str(err), str(err).split(" ", 1)[0]) from None
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's ids as ``truncate_prompt_tokens`` keeps them (its last k; -1: the
+        last ``max_model_len - 1``, leaving room for one generated token)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k != -1 and k < 1:
+            raise ProtocolError(f"truncate_prompt_tokens = {k}: must be >= 1, or -1 (as "
+                                "many as the context holds)", "truncate_prompt_tokens")
+        keep = max_model_len - 1 if k == -1 else k
+        return ids[-keep:] if len(ids) > keep else ids
 
     def check_limits(self, limits: ServerConfig, num_prompts: int) -> None:
         """The server's per-request limits on everything but the prompt itself; raises
@@ -248,13 +287,15 @@ class CompletionRequest(_Sampling):
         if self.suffix:  # text after the insertion point: not a plain continuation
             raise ProtocolError("suffix: not supported; this server only continues the "
                                 "prompt", "suffix")
-        cap = min(OPENAI_MAX_COMPLETION_LOGPROBS, limits.max_logprobs)
+        cap = limits.max_logprobs  # (OpenAI caps at 5, vLLM at max_logprobs)
         if self.logprobs is not None and not 0 <= self.logprobs <= cap:
             raise ProtocolError(f"logprobs = {self.logprobs}: must be in [0, {cap}]",
                                 "logprobs")
-        if self.best_of is not None and (not self.use_beam_search or self.best_of < self.n):
-            raise ProtocolError(f"best_of = {self.best_of}: only with use_beam_search, and "
-                                f">= n ({self.n})", "best_of")
+        if self.best_of is not None and (self.best_of < self.n or (
+                self.best_of > self.n and not self.use_beam_search)):
+            # best_of == n is OpenAI's default, nothing to do
+            raise ProtocolError(f"best_of = {self.best_of}: must be >= n ({self.n}), and "
+                                "more than n only with use_beam_search", "best_of")
         if self.use_beam_search:
             width = self.best_of or self.n
             if width * num_prompts > limits.max_seqs_per_request:
@@ -301,12 +342,34 @@ class NamedToolChoice(BaseModel):
     function: _FunctionName
 
 
-class ChatCompletionRequest(_Sampling):
+class _OpenEnd(BaseModel):
+    """How a conversation's prompt ends: the assistant's turn opened
+    (``add_generation_prompt``), or its last message left open to be continued
+    (``continue_final_message``, vLLM's prefill of the answer), or neither."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _one_open_end(self) -> _OpenEnd:
+        if not self.continue_final_message:
+            return self
+        if self.add_generation_prompt:
+            raise ProtocolError("continue_final_message: cannot be combined with "
+                                "add_generation_prompt (set it to false)",
+                                "continue_final_message")
+        messages = getattr(self, "messages", None)
+        if messages and messages[-1].role != "assistant":
+            raise ProtocolError("continue_final_message: the last message must be the "
+                                "assistant's, to be continued", "continue_final_message")
+        return self
+
+
+class ChatCompletionRequest(_Sampling, _OpenEnd):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -459,12 +522,11 @@ def check_messages(messages: list[ChatMessage], limits: ServerConfig) -> None:
                             f"{limits.max_prompt_chars} allowed", "messages")
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Request, _OpenEnd):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
