@@ -328,8 +328,10 @@ class OpenAIServer:
         for card in (await self.models())["data"]:
             if card["id"] == model_id:
                 return card
-        shown = model_id if len(model_id) <= 200 else model_id[:200] + "..."
-        raise APIError(404, f"The model '{shown}' does not exist", "NotFoundError", "model")
+        # (the name is not echoed: a path parameter may carry anything)
+        raise APIError(404, f"no such model; this server serves '{self.model_name}'"
+                       + (" and its LoRA adapters" if self.lora is not None else ""),
+                       "NotFoundError", "model")
 
     async def load_lora_adapter(self, req: LoadLoRAAdapterRequest) -> Response:
         """vLLM's route: read and check the adapter (400 naming why it cannot be served),
