@@ -4,13 +4,15 @@
 """
 
 from kvray.config import ConfigError, EngineConfig, load_config
+from kvray.inputs import PromptType, TextPrompt, TokensPrompt
 from kvray.lora.request import LoRARequest
 from kvray.outputs import CompletionOutput, RequestOutput
-from kvray.sampling_params import PoolingParams, SamplingParams
+from kvray.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "ConfigError", "EngineConfig",
-           "LoRARequest", "PoolingParams", "RequestOutput", "SamplingParams", "load_config",
+           "LoRARequest", "PoolingParams", "PromptType", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams", "TextPrompt", "TokensPrompt", "load_config",
            "__version__"]
 
 

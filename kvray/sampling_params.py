@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 import json
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,6 +200,9 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
+        if isinstance(self.stop_token_ids, str | int):
+            raise ValueError(f"stop_token_ids = {self.stop_token_ids!r}: must be a list of "
+                             "token ids")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
@@ -206,6 +211,22 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs",
+                     "seed"):  # whole numbers (numpy's too), None where the field allows it
+            value = getattr(self, name)
+            if value is None and name not in ("n", "top_k", "min_tokens"):
+                continue
+            _check(isinstance(value, numbers.Integral) and not isinstance(value, bool), name,
+                   value, "must be an integer")
+            setattr(self, name, int(value))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, numbers.Real) and not isinstance(value, bool)
+                   and math.isfinite(value), name, value, "must be a finite number")
+        _check(all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+                   for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+               "must be a list of token ids")
         _check(self.n >= 1, "n", self.n, "must be >= 1")
         _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kvray import LLM, SamplingParams
+from kvray import LLM, ConfigError, SamplingParams
 from tests.helpers.tiny_models import VOCAB_SIZE, load_hf
 
 pytestmark = pytest.mark.parity
@@ -278,10 +278,88 @@ def test_penalties_and_logit_bias_steer_greedy_output(llm, hf):
     assert rep.text == tok.decode(want, skip_special_tokens=True)
 
 
+def test_max_tokens_past_the_context_stop_at_its_end(model_dir):
+    """Regression: prompt + max_tokens over max_model_len raised for the whole batch; as in
+    vLLM's offline engine a prompt that fits generates to the context's end ("length")."""
+    small = LLM(str(model_dir), dtype="float32", block_size=4, max_model_len=64)
+    try:
+        out = small.generate([{"prompt_token_ids": [5] * 40}, "Hi"],
+                             SamplingParams(max_tokens=100, ignore_eos=True),
+                             use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 24
+        assert out[0].outputs[0].finish_reason == "length"
+        assert out[1].outputs[0].finish_reason == "length"
+        assert len(out[1].prompt_token_ids) + len(out[1].outputs[0].token_ids) == 64
+        with pytest.raises(ValueError, match="exceeds max_model_len"):
+            small.generate({"prompt_token_ids": [5] * 64}, use_tqdm=False)
+    finally:
+        small.shutdown()
+
+
+def test_vllm_engine_arguments_that_ask_for_what_kvray_does_are_accepted(model_dir):
+    """Scripts written for vLLM pass trust_remote_code, disable_log_stats, load_format...;
+    those asking for what kvray does anyway are taken, the others are errors naming them."""
+    from kvray.engine.llm import _vllm_engine_args
+
+    taken = _vllm_engine_args(dict(trust_remote_code=True, disable_log_stats=True,
+                                   load_format="auto", tokenizer_mode="auto", revision=None,
+                                   task="generate", dtype="float32"))
+    assert taken == {"log_stats": False, "dtype": "float32"}
+    for key, value in [("load_format", "dummy"), ("revision", "v2"), ("cpu_offload_gb", 4),
+                       ("tokenizer_mode", "mistral")]:
+        with pytest.raises(ConfigError, match=f"{key} = "):
+            _vllm_engine_args({key: value})
+    with pytest.raises(ConfigError, match="unknown config key"):
+        LLM(str(model_dir), not_a_key=1)
+
+
+def test_sampling_params_refuse_values_of_the_wrong_type():
+    """Regression: max_tokens=2.5, n=2.0, temperature=inf and stop_token_ids="abc" were
+    taken (the first failed deep in the engine); numpy integers still are."""
+    import numpy as np
+
+    for bad in [dict(max_tokens=2.5), dict(n=2.0), dict(top_k=2.5), dict(temperature=float("inf")),
+                dict(stop_token_ids="abc"), dict(stop_token_ids=[-1]), dict(n="2")]:
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    params = SamplingParams(seed=np.int64(3), max_tokens=np.int32(5))
+    assert (params.seed, params.max_tokens) == (3, 5) and type(params.seed) is int
+
+
+def test_stop_reason_is_the_stop_token_and_none_at_eos(llm, model_dir):
+    """vLLM's stop_reason: the matched stop string or stop token id, None when EOS ended
+    the output (so a script can tell the two apart)."""
+    tok = llm.get_tokenizer()
+    eos = tok.eos_token_id
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]},
+                       SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100}),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop" and out.stop_reason is None
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]},
+                       SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100},
+                                      stop_token_ids=[eos]), use_tqdm=False)[0].outputs[0]
+    assert out.stop_reason == eos  # asked for by id: named
+
+
+def test_chat_takes_text_parts_and_a_lora_request_as_vllm_does(llm):
+    """OpenAI-style content parts are joined into the template's string; other part types
+    are refused."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hel"},
+                                          {"type": "text", "text": "lo"}]}]
+    plain = [{"role": "user", "content": "Hello"}]
+    params = SamplingParams(temperature=0, max_tokens=3)
+    a = llm.chat(parts, params, use_tqdm=False)[0]
+    b = llm.chat(plain, params, use_tqdm=False, lora_request=None)[0]
+    assert a.prompt_token_ids == b.prompt_token_ids and a.outputs[0].text == b.outputs[0].text
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match="'image_url' part"):
+        llm.chat(image, params, use_tqdm=False)
+
+
 def test_invalid_requests_fail_before_queueing(llm):
     engine = llm.llm_engine
     with pytest.raises(ValueError, match="exceeds max_model_len"):
-        llm.generate({"prompt_token_ids": [5] * 1000}, SamplingParams(max_tokens=100),
+        llm.generate({"prompt_token_ids": [5] * 1030}, SamplingParams(max_tokens=1),
                      use_tqdm=False)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate({"prompt_token_ids": [VOCAB_SIZE + 5]}, use_tqdm=False)

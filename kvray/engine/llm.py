@@ -5,12 +5,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvray.config import EngineConfig, config_from_flat, load_config, read_chat_template
+from kvray.config import (
+    ConfigError,
+    EngineConfig,
+    config_from_flat,
+    load_config,
+    read_chat_template,
+)
 from kvray.engine.beam_search import (
     BeamSearch,
     BeamSearchOutput,
@@ -24,6 +30,64 @@ from kvray.outputs import RequestOutput
 from kvray.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
+
+# vLLM engine arguments kvray has no key for, accepted where they ask for what kvray does
+# anyway (a script written for vLLM keeps working); the rule a value must meet, and why
+_VLLM_ARGS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "trust_remote_code": (lambda v: isinstance(v, bool),
+                          "a bool (kvray runs its own model code)"),
+    "tokenizer_mode": (lambda v: v in ("auto", "hf"), "'auto' or 'hf'"),
+    "revision": (lambda v: v in (None, "main"), "None: kvray loads local files only"),
+    "tokenizer_revision": (lambda v: v in (None, "main"), "None: kvray loads local files"),
+    "code_revision": (lambda v: v in (None, "main"), "None: kvray loads local files only"),
+    "download_dir": (lambda v: True, ""),  # kvray never downloads
+    "load_format": (lambda v: v in ("auto", "safetensors", "pt", "gguf"),
+                    "one of auto, safetensors, pt, gguf (read from the files themselves)"),
+    "task": (lambda v: True, ""),  # kvray takes the task from the architecture
+    "runner": (lambda v: True, ""),
+    "disable_custom_all_reduce": (lambda v: isinstance(v, bool), "a bool"),
+    "disable_async_output_proc": (lambda v: isinstance(v, bool), "a bool"),
+    "max_seq_len_to_capture": (lambda v: isinstance(v, int), "an int"),
+    "cpu_offload_gb": (lambda v: not v, "0 (kvray offloads no weights)"),
+    "hf_overrides": (lambda v: not v, "empty (kvray takes the checkpoint's config)"),
+    "enable_sleep_mode": (lambda v: v is False, "False (no sleep mode)"),
+}
+
+
+def _vllm_engine_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without the vLLM-only arguments in :data:`_VLLM_ARGS` (a ConfigError
+    naming one whose value asks for something kvray does not do); ``disable_log_stats``
+    becomes ``log_stats``."""
+    out = {}
+    for key, value in kwargs.items():
+        if key == "disable_log_stats":
+            out.setdefault("log_stats", not value)
+        elif key in _VLLM_ARGS:
+            ok, rule = _VLLM_ARGS[key]
+            if not ok(value):
+                raise ConfigError(f"{key} = {value!r}: kvray accepts vLLM's {key} only as "
+                                  f"{rule}")
+        else:
+            out[key] = value
+    return out
+
+
+def _text_contents(conv: Conversation) -> Conversation:
+    """The conversation with list-of-parts contents (OpenAI's ``[{"type": "text", ...}]``)
+    joined into strings, as chat templates expect; other part types are a ValueError."""
+    out = []
+    for i, message in enumerate(conv):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else part
+                    raise ValueError(f"messages[{i}].content[{j}]: a {kind!r} part; this "
+                                     "model takes text parts only")
+            message = {**message, "content": "".join(part["text"] for part in content)}
+        out.append(message)
+    return out
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -40,13 +104,16 @@ class LLM:
     Args:
         model: Hugging Face directory or .gguf file; None = the built-in SmolLM2-135M.
         config: a flat YAML config file; ``kwargs`` override it.
-        **kwargs: any config key (``dtype``, ``block_size``, ``max_num_seqs`` ...).
+        **kwargs: any config key (``dtype``, ``block_size``, ``max_num_seqs`` ...), and
+            vLLM's engine arguments that ask for what kvray does anyway
+            (``trust_remote_code``, ``disable_log_stats``, ``load_format="auto"`` ...).
     """
 
     def __init__(self, model: str | None = None, config: str | None = None,
                  **kwargs: Any) -> None:
         if model is not None:
             kwargs["model"] = model
+        kwargs = _vllm_engine_args(kwargs)
         engine_config: EngineConfig = (load_config(config, **kwargs) if config is not None
                                        else config_from_flat(kwargs))
         self.llm_engine = LLMEngine(engine_config)
@@ -201,7 +268,9 @@ class LLM:
              tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
              chat_template: str | None = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them via the chat template;
         ``tools`` (OpenAI's function specs) go to the template as vLLM's ``LLM.chat`` passes
         them. The reply is text: :func:`kvray.serve.tools.parse_tool_calls` finds calls in
@@ -210,7 +279,8 @@ class LLM:
         ``chat_template`` (a file or the Jinja text) replaces the configured template for
         this call, as in vLLM. ``continue_final_message`` leaves each conversation's last
         (assistant) message open for the reply to continue it (with
-        ``add_generation_prompt=False``)."""
+        ``add_generation_prompt=False``). A message's content may be OpenAI's list of
+        text parts; ``lora_request`` as in :meth:`generate`."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message cannot be combined with "
                              "add_generation_prompt; set add_generation_prompt=False")
@@ -222,6 +292,7 @@ class LLM:
                              "or use generate()")
         prompts = []
         for conv in convs:
+            conv = _text_contents(conv)
             extra = dict(chat_template_kwargs or {})
             extra["continue_final_message"] = continue_final_message
             if template is not None:
@@ -233,4 +304,4 @@ class LLM:
                                            add_generation_prompt=add_generation_prompt,
                                            tokenize=False, **extra)
             prompts.append({"prompt_token_ids": list(ids), "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)

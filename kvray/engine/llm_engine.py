@@ -216,7 +216,11 @@ class LLMEngine:
         if params.structured_outputs is not None:  # an invalid grammar is the client's 400
             self._grammar_compiler().compile(params.structured_outputs)
         lora_id = self._lora_id(lora_request)
-        max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
+        # A prompt that fits generates at most to the context's end (finish "length"), as
+        # vLLM's engine caps it; the HTTP front end refuses such a request first (a 400).
+        room = self.max_model_len - len(ids)
+        max_tokens = min(params.max_tokens or room, room) if room >= 1 else \
+            params.max_tokens or 1
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = RequestState(request_id, text, ids, params,
                               prompt_logprobs=[] if params.prompt_logprobs is not None
@@ -509,8 +513,9 @@ class LLMEngine:
         them."""
         new_tokens = req.output_token_ids[-num_new:]
         num_set_aside = 0
-        if req.status is RequestStatus.FINISHED_STOPPED and isinstance(req.stop_reason, int):
-            new_tokens, num_set_aside = new_tokens[:-1], 1  # a stop token produces no text
+        if req.status is RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason,
+                                                                             str):
+            new_tokens, num_set_aside = new_tokens[:-1], 1  # a stop token (or EOS): no text
         if not new_tokens:
             return 0
         stop = seq.detok.add_tokens(new_tokens)

@@ -600,7 +600,8 @@ class Scheduler:
         params = req.sampling_params
         n_out = len(req.output_token_ids)
         if n_out >= params.min_tokens and token in params.all_stop_token_ids:
-            req.stop_reason = token
+            # vLLM's stop_reason: the stop token id, None at EOS
+            req.stop_reason = token if token in params.stop_token_ids else None
             self.finish(req, RequestStatus.FINISHED_STOPPED)
         elif n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
             self.finish(req, RequestStatus.FINISHED_LENGTH)
