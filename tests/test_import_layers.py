@@ -38,12 +38,14 @@ LAYERS: Mapping[str, float] = {
     "kvray.models": 2,
     # API and value types
     "kvray.config": 1.5, "kvray.sampling_params": 1.5, "kvray.outputs": 1.5,
-    "kvray.tokenizer": 1.5, "kvray.structured_output": 1.5, "kvray.lora.request": 1.5,
+    "kvray.inputs": 1.5, "kvray.tokenizer": 1.5, "kvray.structured_output": 1.5,
+    "kvray.lora.request": 1.5,
     "kvray.kernels": 1, "kvray.quant": 1,
     "kvray.errors": 0, "kvray.hardware": 0, "kvray.parallel": 0,
 }
 PURE = ("kvray.scheduler", "kvray.config", "kvray.sampling_params", "kvray.serve.protocol",
-        "kvray.outputs", "kvray.tokenizer", "kvray.actors.executor", "kvray.lora.request",
+        "kvray.outputs", "kvray.inputs", "kvray.tokenizer", "kvray.actors.executor",
+        "kvray.lora.request",
         "kvray.serve.prefix_index", "kvray.serve.reasoning", "kvray.models.expert_placement")
 FORBIDDEN_EXTERNAL = ("torch", "ray")
 FORBIDDEN_INTERNAL = "kvray.engine"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -350,7 +351,7 @@ class CompletionHandler(_Handler):
             return False
         tok = self.server.tokenizer
         tokens = [tok.decode([t]) for t in ids]
-        offsets = [sum(len(t) for t in tokens[:n]) for n in range(len(tokens))]
+        offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]
         return {"tokens": tokens,
                 "token_logprobs": [None if e is None else e.get(t)
                                    for t, e in zip(ids, entries, strict=False)],
