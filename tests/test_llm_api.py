@@ -356,6 +356,22 @@ def test_chat_takes_text_parts_and_a_lora_request_as_vllm_does(llm):
         llm.chat(image, params, use_tqdm=False)
 
 
+def test_reset_prefix_cache_forgets_cached_prompts(llm):
+    """vLLM's ``LLM.reset_prefix_cache``: a repeated prompt hits the cache before it and
+    misses after it (a benchmark's rounds start cold); the outputs stay the same."""
+    stats = llm.llm_engine.scheduler.kv.stats
+    prompt = {"prompt_token_ids": list(range(20, 60))}
+    params = SamplingParams(temperature=0, max_tokens=3)
+    first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    hits = stats.hits
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert stats.hits > hits
+    assert llm.reset_prefix_cache()
+    hits = stats.hits
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert stats.hits == hits
+
+
 def test_invalid_requests_fail_before_queueing(llm):
     engine = llm.llm_engine
     with pytest.raises(ValueError, match="exceeds max_model_len"):

@@ -144,6 +144,13 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (e.g. between benchmark rounds), as vLLM's
+        ``LLM.reset_prefix_cache``; False, changing nothing, while requests run."""
+        if self.llm_engine.has_unfinished_requests():
+            return False
+        return self.llm_engine.scheduler.kv.pool.reset_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` / ``chat`` use without ``sampling_params``: vLLM's defaults
         with the model's generation_config.json values over them (``generation_config``)."""

@@ -118,6 +118,15 @@ class BlockPool:
     def uncache(self, block: Block) -> None:
         self._evict(block)
 
+    def reset_cache(self) -> bool:
+        """Forget every cached key (vLLM's ``reset_prefix_cache``); False, changing
+        nothing, while a request holds blocks."""
+        if self.num_free < len(self.blocks):
+            return False
+        for block in self.blocks:
+            self._evict(block)
+        return True
+
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
