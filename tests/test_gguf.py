@@ -147,28 +147,14 @@ def test_gguf_with_missing_or_per_layer_metadata_names_the_key(tmp_path, drop, v
                                                                message):
     """Regression: a GGUF lacking a required key (or holding a per-layer array) failed with
     a bare TypeError; it is an UnsupportedModelError naming the key."""
-    import gguf
-    import numpy as np
-
     from kvray.models.gguf_loader import GGUFCheckpoint
     from kvray.models.spec import UnsupportedModelError
 
-    path = tmp_path / "bad.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    keys = {"llama.block_count": 2, "llama.embedding_length": 32,
-            "llama.feed_forward_length": 64, "llama.attention.head_count": 4}
-    for key, v in keys.items():
-        if key != drop:
-            w.add_uint32(key, v)
-        elif value is not None:
-            w.add_array(key, value)
-    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    keys = {k: v for k, v in _BARE_KEYS.items() if k != drop}
+    if value is not None:
+        keys[drop] = value
     with pytest.raises(UnsupportedModelError, match=message):
-        GGUFCheckpoint(path)
+        GGUFCheckpoint(_bare_llama_gguf(tmp_path / "bad.gguf", keys))
 
 
 @pytest.mark.parametrize("rope,message", [
@@ -181,25 +167,36 @@ def test_gguf_with_missing_or_per_layer_metadata_names_the_key(tmp_path, drop, v
 def test_gguf_rope_rules_kvray_cannot_apply_are_errors_naming_the_key(tmp_path, rope, message):
     """A rope rule is never dropped silently: an unknown scaling type, a rule without its
     factor or rope factors that do not fit the heads name what is wrong."""
-    import gguf
-
     from kvray.models.gguf_loader import GGUFCheckpoint
     from kvray.models.spec import UnsupportedModelError
 
-    path = tmp_path / "rope.gguf"
+    with pytest.raises(UnsupportedModelError, match=message):
+        GGUFCheckpoint(_bare_llama_gguf(tmp_path / "rope.gguf", {**_BARE_KEYS, **rope}))
+
+
+# the few keys a llama GGUF needs to be read (a 2-layer, 32-wide stub, no weights)
+_BARE_KEYS = {"llama.block_count": 2, "llama.embedding_length": 32,
+              "llama.feed_forward_length": 64, "llama.attention.head_count": 4}
+
+
+def _bare_llama_gguf(path, entries: dict):
+    """A llama GGUF of ``entries`` (ints: uint32 keys, strings: string keys, lists: array
+    keys, arrays named ``*.weight``: tensors) plus a zero embedding."""
+    import gguf
+
     w = gguf.GGUFWriter(str(path), "llama")
-    for key, v in {"llama.block_count": 2, "llama.embedding_length": 32,
-                   "llama.feed_forward_length": 64, "llama.attention.head_count": 4}.items():
-        w.add_uint32(key, v)
-    for key, v in rope.items():
+    for key, v in entries.items():
         if key.endswith(".weight"):
             w.add_tensor(key, v)
-        else:
+        elif isinstance(v, list):
+            w.add_array(key, v)
+        elif isinstance(v, str):
             w.add_string(key, v)
+        else:
+            w.add_uint32(key, v)
     w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedModelError, match=message):
-        GGUFCheckpoint(path)
+    return path

@@ -352,7 +352,7 @@ def test_chat_takes_text_parts_and_a_lora_request_as_vllm_does(llm):
     b = llm.chat(plain, params, use_tqdm=False, lora_request=None)[0]
     assert a.prompt_token_ids == b.prompt_token_ids and a.outputs[0].text == b.outputs[0].text
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    with pytest.raises(ValueError, match="'image_url' part"):
+    with pytest.raises(ValueError, match="content.0.type: content part type 'image_url'"):
         llm.chat(image, params, use_tqdm=False)
 
 

@@ -25,6 +25,7 @@ from kvray.engine.beam_search import (
     top_logprobs_of,
 )
 from kvray.engine.llm_engine import LLMEngine, PromptType
+from kvray.inputs import join_text_parts
 from kvray.lora.request import LoRARequest
 from kvray.outputs import RequestOutput
 from kvray.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
@@ -73,21 +74,11 @@ def _vllm_engine_args(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _text_contents(conv: Conversation) -> Conversation:
-    """The conversation with list-of-parts contents (OpenAI's ``[{"type": "text", ...}]``)
-    joined into strings, as chat templates expect; other part types are a ValueError."""
-    out = []
-    for i, message in enumerate(conv):
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    kind = part.get("type") if isinstance(part, dict) else part
-                    raise ValueError(f"messages[{i}].content[{j}]: a {kind!r} part; this "
-                                     "model takes text parts only")
-            message = {**message, "content": "".join(part["text"] for part in content)}
-        out.append(message)
-    return out
+    """The conversation with list-of-parts contents joined into strings, as chat
+    templates expect (:func:`kvray.inputs.join_text_parts`)."""
+    return [{**m, "content": join_text_parts(m["content"], f"messages.{i}.content")}
+            if isinstance(m, dict) and isinstance(m.get("content"), list) else m
+            for i, m in enumerate(conv)]
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -259,12 +259,13 @@ class GGUFCheckpoint:
             return rule if attention is None else rule | {"attention_factor": attention}
         if kind in (None, "none"):
             return rule
-        if kind not in ("linear", "yarn") or factor is None:
-            raise UnsupportedModelError(
-                f"GGUF metadata '{a}.rope.scaling.type' = '{kind}'"
-                + ("" if kind in ("linear", "yarn") else " is not supported (supported: "
-                   "none, linear, yarn)")
-                + ("" if factor is not None else f" without '{a}.rope.scaling.factor'"))
+        key = f"'{a}.rope.scaling.type' = '{kind}'"
+        if kind not in ("linear", "yarn"):
+            raise UnsupportedModelError(f"GGUF metadata {key} is not supported (supported: "
+                                        "none, linear, yarn)")
+        if factor is None:
+            raise UnsupportedModelError(f"GGUF metadata {key} without "
+                                        f"'{a}.rope.scaling.factor'")
         rule |= {"rope_type": kind, "factor": factor}
         if kind == "yarn":
             rule["original_max_position_embeddings"] = original or context

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvray.config import ServerConfig
 from kvray.errors import InvalidRequestError
+from kvray.inputs import join_text_parts
 from kvray.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from kvray.serve.tools import required_schema
 
@@ -441,19 +442,7 @@ def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                where = f"messages.{i}.content.{j}"
-                kind = part.get("type")
-                if kind != "text":
-                    raise ProtocolError(f"{where}.type: content part type {kind!r} is not "
-                                        "supported; this model takes text parts only",
-                                        f"{where}.type")
-                if not isinstance(part.get("text"), str):
-                    raise ProtocolError(f"{where}.text: a text part needs a string 'text'",
-                                        f"{where}.text")
-                texts.append(part["text"])
-            content = "".join(texts)
+            content = join_text_parts(content, f"messages.{i}.content")
         entry: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.tool_calls:
             entry["tool_calls"] = [_template_call(c, f"messages.{i}.tool_calls.{j}")
