@@ -6,14 +6,14 @@
 from kvray.config import ConfigError, EngineConfig, load_config
 from kvray.inputs import PromptType, TextPrompt, TokensPrompt
 from kvray.lora.request import LoRARequest
-from kvray.outputs import CompletionOutput, RequestOutput
+from kvray.outputs import CompletionOutput, Logprob, RequestOutput
 from kvray.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "ConfigError", "EngineConfig",
-           "LoRARequest", "PoolingParams", "PromptType", "RequestOutput", "SamplingParams",
-           "StructuredOutputsParams", "TextPrompt", "TokensPrompt", "load_config",
-           "__version__"]
+           "Logprob", "LoRARequest", "PoolingParams", "PromptType", "RequestOutput",
+           "SamplingParams", "StructuredOutputsParams", "TextPrompt", "TokensPrompt",
+           "load_config", "__version__"]
 
 
 def __getattr__(name: str):

@@ -12,6 +12,39 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+class Logprob(float):
+    """One token's log-probability, as vLLM's ``Logprob``: ``.logprob``, its ``rank`` in the
+    vocabulary (1 = the likeliest) and ``decoded_token`` (the token's own text).
+
+    A float subclass: code that treats logprobs as numbers (sums, ``math.exp``, JSON) keeps
+    working, and code written for vLLM reads the attributes.
+    """
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None,
+                decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank = rank
+        self.decoded_token = decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self) -> tuple:
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        return (f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+                f"decoded_token={self.decoded_token!r})")
+
+
+SampleLogprobs = list[dict[int, Logprob]]  # per generated token: id -> logprob (vLLM's name)
+PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; None for the first
+
+
 @dataclass
 class CompletionOutput:
     """One generated sequence of a request (``index`` among the ``n``)."""
@@ -20,7 +53,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None  # per token: id -> logprob (sampled + top-k)
+    logprobs: SampleLogprobs | None  # per token: id -> logprob (sampled + top-k)
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -69,7 +102,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int] | None  # None on DELTA outputs after the first
-    prompt_logprobs: list[dict[int, float] | None] | None
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(repr=False, default=None)

@@ -84,19 +84,27 @@ def test_logprobs_equal_transformers_log_softmax(llm, hf):
     comp = out.outputs[0]
     full = prompt + comp.token_ids
     ref = torch.log_softmax(hf(torch.tensor([full])).logits[0].float(), dim=-1)
+    tok_text = llm.get_tokenizer().decode
     for i, (tok, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
         row = ref[len(prompt) - 1 + i]
         assert abs(entry[tok] - row[tok].item()) <= 1e-4
         top = row.topk(5)
         assert set(top.indices.tolist()) <= set(entry)
-        for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+        for rank, (t, v) in enumerate(zip(top.indices.tolist(), top.values.tolist(),
+                                          strict=True), 1):
             assert abs(entry[t] - v) <= 1e-4
+            # vLLM's Logprob fields: the value, its rank, the token's own text
+            assert abs(entry[t].logprob - v) <= 1e-4 and entry[t].rank == rank
+            assert entry[t].decoded_token == tok_text([t])
     assert abs(comp.cumulative_logprob - sum(e[t] for t, e in zip(
         comp.token_ids, comp.logprobs, strict=True))) <= 1e-4
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for j in range(1, len(prompt)):
         row = ref[j - 1]
-        assert abs(out.prompt_logprobs[j][prompt[j]] - row[prompt[j]].item()) <= 1e-4
+        got = out.prompt_logprobs[j][prompt[j]]
+        assert abs(got - row[prompt[j]].item()) <= 1e-4
+        assert got.rank == int((row > row[prompt[j]]).sum()) + 1
+        assert got.decoded_token == tok_text([prompt[j]])
         assert len(out.prompt_logprobs[j]) >= 3
 
 

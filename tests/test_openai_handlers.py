@@ -16,9 +16,14 @@ pytestmark = pytest.mark.serve
 
 
 @pytest.fixture(scope="module")
-def client(tiny_async_llm):
+def server(tiny_async_llm):
     engine = tiny_async_llm(max_model_len=256, num_gpu_blocks_override=256)
-    return TestClient(OpenAIServer(engine, "m", 256).app)
+    return OpenAIServer(engine, "m", 256)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return TestClient(server.app)
 
 
 def _events(resp) -> list[dict]:
@@ -282,3 +287,61 @@ def test_stream_options_without_a_stream_are_refused(client):
         "model": "m", "prompt": "Hi", "max_tokens": 1,
         "stream_options": {"include_usage": True}})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options"
+
+
+def test_prompt_logprobs_come_back_as_vllm_returns_them(client, server):
+    """vLLM's ``prompt_logprobs``: per prompt token (null for the first) its id and the top
+    k ids -> logprob, rank and decoded token; per choice on completions, on the response
+    for chat; a 400 with stream (vLLM's rule). It was silently ignored."""
+    body = {"model": "m", "prompt": "Hello world, again", "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 2}
+    resp = client.post("/v1/completions", json=body).json()
+    tok = server.tokenizer
+    for choice in resp["choices"]:
+        plp = choice["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == resp["usage"]["prompt_tokens"]
+        for entry in plp[1:]:
+            assert 2 <= len(entry) <= 3  # the prompt's own token, and the top 2
+            ranks = sorted(e["rank"] for e in entry.values())
+            assert ranks[:2] == [1, 2] and all(r >= 1 for r in ranks)
+            for tid, e in entry.items():
+                assert e["logprob"] <= 0.0 and e["decoded_token"] == tok.decode([int(tid)])
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "prompt_logprobs": 0}
+    whole = client.post("/v1/chat/completions", json=chat).json()
+    assert whole["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in whole["prompt_logprobs"][1:])
+    assert len(whole["prompt_logprobs"]) == whole["usage"]["prompt_tokens"]
+    streamed = client.post("/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == \
+        "prompt_logprobs"
+    too_many = client.post("/v1/completions", json={**body, "prompt_logprobs": 10**6})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == \
+        "prompt_logprobs"
+
+
+def test_stop_reason_and_tokens_as_token_ids(client):
+    """vLLM's choice fields: ``stop_reason`` names the stop string or token id that ended
+    a choice (null at EOS or length); ``return_tokens_as_token_ids`` names logprobs' tokens
+    ``token_id:<id>``."""
+    first = client.post("/v1/completions", json={
+        "model": "m", "prompt": "Hello", "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True}).json()["choices"][0]
+    assert first["stop_reason"] is None and first["finish_reason"] == "length"
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "logprobs": 1, "return_tokens_as_token_ids": True}
+    as_ids = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in as_ids["tokens"])
+    greedy = [int(t.removeprefix("token_id:")) for t in as_ids["tokens"]]
+    stopped = client.post("/v1/completions", json={
+        **body, "stop_token_ids": [greedy[2]]}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == greedy[2]
+    chat = client.post("/v1/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
+        "temperature": 0, "logprobs": True, "top_logprobs": 2,
+        "return_tokens_as_token_ids": True}).json()["choices"][0]
+    assert "stop_reason" in chat
+    for item in chat["logprobs"]["content"]:
+        assert item["token"].startswith("token_id:")
+        assert item["bytes"] == list(item["token"].encode())
+        assert all(t["token"].startswith("token_id:") for t in item["top_logprobs"])

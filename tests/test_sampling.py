@@ -313,6 +313,10 @@ def test_logprobs_are_of_raw_logits_at_sampled_token_and_top_k(dtype):
     top = raw.topk(3, -1)
     assert out.top_token_ids.tolist() == top.indices.tolist()
     torch.testing.assert_close(out.top_logprobs, top.values)
+    # rank: 1 + how many tokens the raw distribution puts strictly above the sampled one
+    chosen = logits.float().gather(1, out.token_ids[:, None])
+    assert out.ranks.tolist() == ((logits.float() > chosen).sum(-1) + 1).tolist()
+    assert out.ranks[1] > 1  # the bias made greedy take a token the raw logits rank low
 
 
 def test_no_logprobs_requested_skips_the_log_normaliser():

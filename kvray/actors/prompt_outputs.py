@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvray.actors.step_state import CachedRequestState, StepInputs
+from kvray.outputs import Logprob
 from kvray.scheduler.output import SchedulerOutput
 
 
@@ -75,7 +76,7 @@ class Pooler:
 def prompt_logprobs(inputs: StepInputs, out: SchedulerOutput, hidden: torch.Tensor,
                 requests: dict[str, CachedRequestState],
                 compute_logits: Callable[[torch.Tensor], torch.Tensor]
-                ) -> dict[str, tuple[int, list[dict[int, float] | None]]]:
+                ) -> dict[str, tuple[int, list[dict[int, Logprob] | None]]]:
     """For requests asking prompt_logprobs: (index of the first prompt token covered,
     the logprobs of each prompt token this chunk predicts; None for token 0)."""
     result = {}
@@ -92,13 +93,18 @@ def prompt_logprobs(inputs: StepInputs, out: SchedulerOutput, hidden: torch.Tens
         targets = state.token_ids[start + 1: min(end + 1, state.num_prompt_tokens)]
         rows = rows[: len(targets)]
         lp = torch.log_softmax(compute_logits(hidden[rows]).float(), dim=-1)
-        entries: list[dict[int, float] | None] = [None] if start == 0 else []
+        target_lp = lp.gather(1, torch.tensor(targets, dtype=torch.int64,
+                                              device=lp.device).view(-1, 1))
+        ranks = ((lp > target_lp).sum(dim=-1) + 1).tolist()
+        target_lp = target_lp.view(-1).tolist()
+        entries: list[dict[int, Logprob] | None] = [None] if start == 0 else []
         top = lp.topk(k, dim=-1) if k else None
         for i, tok in enumerate(targets):
-            entry = {tok: float(lp[i, tok])}
+            entry = {tok: Logprob(target_lp[i], ranks[i])}
             if top is not None:
-                entry.update(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
-                entry[tok] = float(lp[i, tok])
+                entry.update((t, Logprob(v, r)) for r, (t, v) in enumerate(
+                    zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True), 1))
+                entry[tok] = Logprob(target_lp[i], ranks[i])
             entries.append(entry)
         result[req_id] = (0 if start == 0 else start + 1, entries)
     return result

@@ -17,6 +17,7 @@ from kvray.kernels.sampling import (
     sample,
     sample_speculative,
 )
+from kvray.outputs import Logprob
 from kvray.scheduler.output import ModelRunnerOutput
 
 
@@ -115,6 +116,7 @@ class StepSampler:
             if result is not None and result.top_token_ids is not None else None
         top_lps = result.top_logprobs.tolist() \
             if result is not None and result.top_logprobs is not None else None
+        ranks = result.ranks.tolist() if lps is not None else None
         for state, toks, at in zip(group, tokens, offsets, strict=True):
             sampled[state.req_id] = toks
             k = state.params.logprobs
@@ -123,7 +125,9 @@ class StepSampler:
             sampled_lp[state.req_id] = lps[at:at + len(toks)]
             entries = []
             for j, tok in enumerate(toks):
-                top = dict(zip(top_ids[at + j][:k], top_lps[at + j][:k], strict=True)) \
-                    if k and top_ids is not None else {}
-                entries.append({tok: lps[at + j], **top})
+                entry = {tok: Logprob(lps[at + j], ranks[at + j])}
+                if k and top_ids is not None:  # the top k rank 1..k (the sampled one too)
+                    entry.update((t, Logprob(lp, r)) for r, (t, lp) in enumerate(
+                        zip(top_ids[at + j][:k], top_lps[at + j][:k], strict=True), 1))
+                entries.append(entry)
             logprobs[state.req_id] = entries

@@ -26,7 +26,7 @@ from kvray.lora.request import LoRARequest
 from kvray.models.default_model import resolve_model_path, with_builtin_model
 from kvray.models.expert_placement import placement_summary
 from kvray.models.pooling import model_pooling
-from kvray.outputs import RequestOutput
+from kvray.outputs import Logprob, RequestOutput
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.kv_tier import KVTier, LocalKVTier
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -70,6 +70,7 @@ class LLMEngine:
         local_path = local_model_path(self.model_path, config.model.share_weights)
         self.tokenizer = load_tokenizer(local_path, config.model.tokenizer,
                                         config.model.chat_template)
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprobs)
         # what a request's unset sampling parameters default to (the model's own)
         self.sampling_defaults = generation_defaults(
             config.model.generation_config, local_path, config.model.override_generation_config)
@@ -457,7 +458,9 @@ class LLMEngine:
             have = len(parent.prompt_logprobs)
             assert first <= have, "prompt logprobs arrived with a gap"
             # A request recomputed after preemption covers tokens it already reported.
-            parent.prompt_logprobs.extend(entries[have - first:])
+            new = entries[have - first:]
+            self._name_logprobs(new)
+            parent.prompt_logprobs.extend(new)
             touched.add(parent_id)
         return touched
 
@@ -476,6 +479,7 @@ class LLMEngine:
             sampled_lps = slp_by_req[req.request_id]
             seq.cumulative_logprob += sum(sampled_lps)
             if seq.logprobs is not None and lp_by_req[req.request_id]:
+                self._name_logprobs(lp_by_req[req.request_id])
                 seq.logprobs.extend(lp_by_req[req.request_id])
             self.stats.generation_tokens_total += num_new
             try:
@@ -491,6 +495,18 @@ class LLMEngine:
                 self.stats.generation_tokens_total -= unused
             touched.add(parent_id)
         return touched
+
+    def _name_logprobs(self, entries: list[dict[int, Logprob] | None]) -> None:
+        """Give each logprob its token's own text (vLLM's ``decoded_token``: the token
+        decoded alone), from a cache that the vocabulary bounds."""
+        cache = self._token_texts
+        for entry in entries:
+            for tok, lp in (entry or {}).items():
+                text = cache.get(tok)
+                if text is None:
+                    text = cache[tok] = self.tokenizer.decode([tok])
+                if isinstance(lp, Logprob):
+                    lp.decoded_token = text
 
     def _fail_request(self, parent_id: str, err: Exception) -> None:
         """End one request after an error that belongs to it alone; the caller learns of

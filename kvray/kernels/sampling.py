@@ -108,6 +108,9 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [B] float32, of each sampled token; None if not needed
     top_token_ids: torch.Tensor | None  # [B, num_logprobs] int64; None if num_logprobs == 0
     top_logprobs: torch.Tensor | None  # [B, num_logprobs] float32
+    # [B] int64, each sampled token's rank in the raw distribution (1 = the likeliest; ties
+    # rank together); set with ``logprobs``
+    ranks: torch.Tensor | None = None
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -292,11 +295,13 @@ def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch,
 def _output(tokens: torch.Tensor, raw_logits: torch.Tensor, num_logprobs: int) -> SamplerOutput:
     """Log-probs of the raw logits at the sampled tokens, and the top ``num_logprobs``."""
     log_norm = torch.logsumexp(raw_logits, dim=-1, keepdim=True)
-    token_logprobs = (raw_logits.gather(1, tokens.unsqueeze(1)) - log_norm).squeeze(1)
+    chosen = raw_logits.gather(1, tokens.unsqueeze(1))
+    token_logprobs = (chosen - log_norm).squeeze(1)
+    ranks = (raw_logits > chosen).sum(dim=-1) + 1
     if num_logprobs == 0:
-        return SamplerOutput(tokens, token_logprobs, None, None)
+        return SamplerOutput(tokens, token_logprobs, None, None, ranks)
     top = raw_logits.topk(min(num_logprobs, raw_logits.shape[1]), dim=-1)
-    return SamplerOutput(tokens, token_logprobs, top.indices, top.values - log_norm)
+    return SamplerOutput(tokens, token_logprobs, top.indices, top.values - log_norm, ranks)
 
 
 @dataclass

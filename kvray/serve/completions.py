@@ -138,6 +138,26 @@ class _Handler:
 
         return gen()
 
+    def token_text(self, token_id: int) -> str:
+        """How logprobs name a token: its text, or ``token_id:<id>`` when the request asks
+        (``return_tokens_as_token_ids``, vLLM's: a token's text can be ambiguous)."""
+        if self.req.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return self.server.tokenizer.decode([token_id])
+
+    def prompt_logprobs(self, out: RequestOutput) -> list[dict | None] | None:
+        """vLLM's ``prompt_logprobs`` field: per prompt token (None for the first) its id
+        and the top ``prompt_logprobs`` ids (as strings) -> logprob, rank, decoded token."""
+        k = self.req.prompt_logprobs
+        if k is None:
+            return None
+        return [None if entry is None else {
+            str(tok): {"logprob": float(lp), "rank": getattr(lp, "rank", None),
+                       "decoded_token": self.token_text(tok)}
+            for tok, lp in entry.items() if tok == token or _within(lp, k)}
+            for token, entry in zip(out.prompt_token_ids or (), out.prompt_logprobs or [],
+                                    strict=False)]
+
     def envelope(self, object_name: str, choices: list[dict], **extra: Any) -> dict:
         """The fields every response and chunk of this request shares."""
         return {"id": self.id, "object": object_name, "created": self.created,
@@ -309,7 +329,8 @@ class CompletionHandler(_Handler):
                       self.server.tokenizer.decode(result.prompt_token_ids)) if req.echo else ""
             for j, seq in enumerate(result.sequences[:req.n]):
                 choices.append({"index": i * req.n + j, "text": prefix + (seq.text or ""),
-                                "logprobs": None, "finish_reason": seq.finish_reason})
+                                "logprobs": None, "finish_reason": seq.finish_reason,
+                                "stop_reason": None})
         prompt_tokens = sum(len(r.prompt_token_ids) for r in results)
         completion = sum(len(s.token_ids) for r in results for s in r.sequences[:req.n])
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
@@ -338,8 +359,10 @@ class CompletionHandler(_Handler):
 
     def sampling_params(self, max_tokens):
         # echo with logprobs shows the prompt's tokens' logprobs too, as OpenAI and vLLM do
-        echo_lps = self.req.logprobs if self.req.echo else None
-        return self.req.sampling_params(max_tokens, self.req.logprobs, echo_lps,
+        wanted = [k for k in (self.req.logprobs if self.req.echo else None,
+                              self.req.prompt_logprobs) if k is not None]
+        return self.req.sampling_params(max_tokens, self.req.logprobs,
+                                        max(wanted) if wanted else None,
                                         defaults=self.server.sampling_defaults)
 
     def echoed_logprobs(self, i: int) -> dict | bool | None:
@@ -349,15 +372,15 @@ class CompletionHandler(_Handler):
         ids, entries = total.prompt_token_ids or [], total.prompt_logprobs or []
         if len(entries) < len(ids):
             return False
-        tok = self.server.tokenizer
-        tokens = [tok.decode([t]) for t in ids]
+        k = self.req.logprobs
+        tokens = [self.token_text(t) for t in ids]
         offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]
         return {"tokens": tokens,
                 "token_logprobs": [None if e is None else e.get(t)
                                    for t, e in zip(ids, entries, strict=False)],
-                "top_logprobs": [None if e is None else {tok.decode([k]): v
-                                                         for k, v in e.items()}
-                                 for e in entries[:len(ids)]],
+                "top_logprobs": [None if e is None else {
+                    self.token_text(i): v for i, v in e.items() if i == t or _within(v, k)}
+                                 for t, e in zip(ids, entries, strict=False)],
                 "text_offset": offsets}
 
     def num_prompts(self) -> int:
@@ -395,36 +418,43 @@ class CompletionHandler(_Handler):
     def _logprobs(self, ids: list[int], lps: Logprobs, text_offset: int) -> dict | None:
         if lps is None:
             return None
-        tok = self.server.tokenizer
-        tokens = [tok.decode([t]) for t in ids]
+        tokens = [self.token_text(t) for t in ids]
         offsets, pos = [], text_offset
         for s in tokens:
             offsets.append(pos)
             pos += len(s)
         return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(ids, lps, strict=True)],
-                "top_logprobs": [{tok.decode([k]): v for k, v in e.items()} for e in lps],
+                "top_logprobs": [{self.token_text(k): v for k, v in e.items()} for e in lps],
                 "text_offset": offsets}
 
     def choice(self, i: int, comp: CompletionOutput, text: str, ids: list[int],
                lps: Logprobs, text_offset: int) -> dict:
         return {"index": i * self.req.n + comp.index, "text": text,
                 "logprobs": self._logprobs(ids, lps, text_offset),
-                "finish_reason": comp.finish_reason}
+                "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
 
     def response(self, finals: list[RequestOutput]) -> dict:
         choices = []
         for i, out in enumerate(finals):
             prefix = self.prefix_text(i)  # logprob offsets count the echoed prompt
             echoed = self.echoed_logprobs(i)
+            prompt_lps = self.prompt_logprobs(out)
             for c in out.outputs:
                 choices.append(self.choice(i, c, prefix + c.text, c.token_ids, c.logprobs,
                                            len(prefix)))
                 if echoed:
                     _prepend_logprobs(choices[-1], echoed)
+                choices[-1]["prompt_logprobs"] = prompt_lps
         return self.envelope(self.object_name, choices, usage=self.usage(finals))
 
     def first_chunks(self) -> list[dict]:
         return []
+
+
+def _within(lp: float, k: int) -> bool:
+    """Whether a logprob entry is among the top ``k`` (its rank; an entry without one is)."""
+    rank = getattr(lp, "rank", None)
+    return rank is None or rank <= k
 
 
 def _prepend_logprobs(choice: dict, echoed: dict) -> None:
@@ -470,6 +500,7 @@ class ChatHandler(_Handler):
         if top is not None and not self.req.logprobs:
             raise ProtocolError("top_logprobs needs logprobs=true", "top_logprobs")
         params = self.req.sampling_params(max_tokens, (top or 0) if self.req.logprobs else None,
+                                          self.req.prompt_logprobs,
                                           defaults=self.server.sampling_defaults)
         if self.tool_mode == "auto" and keeps_special_tokens(self.tool_parser):
             params.skip_special_tokens = False  # Mistral's [TOOL_CALLS] / [ARGS] are special
@@ -527,16 +558,16 @@ class ChatHandler(_Handler):
     def _logprobs(self, ids: list[int], lps: Logprobs) -> dict | None:
         if lps is None:
             return None
-        tok = self.server.tokenizer
         k = self.req.top_logprobs or 0
         content = []
         for t, entry in zip(ids, lps, strict=False):
-            s = tok.decode([t])
+            s = self.token_text(t)
             top = sorted(((v, i) for i, v in entry.items()), reverse=True)[:k]
             content.append({"token": s, "logprob": entry[t], "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": tok.decode([i]), "logprob": v,
-                                              "bytes": list(tok.decode([i]).encode())}
-                                             for v, i in top]})
+                            "top_logprobs": [{"token": text, "logprob": v,
+                                              "bytes": list(text.encode())}
+                                             for v, i in top
+                                             for text in (self.token_text(i),)]})
         return {"content": content}
 
     def choice(self, i: int, comp: CompletionOutput, text: str, ids: list[int],
@@ -558,7 +589,8 @@ class ChatHandler(_Handler):
                 del delta["content"]
             delta = {"reasoning_content": reasoning, **delta}
         return {"index": comp.index, "delta": delta, "logprobs": self._logprobs(ids, lps),
-                "finish_reason": self._finish_reason(comp.finish_reason, made_calls)}
+                "finish_reason": self._finish_reason(comp.finish_reason, made_calls),
+                "stop_reason": comp.stop_reason}
 
     def _message(self, comp: CompletionOutput) -> tuple[dict, str | None]:
         reasoning, answer = None, comp.text
@@ -583,8 +615,11 @@ class ChatHandler(_Handler):
             message, finish = self._message(c)
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                            "finish_reason": finish})
-        return self.envelope(self.object_name, choices, usage=self.usage(finals))
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
+        extra = {}
+        if self.req.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = self.prompt_logprobs(finals[0])
+        return self.envelope(self.object_name, choices, usage=self.usage(finals), **extra)
 
     def first_chunks(self) -> list[dict]:
         return [self.envelope(self.chunk_name, [{

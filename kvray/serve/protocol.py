@@ -129,6 +129,10 @@ class _Sampling(_Request):
     include_stop_str_in_output: bool = False
     # keep the prompt's last k tokens (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = None
+    # the top k logprobs of each prompt token, in the response's ``prompt_logprobs``
+    prompt_logprobs: int | None = None
+    # logprobs name tokens "token_id:<id>" instead of by their text
+    return_tokens_as_token_ids: bool | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (one of them per request).
     response_format: ResponseFormat | None = None
@@ -259,6 +263,13 @@ class _Sampling(_Request):
         if len(bias) > limits.max_logit_bias:
             raise ProtocolError(f"logit_bias: {len(bias)} entries; at most "
                                 f"{limits.max_logit_bias} allowed", "logit_bias")
+        k = self.prompt_logprobs
+        if k is not None and not 0 <= k <= limits.max_logprobs:
+            raise ProtocolError(f"prompt_logprobs = {k}: must be in [0, "
+                                f"{limits.max_logprobs}]", "prompt_logprobs")
+        if k is not None and self.stream:  # as vLLM: they come with the whole response
+            raise ProtocolError("prompt_logprobs: not available with stream true",
+                                "prompt_logprobs")
 
 
 class CompletionRequest(_Sampling):
