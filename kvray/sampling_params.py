@@ -73,8 +73,7 @@ class StructuredOutputsParams:
     reasoning: ReasoningSpan | None = None
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, k) not in (None, False)]
+        given = [k for k in _CONSTRAINT_KINDS if self._gives(k)]
         if len(given) != 1:
             raise ValueError(f"{self.field}: give exactly one of json, regex, choice, grammar, "
                              f"json_object (got {', '.join(given) or 'none'})")
@@ -95,21 +94,29 @@ class StructuredOutputsParams:
                    and all(isinstance(c, str) and c for c in self.choice), self.field,
                    self.choice, "choice must be a non-empty list of non-empty strings")
 
+    def _gives(self, kind: str) -> bool:
+        """Whether the field of ``kind`` holds a constraint (``json=False`` does: the schema
+        nothing matches; ``json_object=False`` does not)."""
+        value = getattr(self, kind)
+        return value is not None and not (kind == "json_object" and value is False)
+
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
-                    if getattr(self, k) not in (None, False))
+        return next(k for k in _CONSTRAINT_KINDS if self._gives(k))
 
     def key(self) -> tuple[str, str]:
-        """(kind, canonical text): the cache key of the compiled grammar."""
+        """(kind, text): the cache key of the compiled grammar. A schema's keys keep their
+        order: JSON output follows it (a "reasoning" property before "answer" is a
+        different constraint from the reverse)."""
         kind = self.kind
         value = {"json_object": True}.get(kind, getattr(self, kind))
-        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        text = value if isinstance(value, str) else json.dumps(value)
         if kind in ("json", "json_object") and not self.disable_any_whitespace:
             kind += "+whitespace"
         return kind, text
 
 
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 POOLING_TYPES = ("last", "mean", "cls")
 
 

@@ -16,6 +16,7 @@ applies it.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -177,17 +178,25 @@ class GrammarCompiler:
             schema = {"type": "object"} if kind == "json_object" else params.json
             if schema is True:
                 schema = {}
-            if isinstance(schema, dict) and params.disable_any_whitespace:
-                options = {"whitespace_flexible": False, "item_separator": ", ",
-                           "key_separator": ": ", **schema.get("x-guidance", {})}
-                schema = {**schema, "x-guidance": options}
+            if isinstance(schema, dict):
+                # llguidance's own options are the server's to set: a client's could make
+                # the output something other than JSON ({"item_separator": ";"})
+                schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+                if params.disable_any_whitespace:
+                    schema["x-guidance"] = {"whitespace_flexible": False,
+                                            "item_separator": ", ", "key_separator": ": "}
             return ll.grammar_from_json_schema(json.dumps(schema))
         if kind == "regex":
             return ll.grammar_from_regex(text)
         if kind == "choice":
             return ll.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in params.choice))
-        return self._ll.grammar_from("grammar", params.grammar)
+        from llguidance.gbnf_to_lark import is_lark_syntax
+
+        grammar = params.grammar
+        if not is_lark_syntax(grammar):
+            grammar = _literal_unicode_escapes(grammar)
+        return self._ll.grammar_from("grammar", grammar)
 
     def compile(self, params: StructuredOutputsParams) -> Matcher:
         """A fresh matcher at the start of ``params``' grammar. An invalid constraint raises
@@ -242,6 +251,27 @@ class GrammarCompiler:
         self._executor.unsafe_compute_mask_ptr(
             [(m.raw, row) for m, row in matchers], bitmask.data_ptr(), width * 4,
             bitmask.shape[0])
+
+
+_GBNF_ESCAPE = re.compile(r"\\\\|\\u([0-9A-Fa-f]{4})|\\U([0-9A-Fa-f]{8})")
+
+
+def _literal_unicode_escapes(gbnf: str) -> str:
+    """A GBNF grammar with its ``\\uXXXX`` / ``\\UXXXXXXXX`` escapes written out: ASCII
+    as ``\\xNN``, the rest as the character itself (none is GBNF syntax). llguidance's
+    converter drops their leading zeros, so ``"\\u0041bc"`` became U+41BC."""
+    def spell(m: re.Match) -> str:
+        digits = m.group(1) or m.group(2)
+        if digits is None:  # an escaped backslash: the "u" after it is text
+            return m.group(0)
+        code = int(digits, 16)
+        if code < 0x80:
+            return f"\\x{code:02x}"
+        if 0xD800 <= code <= 0xDFFF or code > 0x10FFFF:
+            return m.group(0)  # not a character: the converter's error names it
+        return chr(code)
+
+    return _GBNF_ESCAPE.sub(spell, gbnf)
 
 
 def _as_signed(word: int) -> int:

@@ -115,6 +115,61 @@ def test_matchers_from_one_cached_grammar_keep_their_own_state(compiler):
     assert _allowed(bitmask, 1) == [2]  # a broken sequence may only end
 
 
+def _walk(compiler, params: StructuredOutputsParams, seed: int, limit: int = 40) -> str:
+    """A random walk over the grammar's masks (a random model at temperature one): the
+    text of the tokens it takes until only EOS is left."""
+    tok = build_tokenizer()
+    matcher, rnd = compiler.compile(params), torch.Generator().manual_seed(seed)
+    bitmask = torch.zeros(1, bitmask_width(VOCAB_SIZE), dtype=torch.int32)
+    ids: list[int] = []
+    for _ in range(limit):
+        compiler.fill_bitmask([(matcher, 0)], bitmask)
+        allowed = [t for t in _allowed(bitmask, 0) if t != 2]
+        if not allowed:
+            break
+        ids.append(allowed[int(torch.randint(len(allowed), (1,), generator=rnd))])
+        assert matcher.accept(ids[-1:])
+    return tok.decode(ids)
+
+
+@pytest.mark.unit
+def test_gbnf_unicode_escapes_mean_their_characters(compiler):
+    """Regression: llguidance's GBNF converter dropped the escapes' leading zeros, so
+    ``"\u0041bc"`` became U+41BC and ``[\u00e9-\u00ff]`` an error about text the user never
+    wrote; an escaped backslash before a ``u`` stays text."""
+    cases = [('root ::= "\\u0041bc"', "^Abc$"), ('root ::= "x\\U0001F600"', "^x\U0001F600$"),
+             ('root ::= [\\u00e9-\\u00ff] [\\u0030-\\u0039]', "^[\u00e9-\u00ff][0-9]$"),
+             ('root ::= "a\\\\u0041"', "^a\\\\u0041$")]
+    for grammar, want in cases:
+        for seed in range(3):
+            text = _walk(compiler, StructuredOutputsParams(grammar=grammar), seed)
+            assert re.match(want, text), (grammar, text)
+
+
+@pytest.mark.unit
+def test_schemas_differing_only_in_key_order_compile_apart(compiler):
+    """Regression: the grammar cache keyed schemas with sorted keys, so a schema asking for
+    "reasoning" before "answer" reused the reverse order's grammar."""
+    props = {"reasoning": {"const": "r"}, "answer": {"const": "a"}}
+    first = {"type": "object", "properties": props, "required": ["reasoning", "answer"]}
+    second = {**first, "properties": dict(reversed(props.items()))}
+    for schema in (second, first):
+        text = _walk(compiler, StructuredOutputsParams(json=schema), 0)
+        assert list(json.loads(text)) == list(schema["properties"])
+
+
+@pytest.mark.unit
+def test_a_clients_llguidance_options_do_not_reach_the_grammar(compiler):
+    """Regression: a schema's own ``x-guidance`` key went to llguidance, and
+    ``{"item_separator": ";"}`` made the output something other than JSON."""
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3,
+              "x-guidance": {"item_separator": ";"}}
+    text = _walk(compiler, StructuredOutputsParams(json=schema), 1)
+    assert len(json.loads(text)) >= 2
+    with pytest.raises(InvalidRequestError, match="unsatisfiable|Unsatisfiable"):
+        compiler.compile(StructuredOutputsParams(json=False))  # a schema, matching nothing
+
+
 @pytest.mark.unit
 def test_bitmask_sets_exactly_the_disallowed_logits_to_minus_inf():
     g = torch.Generator().manual_seed(0)

@@ -449,6 +449,31 @@ def test_required_schema_allows_only_the_tools_and_their_parameters():
     jsonschema.validate([{"name": "b", "parameters": {}}] * 2, required_schema(tools, True))
 
 
+def test_required_schema_keeps_each_tools_refs_pointing_into_its_own_parameters():
+    """Regression: a tool's parameters moved under the array of calls with its ``$ref``s
+    unchanged: pydantic's ``#/$defs/X`` pointed at nothing (a 400), and a recursive ``#``
+    at the array, so the arguments could nest whole calls."""
+    import jsonschema
+
+    pydantic_like = {"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}},
+                     "required": ["loc"], "$defs": {"Loc": {
+                         "type": "object", "properties": {"lat": {"type": "number"}},
+                         "required": ["lat"], "additionalProperties": False}}}
+    recursive = {"type": "object", "additionalProperties": False, "required": ["child"],
+                 "properties": {"child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+                                "tag": {"const": {"$ref": "#"}}}}  # data, not a reference
+    schema = required_schema([{"name": "a", "parameters": pydantic_like},
+                              {"name": "b", "parameters": recursive}], parallel=True)
+    jsonschema.validate([{"name": "a", "parameters": {"loc": {"lat": 1.5}}},
+                         {"name": "b", "parameters": {"child": {"child": None}}}], schema)
+    for bad in ([{"name": "a", "parameters": {"loc": {"lat": "x"}}}],
+                [{"name": "b", "parameters": {"child": [{"name": "b", "parameters": {
+                    "child": None}}]}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert schema["$defs"]["tool1"]["properties"]["tag"] == {"const": {"$ref": "#"}}
+
+
 def test_offline_chat_passes_tools_to_the_template_and_required_calls_parse(tmp_path):
     """LLM.chat hands tools to the chat template (as vLLM's does); a required call is the
     structured-outputs constraint the server uses, and parses into valid calls."""

@@ -107,16 +107,44 @@ def keeps_special_tokens(parser: str) -> bool:
 
 
 def required_schema(tools: list[dict], parallel: bool) -> dict:
-    """JSON schema of ``tool_choice="required"``'s output: an array of calls."""
+    """JSON schema of ``tool_choice="required"``'s output: an array of calls. Each tool's
+    parameters schema moves under the root's ``$defs`` with its local ``$ref`` pointers
+    rebased there, so ``#/$defs/...`` (pydantic's) and ``#`` (recursion) still mean the
+    tool's own schema, not the array's."""
+    defs = {f"tool{i}": _rebased(t.get("parameters") or {"type": "object"}, f"#/$defs/tool{i}")
+            for i, t in enumerate(tools)}
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
               "properties": {"name": {"const": t["name"]},
-                             "parameters": t.get("parameters") or {"type": "object"}}}
-             for t in tools]
+                             "parameters": {"$ref": f"#/$defs/tool{i}"}}}
+             for i, t in enumerate(tools)]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+                              "$defs": defs}
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+_VALUE_KEYWORDS = ("const", "enum", "default", "examples")  # hold data, not schemas
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with each local JSON-pointer ``$ref`` (``#`` or ``#/...``) prefixed by
+    ``base``; anchors (``#name``) and other URIs are left as they are."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#"
+                                                           or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in _VALUE_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, base)
+    return out
 
 
 @dataclass
