@@ -6,14 +6,28 @@
 from kvray.config import ConfigError, EngineConfig, load_config
 from kvray.inputs import PromptType, TextPrompt, TokensPrompt
 from kvray.lora.request import LoRARequest
-from kvray.outputs import CompletionOutput, Logprob, RequestOutput
+from kvray.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from kvray.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "ConfigError", "EngineConfig",
-           "Logprob", "LoRARequest", "PoolingParams", "PromptType", "RequestOutput",
-           "SamplingParams", "StructuredOutputsParams", "TextPrompt", "TokensPrompt",
-           "load_config", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "ClassificationOutput", "ClassificationRequestOutput",
+           "CompletionOutput", "ConfigError", "EmbeddingOutput", "EmbeddingRequestOutput",
+           "EngineConfig", "Logprob", "LoRARequest", "PoolingOutput", "PoolingParams",
+           "PoolingRequestOutput", "PromptType", "RequestOutput", "SamplingParams",
+           "ScoringOutput", "ScoringRequestOutput", "StructuredOutputsParams", "TextPrompt",
+           "TokensPrompt", "load_config", "__version__"]
 
 
 def __getattr__(name: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class Logprob(float):
@@ -129,3 +130,56 @@ class RequestOutput:
         self.metrics = later.metrics
         if later.pooled is not None:
             self.pooled = later.pooled
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector (``LLM.encode``): a tensor, as vLLM's."""
+
+    data: Any
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # the model's activation of its logits (softmax, or a sigmoid)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # a cross-encoder's activated logit, or the embeddings' cosine similarity
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One prompt's result from ``LLM.encode`` / ``embed`` / ``classify`` / ``score``
+    (vLLM's names): ``outputs`` holds the vector in the form the call returns."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    outputs: EmbeddingOutput
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    outputs: ClassificationOutput
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    outputs: ScoringOutput

@@ -132,12 +132,15 @@ class PoolingParams:
             None = the model's (its sentence-transformers pooling config, else ``last``).
         normalize: L2-normalise the embedding; None = the model's choice.
         dimensions: keep the first ``dimensions`` values (Matryoshka), then normalise.
+        activation: classify: the model's activation on the logits (a reranker's sigmoid,
+            a classifier's softmax: vLLM's default); False: the raw logits.
     """
 
     task: str = "embed"
     pooling_type: str | None = None
     normalize: bool | None = None
     dimensions: int | None = None
+    activation: bool = True
 
     def __post_init__(self) -> None:
         _check(self.task in ("embed", "classify"), "task", self.task,

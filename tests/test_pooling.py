@@ -128,7 +128,12 @@ def test_a_sentence_transformers_checkpoint_pools_as_it_says(tmp_path, tiny_mode
     assert config["architectures"] == ["Qwen3Model"]  # the base model alone
     llm = LLM(str(path), dtype="float32", block_size=4, max_model_len=256)
     try:
-        got = [torch.tensor(v) for v in llm.embed(TEXTS, use_tqdm=False)]  # its own pooling
+        outs = llm.embed(TEXTS, use_tqdm=False)  # its own pooling
+        got = [torch.tensor(o.outputs.embedding) for o in outs]
+        assert all(o.finished and o.prompt_token_ids for o in outs)
+        encoded = llm.encode(TEXTS, use_tqdm=False)  # vLLM's tensors, the same vectors
+        assert all(torch.allclose(e.outputs.data, g, atol=1e-6)
+                   for e, g in zip(encoded, got, strict=True))
         want = _reference(path, TEXTS, "mean" if mode == "mean" else "last", normalize)
         for g, r in zip(got, want, strict=True):
             assert torch.allclose(g, r, atol=1e-5)
@@ -157,17 +162,57 @@ def classifier(tmp_path_factory):
 
 
 @pytest.mark.parity
-def test_classification_scores_equal_the_heads_logits(classifier):
+def test_classification_scores_are_the_heads_logits_through_the_models_activation(
+        classifier):
+    """vLLM's outputs: ``classify`` gives ``probs`` (a one-label reranker's sigmoid;
+    ``activation=False``: the logits), ``score`` the pair's activated logit."""
     path, hf = classifier
     tok = transformers.AutoTokenizer.from_pretrained(str(path))
     llm = LLM(str(path), dtype="float32", block_size=4, max_model_len=256)
     try:
-        for text, logits in zip(TEXTS, llm.classify(TEXTS, use_tqdm=False), strict=True):
+        probs = llm.classify(TEXTS, use_tqdm=False)
+        raw = llm.classify(TEXTS, use_tqdm=False,
+                           pooling_params=PoolingParams(activation=False))
+        for text, p, r in zip(TEXTS, probs, raw, strict=True):
             with torch.no_grad():
                 want = hf(torch.tensor([tok(text)["input_ids"]])).logits[0]
-            assert torch.allclose(torch.tensor(logits), want, atol=1e-5)
+            assert torch.allclose(torch.tensor(r.outputs.probs), want, atol=1e-5)
+            assert torch.allclose(torch.tensor(p.outputs.probs), want.sigmoid(), atol=1e-6)
+            assert p.outputs.num_classes == 1
+        scores = llm.score("capital of France", TEXTS[:3], use_tqdm=False)
+        for doc, got in zip(TEXTS[:3], scores, strict=True):
+            ids = tok("capital of France", text_pair=doc)["input_ids"]
+            with torch.no_grad():
+                want = hf(torch.tensor([ids])).logits[0, 0].sigmoid().item()
+            assert abs(got.outputs.score - want) < 1e-6 and got.prompt_token_ids == ids
+        with pytest.raises(ValueError, match="data_1 has 2 texts and data_2 3"):
+            llm.score(["a", "b"], ["c", "d", "e"])
     finally:
         llm.shutdown()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("config", "want"), [
+    ({"id2label": {"0": "LABEL_0"}}, "sigmoid"),  # one label: a reranker
+    ({"id2label": {"0": "a", "1": "b"}}, "softmax"),
+    ({"id2label": {"0": "a", "1": "b"}, "problem_type": "multi_label_classification"},
+     "sigmoid"),
+    ({"id2label": {"0": "a"}, "sentence_transformers": {
+        "activation_fn": "torch.nn.modules.linear.Identity"}}, "identity"),
+    ({}, "softmax")])
+def test_a_classifiers_activation_is_read_from_its_config(tmp_path, config, want):
+    from kvray.models.pooling import activated, classify_activation
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert classify_activation(tmp_path) == want
+    logits = [2.0, -1.0, 800.0, -800.0]
+    scores = activated(logits, want)
+    if want == "sigmoid":
+        assert scores[2] == 1.0 and scores[3] == 0.0 and abs(scores[0] - 0.8807971) < 1e-6
+    elif want == "softmax":
+        assert abs(sum(scores) - 1.0) < 1e-9 and scores[2] == 1.0
+    else:
+        assert scores == logits
 
 
 # ---- the HTTP endpoints ----------------------------------------------------------------
@@ -197,7 +242,7 @@ def test_rerank_and_score_use_the_classification_head(classifier):
         for doc in docs:
             ids = tok("capital of France", text_pair=doc)["input_ids"]
             with torch.no_grad():
-                want.append(float(hf(torch.tensor([ids])).logits[0, 0]))
+                want.append(float(hf(torch.tensor([ids])).logits[0, 0].sigmoid()))
         results = resp.json()["results"]
         order = sorted(range(3), key=lambda i: -want[i])[:2]
         assert [r["index"] for r in results] == order

@@ -377,8 +377,9 @@ def test_embeddings_equal_offline_and_rerank_orders_by_them(client, server, mode
     floats = client.embeddings.create(model=model_name, input=texts, encoding_format="float",
                                       dimensions=16)
     llm = LLM(str(model_dir), dtype="float32", block_size=4, max_model_len=256)
-    want = llm.embed(texts, use_tqdm=False)
-    cut = llm.embed(texts, PoolingParams(dimensions=16), use_tqdm=False)
+    want = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]
+    cut = [o.outputs.embedding for o in llm.embed(texts, PoolingParams(dimensions=16),
+                                                   use_tqdm=False)]
     llm.shutdown()
     for g, w in zip(got.data, want, strict=True):
         assert max(abs(a - b) for a, b in zip(g.embedding, w, strict=True)) < 1e-5

@@ -27,7 +27,18 @@ from kvray.engine.beam_search import (
 from kvray.engine.llm_engine import LLMEngine, PromptType
 from kvray.inputs import join_text_parts
 from kvray.lora.request import LoRARequest
-from kvray.outputs import RequestOutput
+from kvray.models.pooling import cosine_similarity
+from kvray.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from kvray.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -216,20 +227,74 @@ class LLM:
         run_beam_searches(searches, run_step)
         return [search.output(self.get_tokenizer()) for search in searches]
 
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | None = None, use_tqdm: bool = True
+               ) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled vector as a tensor (``outputs.data``): an embedding, or
+        with ``PoolingParams(task="classify")`` the class scores."""
+        import torch
+
+        return [PoolingRequestOutput(out.request_id, PoolingOutput(torch.tensor(out.pooled)),
+                                     out.prompt_token_ids)
+                for out in self._pool(prompts, pooling_params or PoolingParams(), use_tqdm)]
+
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | None = None, use_tqdm: bool = True
-              ) -> list[list[float]]:
-        """Each prompt's embedding: the final hidden states pooled as the model says (its
-        sentence-transformers config, else the last token, normalised) or as
-        ``pooling_params`` asks."""
+              ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (``outputs.embedding``): the final hidden states pooled
+        as the model says (its sentence-transformers config, else the last token,
+        normalised) or as ``pooling_params`` asks."""
         outs = self._pool(prompts, pooling_params or PoolingParams(), use_tqdm)
-        return [out.pooled for out in outs]
+        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.pooled),
+                                       out.prompt_token_ids) for out in outs]
 
-    def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
-                 ) -> list[list[float]]:
-        """Each prompt's class logits from a ``*ForSequenceClassification`` model."""
-        return [out.pooled for out in self._pool(prompts, PoolingParams(task="classify"),
-                                                 use_tqdm)]
+    def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+                 pooling_params: PoolingParams | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (``outputs.probs``) from a
+        ``*ForSequenceClassification`` model: its activation (softmax; a sigmoid for one
+        label) of the head's logits, which ``PoolingParams(activation=False)`` returns."""
+        pooling = dataclasses.replace(pooling_params or PoolingParams(), task="classify")
+        return [ClassificationRequestOutput(out.request_id, ClassificationOutput(out.pooled),
+                                            out.prompt_token_ids)
+                for out in self._pool(prompts, pooling, use_tqdm)]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """How well each text of ``data_2`` goes with ``data_1`` (one text against each, or
+        pairwise for lists of one length), as vLLM's ``LLM.score``: a cross-encoder's
+        (reranker's) activated logit for the pair, or on an embedding model the cosine
+        similarity of the two embeddings."""
+        firsts = [data_1] if isinstance(data_1, str) else list(data_1)
+        seconds = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds) or not seconds:
+            raise ValueError(f"score: data_1 has {len(firsts)} texts and data_2 "
+                             f"{len(seconds)}: give one against any number, or two lists "
+                             "of one non-zero length")
+        for text in (*firsts, *seconds):
+            if not isinstance(text, str):
+                raise ValueError(f"score: texts must be strings, got {type(text).__name__}")
+        engine = self.llm_engine
+        if engine.spec.head == "classify":
+            if engine.spec.num_labels != 1:
+                raise ValueError(f"score: this model has {engine.spec.num_labels} labels; "
+                                 "a cross-encoder score needs one (a reranker)")
+            tok = self.get_tokenizer()
+            pairs = [{"prompt_token_ids": list(tok(a, text_pair=b)["input_ids"])}
+                     for a, b in zip(firsts, seconds, strict=True)]
+            outs = self._pool(pairs, PoolingParams(task="classify"), use_tqdm)
+            return [ScoringRequestOutput(out.request_id, ScoringOutput(out.pooled[0]),
+                                         out.prompt_token_ids) for out in outs]
+        texts = list(dict.fromkeys((*firsts, *seconds)))
+        embedded = self._pool(texts, PoolingParams(), use_tqdm)
+        by_text = dict(zip(texts, embedded, strict=True))
+        return [ScoringRequestOutput(
+            f"{by_text[a].request_id}+{by_text[b].request_id}",
+            ScoringOutput(cosine_similarity(by_text[a].pooled, by_text[b].pooled)),
+            by_text[a].prompt_token_ids + by_text[b].prompt_token_ids)
+            for a, b in zip(firsts, seconds, strict=True)]
 
     def _pool(self, prompts: PromptType | Sequence[PromptType], pooling: PoolingParams,
               use_tqdm: bool) -> list[RequestOutput]:

@@ -25,7 +25,7 @@ from kvray.lora.manager import LoRARegistry
 from kvray.lora.request import LoRARequest
 from kvray.models.default_model import resolve_model_path, with_builtin_model
 from kvray.models.expert_placement import placement_summary
-from kvray.models.pooling import model_pooling
+from kvray.models.pooling import activated, model_pooling
 from kvray.outputs import Logprob, RequestOutput
 from kvray.sampling_params import SamplingParams
 from kvray.scheduler.kv_tier import KVTier, LocalKVTier
@@ -444,6 +444,9 @@ class LLMEngine:
             parent_id, _ = self._child_to_parent.get(req_id, (None, 0))
             parent = self._parents.get(parent_id)
             if parent is not None:
+                pooling = parent.params.pooling
+                if pooling is not None and pooling.task == "classify" and pooling.activation:
+                    vector = activated(vector, self.pooling.activation)
                 parent.pooled = vector
                 touched.add(parent_id)
         return touched

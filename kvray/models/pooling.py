@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,13 +26,60 @@ _MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
 class ModelPooling:
     pooling_type: str = "last"
     normalize: bool = True
+    # a classifier's scores from its logits: sigmoid, softmax or identity (see
+    # :func:`classify_activation`)
+    activation: str = "softmax"
+
+
+_ACTIVATIONS = {"Sigmoid": "sigmoid", "Softmax": "softmax", "Identity": "identity"}
+
+
+def activated(logits: list[float], activation: str) -> list[float]:
+    """Class scores from a classifier's logits by ``activation`` (sigmoid, softmax or
+    identity)."""
+    if activation == "sigmoid":
+        return [1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+                for x in logits]
+    if activation == "softmax" and logits:
+        top = max(logits)
+        exps = [math.exp(x - top) for x in logits]
+        total = sum(exps)
+        return [e / total for e in exps]
+    return list(logits)
+
+
+def cosine_similarity(a: list[float], b: list[float]) -> float:
+    """The cosine of the angle between two vectors (0 when one is zero)."""
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / norm if norm else 0.0
+
+
+def classify_activation(model_dir: str | Path | None) -> str:
+    """How a ``*ForSequenceClassification`` checkpoint turns logits into scores, as
+    sentence-transformers' CrossEncoder and vLLM read it: the ``activation_fn`` its config
+    names, else a sigmoid for one label (a reranker) or multi-label problems, else softmax.
+    """
+    config_file = Path(model_dir) / "config.json" if model_dir is not None else None
+    try:
+        config = json.loads(config_file.read_text()) if config_file is not None \
+            and config_file.is_file() else {}
+    except (OSError, ValueError):
+        config = {}
+    named = str((config.get("sentence_transformers") or {}).get("activation_fn", ""))
+    if named.rsplit(".", 1)[-1] in _ACTIVATIONS:
+        return _ACTIVATIONS[named.rsplit(".", 1)[-1]]
+    labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
+    if labels == 1 or config.get("problem_type") == "multi_label_classification":
+        return "sigmoid"
+    return "softmax"
 
 
 def model_pooling(model_dir: str | Path | None, classify: bool = False) -> ModelPooling:
     """The checkpoint's pooling (see the module docstring); the defaults where it says
     nothing or is not a directory (a GGUF file)."""
     if classify:
-        return ModelPooling("last", False)
+        return ModelPooling("last", False, classify_activation(model_dir))
     root = Path(model_dir) if model_dir is not None else None
     modules_file = root / "modules.json" if root is not None and root.is_dir() else None
     if modules_file is None or not modules_file.is_file():

@@ -7,20 +7,21 @@
 - ``/score`` (vLLM's: ``text_1`` against each ``text_2``, or pairwise when both are lists)
   and ``/rerank`` (Jina / Cohere's: ``query`` against ``documents``, best first, ``top_n``):
   on a ``*ForSequenceClassification`` model (a cross-encoder) the score is the head's logit
-  for the pair encoded as the tokenizer pairs texts; on an embedding model, the cosine
-  similarity of the two embeddings.
+  for the pair encoded as the tokenizer pairs texts, through the model's activation (a
+  reranker's sigmoid, as vLLM and sentence-transformers give it); on an embedding model,
+  the cosine similarity of the two embeddings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import math
 import struct
 from typing import Any, Literal
 
 from pydantic import Field
 
+from kvray.models.pooling import cosine_similarity
 from kvray.outputs import RequestOutput
 from kvray.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 from kvray.serve.completions import ServerContext
@@ -161,7 +162,7 @@ def _encode(vector: list[float], encoding: str) -> list[float] | str:
 
 async def _scores(server: ServerContext, handler: PoolingHandler, pairs: list[tuple[str, str]],
                   classify: bool) -> tuple[list[float], list[RequestOutput]]:
-    """One score per (a, b) pair: the classification head's logit for the pair, or the
+    """One score per (a, b) pair: the classification head's activated logit, or the
     cosine similarity of the two texts' embeddings."""
     if classify:
         outs = await handler.pool(pairs, PoolingParams(task="classify"), "text_1")
@@ -173,13 +174,7 @@ async def _scores(server: ServerContext, handler: PoolingHandler, pairs: list[tu
     texts = sorted({t for pair in pairs for t in pair})
     outs = await handler.pool(texts, PoolingParams(normalize=False), "text_1")
     vectors = dict(zip(texts, (o.pooled for o in outs), strict=True))
-    return [_cosine(vectors[a], vectors[b]) for a, b in pairs], outs
-
-
-def _cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
-    return dot / norm if norm else 0.0
+    return [cosine_similarity(vectors[a], vectors[b]) for a, b in pairs], outs
 
 
 async def create_scores(server: ServerContext, req: ScoreRequest, lora: str | None,
