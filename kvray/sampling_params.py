@@ -6,6 +6,7 @@ raises ``ValueError`` naming the field, the value and what is allowed.
 
 from __future__ import annotations
 
+import copy
 import enum
 import json
 import math
@@ -179,6 +180,14 @@ class SamplingParams:
             request also ends at EOS once its grammar is complete, even with ignore_eos.
         pooling: an embedding / classification request (:class:`PoolingParams`): its
             output's ``pooled`` holds the vector; it generates nothing.
+        bad_words: words never generated: the last token of each (as it tokenizes alone
+            and after a space) is banned when the output ends with the tokens before it.
+        allowed_token_ids: only these token ids may be generated.
+        detokenize: False: no text (token ids only; no stop strings).
+        truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as the
+            context holds with room for one more).
+        spaces_between_special_tokens: vLLM's name; kvray's fast tokenizers always decode
+            as with True.
     """
 
     n: int = 1
@@ -203,8 +212,15 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     pooling: PoolingParams | None = None
-    # Filled by the engine: the model's EOS ids (ignored when ignore_eos).
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
+    spaces_between_special_tokens: bool = True
+    # Filled by the engine: the model's EOS ids (ignored when ignore_eos), and bad_words as
+    # token id sequences.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -216,6 +232,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
@@ -262,6 +280,23 @@ class SamplingParams:
                "must be in [0, 2^63)")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "must be non-empty strings")
+        _check(self.bad_words is None or (isinstance(self.bad_words, list) and all(
+            isinstance(w, str) and w.strip() for w in self.bad_words)), "bad_words",
+            self.bad_words, "must be a list of non-blank strings")
+        _check(self.allowed_token_ids is None or (
+            isinstance(self.allowed_token_ids, list | tuple) and len(self.allowed_token_ids) > 0
+            and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+                    for t in self.allowed_token_ids)), "allowed_token_ids",
+            self.allowed_token_ids, "must be a non-empty list of token ids")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        _check(not (self.stop and not self.detokenize), "stop", self.stop,
+               "stop strings need detokenize=True (there is no text to search)")
+        _check(self.truncate_prompt_tokens is None or (
+            isinstance(self.truncate_prompt_tokens, numbers.Integral)
+            and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)),
+            "truncate_prompt_tokens", self.truncate_prompt_tokens,
+            "must be >= 1, or -1 (as many as the context holds)")
         for tok, bias in (self.logit_bias or {}).items():
             _check(isinstance(tok, int) and tok >= 0, "logit_bias", tok,
                    "keys must be token ids >= 0")
@@ -276,9 +311,27 @@ class SamplingParams:
         raw logits with nothing else to compute: greedy, no penalty, bias or logprobs, and
         no stop id banned by ``min_tokens`` (a grammar is the runner's to check)."""
         return (self.is_greedy and self.logprobs is None
-                and not self.logit_bias and self.repetition_penalty == 1.0
+                and not self.logit_bias and not self.bad_words_token_ids
+                and self.allowed_token_ids is None and self.repetition_penalty == 1.0
                 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
                 and (num_output_tokens >= self.min_tokens or not self.all_stop_token_ids))
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's): changing it leaves this one as it is."""
+        return copy.deepcopy(self)
+
+    def banned_after(self, output_token_ids: list[int]) -> list[int]:
+        """Token ids the next token may not be after these outputs: the stop ids before
+        ``min_tokens``, and each bad word's last token where the output ends with the
+        tokens before it."""
+        banned = sorted(self.all_stop_token_ids) if len(output_token_ids) < self.min_tokens \
+            else []
+        for word in self.bad_words_token_ids:
+            head = len(word) - 1
+            if head == 0 or (len(output_token_ids) >= head
+                             and tuple(output_token_ids[-head:]) == word[:-1]):
+                banned.append(word[-1])
+        return banned
 
     @property
     def all_stop_token_ids(self) -> set[int]:

@@ -36,6 +36,24 @@ def test_greedy_completion_knows_paris(smollm2):
     assert "Paris" in tok.decode(out)
 
 
+def test_bad_words_keep_a_word_out_of_the_output():
+    """vLLM's ``bad_words``: the model that answers "Paris" cannot say it, with or without
+    a leading space."""
+    from kvray import LLM, SamplingParams
+
+    llm = LLM(builtin_model_or_skip(), max_model_len=256)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=16)
+        prompts = ["The capital of France is", "Paris is the capital of"]
+        free, banned = (llm.generate(prompts, p, use_tqdm=False) for p in (
+            params, SamplingParams(temperature=0, max_tokens=16, bad_words=["Paris"])))
+        assert "Paris" in free[0].outputs[0].text
+        for out in banned:
+            assert "Paris" not in out.outputs[0].text, out.outputs[0].text
+    finally:
+        llm.shutdown()
+
+
 def test_chat_answer_goes_through_the_template(smollm2):
     model, spec, tok = smollm2
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

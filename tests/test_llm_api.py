@@ -523,3 +523,50 @@ def test_start_up_is_broken_down_by_part(llm):
     assert 0 < rank["load_s"] <= report["workers_s"]
     assert rank["kernels"]["source"] in ("cache", "compiled", "cluster", "unused",
                                          "unavailable")
+
+
+def test_allowed_token_ids_detokenize_and_truncation(llm, hf):
+    """vLLM's SamplingParams fields that kvray lacked: ``allowed_token_ids`` (greedy over
+    those ids only), ``detokenize=False`` (ids, no text), ``truncate_prompt_tokens`` (the
+    prompt's last k) and ``clone`` (bad_words: tests/test_builtin_model.py)."""
+    prompt = _ids(15, 40)
+    allowed = sorted(set(_ids(12, 41)))
+    got = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed),
+        use_tqdm=False)[0].outputs[0].token_ids
+    others = tuple(t for t in range(VOCAB_SIZE) if t not in allowed)
+    assert got == _greedy_reference(hf, prompt, 6, banned=others)
+
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = llm.generate({"prompt_token_ids": prompt}, plain, use_tqdm=False)[0].outputs[0]
+    params = plain.clone()
+    params.stop_token_ids.append(5)
+    assert plain.stop_token_ids == []  # clone: a deep copy
+    quiet = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, detokenize=False),
+        use_tqdm=False)[0].outputs[0]
+    assert quiet.text == "" and quiet.token_ids == free.token_ids
+
+    cut = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=5),
+        use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-5:]
+    assert cut.outputs[0].token_ids == _greedy_reference(hf, prompt[-5:], 4)
+
+    for kwargs, field in [({"allowed_token_ids": []}, "allowed_token_ids"),
+                          ({"bad_words": [" "]}, "bad_words"),
+                          ({"stop": ["x"], "detokenize": False}, "stop"),
+                          ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")]:
+        with pytest.raises(ValueError, match=f"^{field}"):
+            SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate("hi", SamplingParams(allowed_token_ids=[VOCAB_SIZE + 5]), use_tqdm=False)
+
+
+def test_bad_words_ban_a_words_last_token_after_the_rest():
+    params = SamplingParams(min_tokens=2, stop_token_ids=[9])
+    params.bad_words_token_ids = ((4,), (7, 8), (1, 2, 3))
+    assert params.banned_after([]) == [9, 4]  # min_tokens holds the stop id back too
+    assert params.banned_after([5, 7]) == [4, 8]
+    assert params.banned_after([0, 1, 2]) == [4, 3]
+    assert params.banned_after([2, 1]) == [4]

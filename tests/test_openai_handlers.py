@@ -345,3 +345,19 @@ def test_stop_reason_and_tokens_as_token_ids(client):
         assert item["token"].startswith("token_id:")
         assert item["bytes"] == list(item["token"].encode())
         assert all(t["token"].startswith("token_id:") for t in item["top_logprobs"])
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_engine(client):
+    """vLLM's request extras: ``allowed_token_ids`` limits every generated token, and a
+    malformed ``bad_words`` / out-of-vocabulary id is a 400 naming the field."""
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 6, "temperature": 1.0, "seed": 3,
+            "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True,
+            "allowed_token_ids": [50, 60, 70]}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert {int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]} <= {
+        50, 60, 70}
+    for extra, param in [({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+                         ({"allowed_token_ids": []}, "allowed_token_ids"),
+                         ({"bad_words": [""]}, "bad_words")]:
+        resp = client.post("/v1/completions", json={**body, **extra})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text

@@ -35,8 +35,9 @@ def sampling_batch(params: list[SamplingParams], generators: list[torch.Generato
         prompt_token_ids=prompt_token_ids,
         output_token_ids=output_token_ids,
         logit_bias=[p.logit_bias or None for p in params],
-        banned_token_ids=[sorted(p.all_stop_token_ids) if len(out) < p.min_tokens else []
+        banned_token_ids=[p.banned_after(out)
                           for p, out in zip(params, output_token_ids, strict=True)],
+        allowed_token_ids=[p.allowed_token_ids for p in params],
         num_logprobs=max((p.logprobs or 0 for p in params), default=0),
         need_logprobs=any(p.logprobs is not None for p in params),
         token_bitmask=token_bitmask,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -111,10 +112,10 @@ class LLM:
             (``trust_remote_code``, ``disable_log_stats``, ``load_format="auto"`` ...).
     """
 
-    def __init__(self, model: str | None = None, config: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, model: str | os.PathLike | None = None,
+                 config: str | os.PathLike | None = None, **kwargs: Any) -> None:
         if model is not None:
-            kwargs["model"] = model
+            kwargs["model"] = os.fspath(model) if isinstance(model, os.PathLike) else model
         kwargs = _vllm_engine_args(kwargs)
         engine_config: EngineConfig = (load_config(config, **kwargs) if config is not None
                                        else config_from_flat(kwargs))

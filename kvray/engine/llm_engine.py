@@ -183,6 +183,21 @@ class LLMEngine:
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}: give a string, a "
                          "list of token ids or {'prompt_token_ids': [...]}")
 
+    def _bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, as vLLM reads them: the word alone, and after a
+        space where that spells it with other tokens of the same count."""
+        found: list[tuple[int, ...]] = []
+        for word in params.bad_words or ():
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(),
+                                                 add_special_tokens=False))
+            for ids in (alone, spaced):
+                if ids and ids not in found and (ids is alone or (
+                        len(ids) == len(alone) and ids[0] != alone[0])):
+                    found.append(ids)
+        self._check_token_ids([t for ids in found for t in ids], "bad_words", "bad_words")
+        return tuple(found)
+
     def _check_token_ids(self, ids: list[int], what: str, param: str) -> None:
         vocab = self.spec.vocab_size
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
@@ -204,10 +219,18 @@ class LLMEngine:
         if isinstance(prompt, dict) and prompt.get("lora_name") and lora_request is None:
             lora_request = prompt["lora_name"]  # the HTTP front end names the adapter here
         text, ids = self._tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # the prompt's last k tokens (-1: all the context holds)
+            keep = self.max_model_len - 1 if keep == -1 else keep
+            if len(ids) > keep:
+                text, ids = None, ids[-keep:]
         self._check_token_ids(ids, "the prompt", "prompt")
         self._check_token_ids(list(params.logit_bias or {}), "logit_bias", "logit_bias")
         self._check_token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
-        params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
+        self._check_token_ids(params.allowed_token_ids or [], "allowed_token_ids",
+                              "allowed_token_ids")
+        params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids,
+                                     bad_words_token_ids=self._bad_words_ids(params))
         if params.pooling is not None:
             params = self._pooling_params(params)
         elif self.spec.is_pooling_model:
@@ -530,6 +553,8 @@ class LLMEngine:
         speculative step accepts several tokens), as plain decoding would have ended it.
         Returns how many of the new tokens came after the string's last: the caller drops
         them."""
+        if not req.sampling_params.detokenize:  # token ids only
+            return 0
         new_tokens = req.output_token_ids[-num_new:]
         num_set_aside = 0
         if req.status is RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason,

@@ -55,6 +55,8 @@ class SamplingBatch:
     # penalties; a row left with no allowed token falls back to its EOS ids.
     token_bitmask: torch.Tensor | None = None
     eos_token_ids: list[tuple[int, ...]] = field(default_factory=list)  # per row, for that
+    # per row: the only ids it may take (None: any); [] for the whole batch = none limited
+    allowed_token_ids: list[list[int] | None] = field(default_factory=list)
     all_greedy: bool = field(init=False)
     no_top_k: bool = field(init=False)
     no_top_p: bool = field(init=False)
@@ -76,7 +78,8 @@ class SamplingBatch:
         self.no_top_p = bool((self.top_p >= 1.0).all())
         self.no_min_p = bool((self.min_p <= 0.0).all())
         self.no_bias = not any(self.logit_bias)
-        self.no_banned = not any(self.banned_token_ids)
+        self.no_banned = not any(self.banned_token_ids) and not any(
+            ids is not None for ids in self.allowed_token_ids)
         self.no_repetition_penalty = bool((self.repetition_penalty == 1.0).all())
         self.no_presence_frequency = bool(
             ((self.presence_penalty == 0.0) & (self.frequency_penalty == 0.0)).all())
@@ -198,6 +201,13 @@ def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> torc
             [[(tok, 0.0) for tok in ids] for ids in batch.banned_token_ids], logits.shape[1],
             logits.device)
         logits.index_put_((rows, cols), torch.tensor(float("-inf"), device=logits.device))
+        for row, ids in enumerate(batch.allowed_token_ids):
+            if ids is not None:  # everything else to -inf
+                keep = torch.tensor([t for t in ids if t < logits.shape[1]],
+                                    dtype=torch.int64, device=logits.device)
+                kept = logits[row, keep]
+                logits[row] = float("-inf")
+                logits[row, keep] = kept
     if not batch.no_repetition_penalty:
         logits = _repetition_penalty(logits, batch)
     if not batch.no_presence_frequency:

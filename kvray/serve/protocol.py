@@ -133,6 +133,8 @@ class _Sampling(_Request):
     prompt_logprobs: int | None = None
     # logprobs name tokens "token_id:<id>" instead of by their text
     return_tokens_as_token_ids: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (one of them per request).
     response_format: ResponseFormat | None = None
@@ -222,7 +224,8 @@ class _Sampling(_Request):
                 max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                output_kind=RequestOutputKind.DELTA, structured_outputs=structured)
+                output_kind=RequestOutputKind.DELTA, structured_outputs=structured,
+                bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids)
         except ValueError as err:
             raise ProtocolError(str(err), str(err).split(" ", 1)[0]) from None
 
