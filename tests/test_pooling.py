@@ -253,6 +253,20 @@ def test_rerank_and_score_use_the_classification_head(classifier):
                                                "text_2": docs}).json()
         assert all(abs(d["score"] - w) < 1e-5 for d, w in zip(score["data"], want,
                                                                strict=True))
+        # vLLM's /classify: the activated head per input, the likeliest class's name
+        classified = client.post("/classify", json={"model": "m", "input": docs})
+        assert classified.status_code == 200, classified.text
+        body = classified.json()
+        assert body["object"] == "list" and body["usage"]["prompt_tokens"] > 0
+        for i, (doc, item) in enumerate(zip(docs, body["data"], strict=True)):
+            with torch.no_grad():
+                logit = hf(torch.tensor([tok(doc)["input_ids"]])).logits[0, 0]
+            assert item["index"] == i and item["label"] == "LABEL_0"
+            assert item["num_classes"] == 1
+            assert abs(item["probs"][0] - logit.sigmoid().item()) < 1e-5
+        raw = client.post("/v1/classify", json={"input": docs[0], "activation": False})
+        assert abs(raw.json()["data"][0]["probs"][0] - float(hf(torch.tensor(
+            [tok(docs[0])["input_ids"]])).logits[0, 0])) < 1e-4
         # a pooling model serves no text
         resp = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"
@@ -282,6 +296,8 @@ def test_embeddings_endpoint_errors_name_the_field(tiny_model_dir):
             resp = client.post("/v1/embeddings", json=body)
             assert resp.status_code == 400, (body, resp.text)
             assert resp.json()["error"]["param"] == param, (body, resp.json())
+        resp = client.post("/classify", json={"input": "x"})  # no classification head
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"
         ok = client.post("/v1/embeddings", json={"input": [[5, 6, 7], [8, 9]],
                                                  "encoding_format": "base64"}).json()
         floats = client.post("/v1/embeddings", json={"input": [[5, 6, 7], [8, 9]]}).json()

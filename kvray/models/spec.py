@@ -84,6 +84,7 @@ class ModelSpec:
     # embeddings); classify: a score head of num_labels rows (pooling)
     head: str = "lm"
     num_labels: int = 0
+    labels: tuple[str, ...] = ()  # a classifier's class names (config.id2label), by index
 
     @property
     def is_pooling_model(self) -> bool:
@@ -152,7 +153,15 @@ class ModelSpec:
             **(_gemma_fields(config, family) if family in _GEMMA_FAMILIES else {}),
             head=head,
             num_labels=int(getattr(config, "num_labels", 0) or 0) if head == "classify" else 0,
+            labels=_labels(config) if head == "classify" else (),
         )
+
+
+def _labels(config: Any) -> tuple[str, ...]:
+    """The classes' names by index (``LABEL_i`` where the config names none)."""
+    names = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
+    count = int(getattr(config, "num_labels", 0) or 0)
+    return tuple(names.get(i, f"LABEL_{i}") for i in range(count))
 
 
 def _gemma_fields(config: Any, family: str) -> dict[str, Any]:

@@ -61,6 +61,7 @@ class OpenAIIngress(ReplicaLifecycle):
         self.server = OpenAIServer(client, model_name, info["max_model_len"], api_key,
                                    config.server, lora=config.lora,
                                    model_head=info.get("head", "lm"),
+                                   model_labels=info.get("labels"),
                                    eos_token_ids=info.get("eos_token_ids"),
                                    sampling_defaults=info.get("sampling_defaults"))
         self._refresher = asyncio.create_task(client.stats.run())

@@ -31,9 +31,11 @@ from kvray.serve.completions import ChatHandler, CompletionHandler
 from kvray.serve.http import APIError, api_error_from, error_response
 from kvray.serve.metrics import ServerMetrics
 from kvray.serve.pooling_api import (
+    ClassificationRequest,
     EmbeddingRequest,
     RerankRequest,
     ScoreRequest,
+    create_classification,
     create_embeddings,
     create_rerank,
     create_scores,
@@ -167,7 +169,8 @@ class OpenAIServer:
                  app: FastAPI | None = None, enable_docs: bool | None = None,
                  lora: LoRAConfig | None = None, model_head: str = "lm",
                  eos_token_ids: tuple[int, ...] | None = None,
-                 sampling_defaults: dict[str, Any] | None = None) -> None:
+                 sampling_defaults: dict[str, Any] | None = None,
+                 model_labels: list[str] | None = None) -> None:
         self.client, self.model_name = client, model_name
         # lm | embed | classify (ModelSpec.head): /score and /rerank use the classification
         # head of a classify model, else embeddings' cosine similarity
@@ -185,6 +188,9 @@ class OpenAIServer:
                 (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None
                 else ())
         self.eos_token_ids = tuple(eos_token_ids)
+        if model_labels is None:  # a classifier's class names, by index (for /classify)
+            model_labels = getattr(getattr(engine, "spec", None), "labels", ())
+        self.model_labels = tuple(model_labels)
         if sampling_defaults is None:  # the model's generation_config.json, via the engine
             sampling_defaults = getattr(engine, "sampling_defaults", None) or {}
         # unset request fields take these (vLLM's --generation-config auto)
@@ -283,6 +289,8 @@ class OpenAIServer:
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/responses")(self.responses)
         app.post("/v1/embeddings")(self.embeddings)
+        for path in ("/classify", "/v1/classify"):
+            app.post(path)(self.classify)
         for path in ("/score", "/v1/score"):
             app.post(path)(self.score)
         for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
@@ -417,6 +425,10 @@ class OpenAIServer:
 
     async def embeddings(self, req: EmbeddingRequest) -> dict:
         return await create_embeddings(self, req, self._check_model(req.model))
+
+    async def classify(self, req: ClassificationRequest) -> dict:
+        return await create_classification(self, req, self._check_model(req.model),
+                                           self.model_head == "classify")
 
     async def score(self, req: ScoreRequest) -> dict:
         return await create_scores(self, req, self._check_model(req.model),

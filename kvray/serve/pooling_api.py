@@ -1,9 +1,11 @@
-"""``/v1/embeddings``, ``/score`` and ``/rerank``: pooling requests through the same engine
-(prefill only; see :class:`~kvray.sampling_params.PoolingParams`).
+"""``/v1/embeddings``, ``/classify``, ``/score`` and ``/rerank``: pooling requests through
+the same engine (prefill only; see :class:`~kvray.sampling_params.PoolingParams`).
 
 - ``/v1/embeddings`` (OpenAI's): ``input`` a text, texts, token ids or lists of them;
   ``encoding_format`` float or base64 (little-endian float32, as OpenAI's client decodes
   it); ``dimensions`` keeps the first values, normalised again (Matryoshka).
+- ``/classify`` (vLLM's): each input's class probabilities from a classifier's head, with
+  the likeliest class's name (``id2label``).
 - ``/score`` (vLLM's: ``text_1`` against each ``text_2``, or pairwise when both are lists)
   and ``/rerank`` (Jina / Cohere's: ``query`` against ``documents``, best first, ``top_n``):
   on a ``*ForSequenceClassification`` model (a cross-encoder) the score is the head's logit
@@ -38,6 +40,14 @@ class EmbeddingRequest(_Request):
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     normalize: bool | None = None  # vLLM extra: None = the model's choice
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+
+
+class ClassificationRequest(_Request):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    user: str | None = None
+    activation: bool = True  # vLLM extra: False returns the raw logits as "probs"
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
 
 
@@ -144,6 +154,31 @@ async def create_embeddings(server: ServerContext, req: EmbeddingRequest,
             for i, out in enumerate(outs)]
     return {"id": handler.id, "object": "list", "created": now(),
             "model": lora or server.model_name, "data": data, "usage": handler.usage(outs)}
+
+
+async def create_classification(server: ServerContext, req: ClassificationRequest,
+                                lora: str | None, classify: bool) -> dict[str, Any]:
+    """vLLM's ``/classify``: each input's class probabilities (the model's activation of
+    its head's logits) and the likeliest class's name."""
+    if not classify:
+        raise APIError(400, "this model has no classification head; /classify needs a "
+                       "*ForSequenceClassification model", "BadRequestError", "model")
+    handler = PoolingHandler(server, lora, req.priority)
+    prompts = _inputs(req.input)
+    handler.check_prompts(prompts, "input")
+    outs = await handler.pool(prompts, PoolingParams(task="classify",
+                                                     activation=req.activation), "input")
+    labels = getattr(server, "model_labels", ())
+    data = []
+    for i, out in enumerate(outs):
+        best = max(range(len(out.pooled)), key=out.pooled.__getitem__)
+        data.append({"index": i, "label": labels[best] if best < len(labels)
+                     else f"LABEL_{best}", "probs": out.pooled,
+                     "num_classes": len(out.pooled)})
+    usage = handler.usage(outs)
+    return {"id": new_id("classify"), "object": "list", "created": now(),
+            "model": lora or server.model_name, "data": data,
+            "usage": {**usage, "completion_tokens": 0}}
 
 
 def _inputs(value: Any) -> list[Prompt]:

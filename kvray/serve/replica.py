@@ -105,6 +105,7 @@ class LLMServer(ReplicaLifecycle, ChannelEndpoint):
     def model_info(self) -> dict:
         return {"max_model_len": self.engine.engine.max_model_len,
                 "head": self.engine.engine.spec.head,
+                "labels": list(self.engine.engine.spec.labels),
                 "eos_token_ids": list(self.engine.engine.eos_token_ids),
                 "sampling_defaults": self.engine.engine.sampling_defaults}
 
