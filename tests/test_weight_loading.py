@@ -118,6 +118,65 @@ def test_unsupported_architecture_is_named(tiny_model_dir, tmp_path):
         load_model(path, "float32")
 
 
+def _edit_config(path, **keys) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(keys)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_bias_keys_a_family_does_not_read_change_nothing(tiny_model_dir, tmp_path):
+    """Regression: ``attention_bias`` / ``mlp_bias`` on Mistral (and Qwen2's ``qkv_bias``)
+    made kvray expect bias tensors transformers never creates for those families: the
+    checkpoint was refused as missing tensors."""
+    path = _copy_model(tiny_model_dir("mistral"), tmp_path / "m", lambda t: None)
+    _edit_config(path, attention_bias=True, mlp_bias=True)
+    model, spec = load_model(path, "float32")
+    assert not (spec.qkv_bias or spec.o_bias or spec.mlp_bias)
+    ids = torch.tensor([[5, 9, 17, 3]])
+    with torch.no_grad():
+        want = load_hf(path)(ids).logits[0, -1]
+    with torch.no_grad():
+        got = model.compute_logits(model(ids[0], AttentionMetadata.for_full_sequences([4])))[-1]
+    assert torch.allclose(got, want, atol=1e-4)
+    qwen = _copy_model(tiny_model_dir("qwen2_bias"), tmp_path / "q", lambda t: None)
+    _edit_config(qwen, qkv_bias=False, mlp_bias=True)
+    assert load_model(qwen, "float32")[1].qkv_bias  # Qwen2's q/k/v always have biases
+
+
+def test_a_tied_config_ignores_the_checkpoints_own_lm_head(tiny_model_dir, tmp_path):
+    """Regression: with tie_word_embeddings set, a checkpoint's lm_head.weight was loaded
+    into the shared tensor too, so whichever came last replaced the embeddings."""
+    path = _copy_model(tiny_model_dir("llama_gqa"), tmp_path / "m", lambda t: None)
+    _edit_config(path, tie_word_embeddings=True)
+    tensors = load_file(str(path / "model.safetensors"))
+    assert not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    # the head in a later shard than the embeddings: read after them
+    (path / "model.safetensors").unlink()
+    rest = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    save_file(rest, str(path / "model-00001-of-00002.safetensors"))
+    save_file({"lm_head.weight": tensors["lm_head.weight"]},
+              str(path / "model-00002-of-00002.safetensors"))
+    index = {k: "model-00001-of-00002.safetensors" for k in rest}
+    index["lm_head.weight"] = "model-00002-of-00002.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": index}))
+    model, _ = load_model(path, "float32")
+    assert torch.equal(model.model.embed_tokens.weight, tensors["model.embed_tokens.weight"])
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_gemma3_bidirectional_attention_is_refused_naming_the_key(tmp_path):
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        use_bidirectional_attention=True)
+    transformers.Gemma3ForCausalLM(config).save_pretrained(tmp_path / "g")
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
+        load_model(tmp_path / "g", "float32")
+
+
 def test_missing_directory_says_nothing_is_downloaded(tmp_path):
     with pytest.raises(FileNotFoundError, match="never downloads"):
         load_model(tmp_path / "absent", "float32")

@@ -163,6 +163,7 @@ def load_weights(model: LlamaForCausalLM,
     filled: set[str] = set()
     unexpected: list[str] = []
     base_only = model.spec.head == "embed"  # a *Model checkpoint may omit the "model."
+    tied_head_skipped = False
     for name, tensor in _unfused(weights, model.spec):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
@@ -172,10 +173,18 @@ def load_weights(model: LlamaForCausalLM,
         if m and not start <= int(m.group(1)) < end:
             continue  # another pipeline stage's layer
         target, shard_id = _target_param(name)
+        if target == "lm_head.weight" and model.spec.tie_word_embeddings:
+            # tied: the embeddings are the head (vLLM's rule); loading this one too would
+            # overwrite them, the last tensor read winning
+            if not tied_head_skipped:
+                logger.info("%s: tie_word_embeddings is set; the checkpoint's %s is not "
+                            "used (the embeddings are the LM head)", model.spec.architecture,
+                            name)
+                tied_head_skipped = True
+            continue
         if target not in params:
-            if _belongs_to_other_stage(target, model) or (
-                    target == "lm_head.weight" and model.spec.tie_word_embeddings) or \
-                    _adds_nothing(name, tensor, model.spec):
+            if _belongs_to_other_stage(target, model) or _adds_nothing(name, tensor,
+                                                                       model.spec):
                 continue
             unexpected.append(name)
             continue

@@ -33,6 +33,7 @@ for _stem, _family in (("Llama", "llama"), ("Mistral", "mistral"), ("Qwen2", "qw
     for _suffix in POOLING_HEADS:
         SUPPORTED_ARCHITECTURES[f"{_stem}{_suffix}"] = _family
 _GEMMA_FAMILIES = ("gemma2", "gemma3")
+_ATTENTION_BIAS_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -119,7 +120,14 @@ class ModelSpec:
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         rotary_dim = _rotary_dim(arch, family, head_dim, partial)
-        attention_bias = bool(getattr(config, "attention_bias", False))
+        # transformers reads these keys for some families only; the others' layers have
+        # their biases fixed (Qwen2's q/k/v always, Mistral's and Phi-3's none; Qwen2-MoE
+        # reads qkv_bias)
+        attention_bias = family in _ATTENTION_BIAS_FAMILIES and bool(
+            getattr(config, "attention_bias", False))
+        if family == "gemma3" and getattr(config, "use_bidirectional_attention", False):
+            raise UnsupportedModelError(f"{arch}: use_bidirectional_attention = true is not "
+                                        "supported (kvray's attention is causal)")
         head = next((h for suffix, h in POOLING_HEADS.items()
                      if arch.endswith(suffix) and not arch.endswith("ForCausalLM")), "lm")
         return cls(
@@ -138,10 +146,10 @@ class ModelSpec:
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=head != "lm" or bool(getattr(config, "tie_word_embeddings",
                                                                  False)),
-            qkv_bias=(bool(getattr(config, "qkv_bias", True))
-                      if family in ("qwen2", "qwen2_moe") else attention_bias),
-            o_bias=False if family in ("qwen2", "qwen2_moe") else attention_bias,
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qkv_bias=(family == "qwen2" or attention_bias
+                      or (family == "qwen2_moe" and bool(getattr(config, "qkv_bias", True)))),
+            o_bias=attention_bias,
+            mlp_bias=family == "llama" and bool(getattr(config, "mlp_bias", False)),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             layer_windows=_layer_windows(config, family),
             eos_token_ids=_eos_ids(getattr(config, "eos_token_id", None)),
