@@ -217,6 +217,7 @@ class SamplingParams:
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
+    extra_args: dict[str, Any] | None = None  # carried for custom code; kvray reads none
     # Filled by the engine: the model's EOS ids (ignored when ignore_eos), and bad_words as
     # token id sequences.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)

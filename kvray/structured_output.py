@@ -181,7 +181,7 @@ class GrammarCompiler:
             if isinstance(schema, dict):
                 # llguidance's own options are the server's to set: a client's could make
                 # the output something other than JSON ({"item_separator": ";"})
-                schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+                schema = {k: v for k, v in _closed(schema).items() if k != "x-guidance"}
                 if params.disable_any_whitespace:
                     schema["x-guidance"] = {"whitespace_flexible": False,
                                             "item_separator": ", ", "key_separator": ": "}
@@ -191,12 +191,16 @@ class GrammarCompiler:
         if kind == "choice":
             return ll.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in params.choice))
-        from llguidance.gbnf_to_lark import is_lark_syntax
-
         grammar = params.grammar
-        if not is_lark_syntax(grammar):
-            grammar = _literal_unicode_escapes(grammar)
-        return self._ll.grammar_from("grammar", grammar)
+        if not _GBNF_RULE.search(grammar):  # Lark (llguidance's own test misses "?start:")
+            return ll.grammar_from_lark(grammar)
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            lark = gbnf_to_lark(_literal_unicode_escapes(grammar))
+        except Exception as err:  # the converter raises its own error types
+            raise ValueError(f"cannot read the GBNF grammar: {err}") from None
+        return ll.grammar_from_lark(lark)
 
     def compile(self, params: StructuredOutputsParams) -> Matcher:
         """A fresh matcher at the start of ``params``' grammar. An invalid constraint raises
@@ -253,6 +257,38 @@ class GrammarCompiler:
             bitmask.shape[0])
 
 
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                "dependentSchemas")
+
+
+def _closed(schema: Any, close: bool = True) -> Any:
+    """``schema`` with every object that lists its ``properties`` and says nothing about
+    others closed to them (``additionalProperties: false``), as vLLM's default backend
+    (xgrammar's strict mode) reads a schema: a model may not add keys the schema never
+    named. Members of an ``allOf`` stay open (each names only part of the object)."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
+            out[key] = {name: _closed(sub) for name, sub in value.items()}
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [_closed(item, close=False) for item in value]
+        else:
+            out[key] = _closed(value)
+    if close and isinstance(schema.get("properties"), dict) and not any(
+            k in schema for k in _OPEN_KEYWORDS):
+        out["additionalProperties"] = False
+    return out
+
+
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)  # Lark has no "::="
 _GBNF_ESCAPE = re.compile(r"\\\\|\\u([0-9A-Fa-f]{4})|\\U([0-9A-Fa-f]{8})")
 
 

@@ -570,3 +570,23 @@ def test_bad_words_ban_a_words_last_token_after_the_rest():
     assert params.banned_after([5, 7]) == [4, 8]
     assert params.banned_after([0, 1, 2]) == [4, 3]
     assert params.banned_after([2, 1]) == [4]
+
+
+def test_chat_hands_templates_parts_when_asked(llm):
+    """vLLM's ``chat_template_content_format``: ``openai`` gives the template a message's
+    text parts (a string content becomes one part), ``auto`` / ``string`` one string."""
+    parts_template = ("{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]"
+                      "{% endfor %}{% endfor %}")
+    plain_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    conv = [{"role": "user", "content": "hi"},
+            {"role": "user", "content": [{"type": "text", "text": "a"},
+                                         {"type": "text", "text": "b"}]}]
+    params = SamplingParams(max_tokens=1)
+    parts = llm.chat(conv, params, use_tqdm=False, chat_template=parts_template,
+                     chat_template_content_format="openai", add_generation_prompt=False)[0]
+    assert parts.prompt == "[hi][a][b]"
+    joined = llm.chat(conv, params, use_tqdm=False, chat_template=plain_template,
+                      add_generation_prompt=False)[0]
+    assert joined.prompt == "<hi><ab>"
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        llm.chat(conv, params, chat_template_content_format="xml")

@@ -361,3 +361,8 @@ def test_allowed_token_ids_and_bad_words_reach_the_engine(client):
                          ({"bad_words": [""]}, "bad_words")]:
         resp = client.post("/v1/completions", json={**body, **extra})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_ping_answers_as_health_does(client):
+    for method in (client.get, client.post):  # vLLM's liveness probe, both verbs
+        assert method("/ping").status_code == 200

@@ -131,6 +131,8 @@ def test_a_sentence_transformers_checkpoint_pools_as_it_says(tmp_path, tiny_mode
         outs = llm.embed(TEXTS, use_tqdm=False)  # its own pooling
         got = [torch.tensor(o.outputs.embedding) for o in outs]
         assert all(o.finished and o.prompt_token_ids for o in outs)
+        cut = llm.embed(TEXTS[:1], use_tqdm=False, truncate_prompt_tokens=3)[0]
+        assert cut.prompt_token_ids == outs[0].prompt_token_ids[-3:]
         encoded = llm.encode(TEXTS, use_tqdm=False)  # vLLM's tensors, the same vectors
         assert all(torch.allclose(e.outputs.data, g, atol=1e-6)
                    for e, g in zip(encoded, got, strict=True))
@@ -189,6 +191,16 @@ def test_classification_scores_are_the_heads_logits_through_the_models_activatio
             llm.score(["a", "b"], ["c", "d", "e"])
     finally:
         llm.shutdown()
+
+
+@pytest.mark.unit
+def test_score_takes_every_name_vllm_gave_its_texts():
+    from kvray.serve.pooling_api import ScoreRequest
+
+    for first, second in (("text_1", "text_2"), ("data_1", "data_2"),
+                          ("queries", "documents")):
+        req = ScoreRequest(**{first: "q", second: ["a", "b"]})
+        assert (req.text_1, req.text_2) == ("q", ["a", "b"])
 
 
 @pytest.mark.unit

@@ -147,6 +147,44 @@ def test_gbnf_unicode_escapes_mean_their_characters(compiler):
 
 
 @pytest.mark.unit
+def test_lark_rules_with_modifiers_are_lark_and_gbnf_is_told_by_its_rules(compiler):
+    """Regression: llguidance took a Lark grammar starting ``?start:`` (vLLM's own SQL
+    example) for GBNF and refused it; a GBNF grammar is one with ``::=`` rules."""
+    lark = '?start: "SELECT " col\n?col: "a" | "b"'
+    for seed in range(3):
+        assert _walk(compiler, StructuredOutputsParams(grammar=lark), seed) in (
+            "SELECT a", "SELECT b")
+    gbnf = 'root ::= "start: " [xy]'  # Lark-looking text inside a GBNF literal
+    assert _walk(compiler, StructuredOutputsParams(grammar=gbnf), 0) in ("start: x",
+                                                                           "start: y")
+
+
+@pytest.mark.unit
+def test_objects_take_only_the_properties_their_schema_names(compiler):
+    """vLLM's default backend (xgrammar, strict) never adds keys a schema does not name;
+    kvray's grammar let a model add any (``{"a": 1, "b": 25}``). Objects that say
+    otherwise (additionalProperties, patternProperties) and allOf members keep their rule."""
+    from kvray.structured_output import _closed
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "$defs": {"D": {"properties": {"properties": {"type": "string"}}}},
+              "allOf": [{"properties": {"a": {}}}],
+              "anyOf": [{"properties": {"x": {}}, "additionalProperties": True}, {}]}
+    closed = _closed(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["$defs"]["D"]["additionalProperties"] is False
+    assert closed["$defs"]["D"]["properties"] == {"properties": {"type": "string"}}
+    assert "additionalProperties" not in closed["allOf"][0]
+    assert closed["anyOf"][0]["additionalProperties"] is True
+    params = StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "integer"}}}, disable_any_whitespace=False)
+    for seed in range(6):
+        text = _walk(compiler, params, seed, limit=60)
+        if text.rstrip().endswith("}"):
+            assert set(json.loads(text)) <= {"a"}, text
+
+
+@pytest.mark.unit
 def test_schemas_differing_only_in_key_order_compile_apart(compiler):
     """Regression: the grammar cache keyed schemas with sorted keys, so a schema asking for
     "reasoning" before "answer" reused the reverse order's grammar."""

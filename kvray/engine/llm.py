@@ -85,6 +85,20 @@ def _vllm_engine_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _text_parts(conv: Conversation) -> Conversation:
+    """The conversation with string contents as OpenAI's list of one text part (for
+    templates that iterate over parts); the parts must be text (checked)."""
+    out = []
+    for i, m in enumerate(conv):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            m = {**m, "content": [{"type": "text", "text": content}]}
+        elif isinstance(content, list):
+            join_text_parts(content, f"messages.{i}.content")  # text parts only
+        out.append(m)
+    return out
+
+
 def _text_contents(conv: Conversation) -> Conversation:
     """The conversation with list-of-parts contents joined into strings, as chat
     templates expect (:func:`kvray.inputs.join_text_parts`)."""
@@ -229,28 +243,31 @@ class LLM:
         return [search.output(self.get_tokenizer()) for search in searches]
 
     def encode(self, prompts: PromptType | Sequence[PromptType],
-               pooling_params: PoolingParams | None = None, use_tqdm: bool = True
-               ) -> list[PoolingRequestOutput]:
+               pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """Each prompt's pooled vector as a tensor (``outputs.data``): an embedding, or
         with ``PoolingParams(task="classify")`` the class scores."""
         import torch
 
         return [PoolingRequestOutput(out.request_id, PoolingOutput(torch.tensor(out.pooled)),
                                      out.prompt_token_ids)
-                for out in self._pool(prompts, pooling_params or PoolingParams(), use_tqdm)]
+                for out in self._pool(prompts, pooling_params or PoolingParams(), use_tqdm,
+                                      truncate_prompt_tokens)]
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
-              pooling_params: PoolingParams | None = None, use_tqdm: bool = True
-              ) -> list[EmbeddingRequestOutput]:
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (``outputs.embedding``): the final hidden states pooled
         as the model says (its sentence-transformers config, else the last token,
         normalised) or as ``pooling_params`` asks."""
-        outs = self._pool(prompts, pooling_params or PoolingParams(), use_tqdm)
+        outs = self._pool(prompts, pooling_params or PoolingParams(), use_tqdm,
+                          truncate_prompt_tokens)
         return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.pooled),
                                        out.prompt_token_ids) for out in outs]
 
     def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
-                 pooling_params: PoolingParams | None = None
+                 pooling_params: PoolingParams | None = None,
+                 truncate_prompt_tokens: int | None = None
                  ) -> list[ClassificationRequestOutput]:
         """Each prompt's class probabilities (``outputs.probs``) from a
         ``*ForSequenceClassification`` model: its activation (softmax; a sigmoid for one
@@ -258,10 +275,11 @@ class LLM:
         pooling = dataclasses.replace(pooling_params or PoolingParams(), task="classify")
         return [ClassificationRequestOutput(out.request_id, ClassificationOutput(out.pooled),
                                             out.prompt_token_ids)
-                for out in self._pool(prompts, pooling, use_tqdm)]
+                for out in self._pool(prompts, pooling, use_tqdm, truncate_prompt_tokens)]
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
-              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None
+              ) -> list[ScoringRequestOutput]:
         """How well each text of ``data_2`` goes with ``data_1`` (one text against each, or
         pairwise for lists of one length), as vLLM's ``LLM.score``: a cross-encoder's
         (reranker's) activated logit for the pair, or on an embedding model the cosine
@@ -285,11 +303,12 @@ class LLM:
             tok = self.get_tokenizer()
             pairs = [{"prompt_token_ids": list(tok(a, text_pair=b)["input_ids"])}
                      for a, b in zip(firsts, seconds, strict=True)]
-            outs = self._pool(pairs, PoolingParams(task="classify"), use_tqdm)
+            outs = self._pool(pairs, PoolingParams(task="classify"), use_tqdm,
+                              truncate_prompt_tokens)
             return [ScoringRequestOutput(out.request_id, ScoringOutput(out.pooled[0]),
                                          out.prompt_token_ids) for out in outs]
         texts = list(dict.fromkeys((*firsts, *seconds)))
-        embedded = self._pool(texts, PoolingParams(), use_tqdm)
+        embedded = self._pool(texts, PoolingParams(), use_tqdm, truncate_prompt_tokens)
         by_text = dict(zip(texts, embedded, strict=True))
         return [ScoringRequestOutput(
             f"{by_text[a].request_id}+{by_text[b].request_id}",
@@ -298,8 +317,11 @@ class LLM:
             for a, b in zip(firsts, seconds, strict=True)]
 
     def _pool(self, prompts: PromptType | Sequence[PromptType], pooling: PoolingParams,
-              use_tqdm: bool) -> list[RequestOutput]:
-        return self.generate(prompts, SamplingParams(pooling=pooling), use_tqdm)
+              use_tqdm: bool, truncate_prompt_tokens: int | None = None
+              ) -> list[RequestOutput]:
+        """Run pooling requests (``truncate_prompt_tokens``: each prompt's last k tokens)."""
+        return self.generate(prompts, SamplingParams(
+            pooling=pooling, truncate_prompt_tokens=truncate_prompt_tokens), use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -334,6 +356,7 @@ class LLM:
              chat_template: str | None = None,
              continue_final_message: bool = False,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             chat_template_content_format: str = "auto",
              ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them via the chat template;
         ``tools`` (OpenAI's function specs) go to the template as vLLM's ``LLM.chat`` passes
@@ -344,7 +367,12 @@ class LLM:
         this call, as in vLLM. ``continue_final_message`` leaves each conversation's last
         (assistant) message open for the reply to continue it (with
         ``add_generation_prompt=False``). A message's content may be OpenAI's list of
-        text parts; ``lora_request`` as in :meth:`generate`."""
+        text parts, joined into one string for the template (``chat_template_content_format``
+        ``auto`` / ``string``) or handed to it as parts (``openai``); ``lora_request`` as in
+        :meth:`generate`."""
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format = {chat_template_content_format!r}"
+                             ": must be auto, string or openai")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message cannot be combined with "
                              "add_generation_prompt; set add_generation_prompt=False")
@@ -356,7 +384,8 @@ class LLM:
                              "or use generate()")
         prompts = []
         for conv in convs:
-            conv = _text_contents(conv)
+            conv = _text_contents(conv) if chat_template_content_format != "openai" \
+                else _text_parts(conv)
             extra = dict(chat_template_kwargs or {})
             extra["continue_final_message"] = continue_final_message
             if template is not None:

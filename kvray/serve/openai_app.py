@@ -57,7 +57,7 @@ from kvray.serve.responses import ResponsesHandler, ResponsesRequest
 logger = logging.getLogger("kvray.serve")
 T = TypeVar("T")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
-OPEN_PATHS = ("/health", "/version")  # never need the API key (/metrics: configurable)
+OPEN_PATHS = ("/health", "/ping", "/version")  # never need the API key (/metrics: configurable)
 
 
 def _path_naming(model: str, served_name: str) -> bool:
@@ -279,6 +279,8 @@ class OpenAIServer:
     def _install_routes(self) -> None:
         app = self.app
         app.get("/health")(self.health)
+        for method in (app.get, app.post):  # vLLM's (SageMaker's) liveness probe
+            method("/ping")(self.health)
         app.get("/version")(self.version)
         app.get("/metrics")(self.metrics_endpoint)
         app.get("/v1/models")(self.models)

@@ -6,7 +6,8 @@ the same engine (prefill only; see :class:`~kvray.sampling_params.PoolingParams`
   it); ``dimensions`` keeps the first values, normalised again (Matryoshka).
 - ``/classify`` (vLLM's): each input's class probabilities from a classifier's head, with
   the likeliest class's name (``id2label``).
-- ``/score`` (vLLM's: ``text_1`` against each ``text_2``, or pairwise when both are lists)
+- ``/score`` (vLLM's: ``text_1`` against each ``text_2``, or pairwise when both are lists;
+  also named ``data_1`` / ``data_2`` or ``queries`` / ``documents``)
   and ``/rerank`` (Jina / Cohere's: ``query`` against ``documents``, best first, ``top_n``):
   on a ``*ForSequenceClassification`` model (a cross-encoder) the score is the head's logit
   for the pair encoded as the tokenizer pairs texts, through the model's activation (a
@@ -21,7 +22,7 @@ import base64
 import struct
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
 from kvray.models.pooling import cosine_similarity
 from kvray.outputs import RequestOutput
@@ -53,8 +54,11 @@ class ClassificationRequest(_Request):
 
 class ScoreRequest(_Request):
     model: str | None = None
-    text_1: str | list[str]
-    text_2: str | list[str]
+    # vLLM's names over its versions: text_1 / text_2, data_1 / data_2, queries / documents
+    text_1: str | list[str] = Field(validation_alias=AliasChoices("text_1", "data_1",
+                                                                  "queries"))
+    text_2: str | list[str] = Field(validation_alias=AliasChoices("text_2", "data_2",
+                                                                  "documents"))
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
 
 
