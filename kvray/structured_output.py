@@ -282,9 +282,11 @@ def _closed(schema: Any, close: bool = True) -> Any:
             out[key] = [_closed(item, close=False) for item in value]
         else:
             out[key] = _closed(value)
-    if close and isinstance(schema.get("properties"), dict) and not any(
-            k in schema for k in _OPEN_KEYWORDS):
-        out["additionalProperties"] = False
+    named = schema.get("properties")
+    if close and isinstance(named, dict) and not any(k in schema for k in _OPEN_KEYWORDS) \
+            and set(schema.get("required") or ()) <= set(named) \
+            and (schema.get("minProperties") or 0) <= len(named):
+        out["additionalProperties"] = False  # (unless it needs keys it does not name)
     return out
 
 

@@ -176,6 +176,9 @@ def test_objects_take_only_the_properties_their_schema_names(compiler):
     assert closed["$defs"]["D"]["properties"] == {"properties": {"type": "string"}}
     assert "additionalProperties" not in closed["allOf"][0]
     assert closed["anyOf"][0]["additionalProperties"] is True
+    for needs_more in ({"properties": {"a": {}}, "required": ["a", "b"]},
+                       {"properties": {"a": {}}, "minProperties": 2}):
+        assert "additionalProperties" not in _closed(needs_more)
     params = StructuredOutputsParams(json={"type": "object", "properties": {
         "a": {"type": "integer"}}}, disable_any_whitespace=False)
     for seed in range(6):
