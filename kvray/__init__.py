@@ -22,12 +22,13 @@ from kvray.outputs import (
 from kvray.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "BeamSearchParams", "ClassificationOutput", "ClassificationRequestOutput",
-           "CompletionOutput", "ConfigError", "EmbeddingOutput", "EmbeddingRequestOutput",
-           "EngineConfig", "Logprob", "LoRARequest", "PoolingOutput", "PoolingParams",
-           "PoolingRequestOutput", "PromptType", "RequestOutput", "SamplingParams",
-           "ScoringOutput", "ScoringRequestOutput", "StructuredOutputsParams", "TextPrompt",
-           "TokensPrompt", "load_config", "__version__"]
+__all__ = ["LLM", "AsyncEngineArgs", "BeamSearchParams", "ClassificationOutput",
+           "ClassificationRequestOutput", "CompletionOutput", "ConfigError", "EmbeddingOutput",
+           "EmbeddingRequestOutput", "EngineArgs", "EngineConfig", "LLMEngine", "Logprob",
+           "LoRARequest", "PoolingOutput", "PoolingParams", "PoolingRequestOutput",
+           "PromptType", "RequestOutput", "SamplingParams", "ScoringOutput",
+           "ScoringRequestOutput", "StructuredOutputsParams", "TextPrompt", "TokensPrompt",
+           "load_config", "__version__"]
 
 
 def __getattr__(name: str):
@@ -36,6 +37,14 @@ def __getattr__(name: str):
         from kvray.engine.llm import LLM
 
         return LLM
+    if name == "LLMEngine":
+        from kvray.engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    if name in ("EngineArgs", "AsyncEngineArgs"):
+        from kvray import utils
+
+        return getattr(utils, name)
     if name == "BeamSearchParams":  # the engine layer: imported when asked for
         from kvray.engine.beam_search import BeamSearchParams
 

@@ -30,6 +30,7 @@ FACADE = "kvray"  # kvray/__init__.py: the public API, exempt from the floors
 # A module's layer is that of the longest prefix naming it; higher layers build on lower ones.
 LAYERS: Mapping[str, float] = {
     "kvray.cli": 7, "kvray.bench": 7, "kvray.cli_flags": 7, "kvray.ops": 7, "kvray.testing": 7,
+    "kvray.utils": 7,  # vLLM's argument helpers, over the CLI's flags
     "kvray.serve": 6,
     "kvray.engine": 5,
     "kvray.actors": 4,

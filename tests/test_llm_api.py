@@ -590,3 +590,37 @@ def test_chat_hands_templates_parts_when_asked(llm):
     assert joined.prompt == "<hi><ab>"
     with pytest.raises(ValueError, match="chat_template_content_format"):
         llm.chat(conv, params, chat_template_content_format="xml")
+
+
+def test_a_vllm_style_script_builds_its_engine_from_cli_flags(model_dir):
+    """vLLM's examples: ``EngineArgs.add_cli_args`` on a ``FlexibleArgumentParser`` (flags
+    with - or _), ``LLM(**vars(args))`` with every unset flag None, and
+    ``LLMEngine.from_engine_args`` stepped by hand."""
+    from kvray import EngineArgs, LLMEngine
+    from kvray.utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--max-tokens", type=int, default=4)  # the script's own flag
+    argv = ["--model", str(model_dir), "--dtype", "float32", "--block_size", "4",
+            "--max-tokens", "3"]
+    args = vars(parser.parse_args(argv))
+    max_tokens = args.pop("max_tokens")
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm = LLM(**args)
+    try:
+        want = llm.generate({"prompt_token_ids": [5, 6, 7]}, params,
+                            use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+    assert len(want) == 3
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(parser.parse_args(argv)))
+    try:
+        assert engine.config.cache.block_size == 4
+        engine.add_request("0", {"prompt_token_ids": [5, 6, 7]}, params)
+        done = []
+        while engine.has_unfinished_requests():
+            done += [out for out in engine.step() if out.finished]
+        assert [out.outputs[0].token_ids for out in done] == [want]
+    finally:
+        engine.shutdown()

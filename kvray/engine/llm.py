@@ -130,6 +130,9 @@ class LLM:
                  config: str | os.PathLike | None = None, **kwargs: Any) -> None:
         if model is not None:
             kwargs["model"] = os.fspath(model) if isinstance(model, os.PathLike) else model
+        # unset (None) keys keep the default, as flags parsed by EngineArgs.add_cli_args
+        # and passed whole (vLLM's ``LLM(**vars(args))``)
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
         kwargs = _vllm_engine_args(kwargs)
         engine_config: EngineConfig = (load_config(config, **kwargs) if config is not None
                                        else config_from_flat(kwargs))

@@ -52,6 +52,11 @@ class EngineDeadError(EngineUnavailableError, RuntimeError):
 class LLMEngine:
     """The engine core of one model replica: scheduler + executor (in-process or Ray)."""
 
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> LLMEngine:
+        """vLLM's constructor: the engine of an :class:`kvray.utils.EngineArgs`."""
+        return cls(engine_args.create_engine_config())
+
     def __init__(self, config: EngineConfig,
                  lora_source: Callable[[str], Any] | None = None,
                  kv_tier: KVTier | None = None) -> None:
