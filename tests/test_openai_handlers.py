@@ -366,3 +366,12 @@ def test_allowed_token_ids_and_bad_words_reach_the_engine(client):
 def test_ping_answers_as_health_does(client):
     for method in (client.get, client.post):  # vLLM's liveness probe, both verbs
         assert method("/ping").status_code == 200
+
+
+def test_tokenize_returns_token_strings_when_asked(client, server):
+    """vLLM's ``return_token_strs``: each id's token string beside the ids."""
+    plain = client.post("/tokenize", json={"prompt": "Hello world"}).json()
+    assert "token_strs" not in plain
+    body = client.post("/tokenize", json={"prompt": "Hello world",
+                                          "return_token_strs": True}).json()
+    assert body["token_strs"] == server.tokenizer.convert_ids_to_tokens(body["tokens"])

@@ -375,7 +375,10 @@ class OpenAIServer:
                 req.prompt, add_special_tokens=req.add_special_tokens)))["input_ids"]
         else:
             raise APIError(400, "give 'prompt' or 'messages'", "BadRequestError", "prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+        out = {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+        if req.return_token_strs:
+            out["token_strs"] = await self.off_loop(self.tokenizer.convert_ids_to_tokens, ids)
+        return out
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         self._check_model(req.model)

@@ -531,6 +531,7 @@ class TokenizeRequest(_Request, _OpenEnd):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False  # vLLM's: each id's token string, in token_strs
 
 
 class DetokenizeRequest(_Request):
