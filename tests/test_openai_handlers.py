@@ -375,3 +375,21 @@ def test_tokenize_returns_token_strings_when_asked(client, server):
     body = client.post("/tokenize", json={"prompt": "Hello world",
                                           "return_token_strs": True}).json()
     assert body["token_strs"] == server.tokenizer.convert_ids_to_tokens(body["tokens"])
+
+
+def test_chat_echo_starts_the_reply_with_the_assistants_last_message(client):
+    """vLLM's chat ``echo``: with the conversation ending in an assistant message (to be
+    continued), the reply's content starts with that message, streamed or not."""
+    body = {"model": "m", "max_tokens": 4, "temperature": 0, "echo": True,
+            "add_generation_prompt": False, "continue_final_message": True,
+            "messages": [{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Hello I am"}]}
+    whole = client.post("/v1/chat/completions", json=body).json()
+    text = whole["choices"][0]["message"]["content"]
+    assert text.startswith("Hello I am") and len(text) > len("Hello I am")
+    chunks = _events(client.post("/v1/chat/completions", json={**body, "stream": True}))
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                       if c["choices"])
+    assert streamed == text
+    plain = client.post("/v1/chat/completions", json={**body, "echo": False}).json()
+    assert plain["choices"][0]["message"]["content"] == text[len("Hello I am"):]

@@ -609,10 +609,20 @@ class ChatHandler(_Handler):
             message["tool_calls"] = [c.to_openai() for c in calls]
         return message, self._finish_reason(comp.finish_reason, bool(calls))
 
+    def echoed_text(self) -> str:
+        """With ``echo``, the last message's text when it is the assistant's (vLLM's)."""
+        if not self.req.echo or self.req.messages[-1].role != "assistant":
+            return ""
+        content = self.req.conversation()[-1].get("content")
+        return content if isinstance(content, str) else ""
+
     def response(self, finals: list[RequestOutput]) -> dict:
         choices = []
+        echoed = self.echoed_text()
         for c in finals[0].outputs:
             message, finish = self._message(c)
+            if echoed:
+                message["content"] = echoed + (message["content"] or "")
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(c.token_ids, c.logprobs),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
@@ -622,8 +632,9 @@ class ChatHandler(_Handler):
         return self.envelope(self.object_name, choices, usage=self.usage(finals), **extra)
 
     def first_chunks(self) -> list[dict]:
+        echoed = self.echoed_text()
         return [self.envelope(self.chunk_name, [{
-            "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "index": i, "delta": {"role": "assistant", "content": echoed}, "logprobs": None,
             "finish_reason": None}]) for i in range(self.req.n)]
 
 

@@ -392,6 +392,9 @@ class ChatCompletionRequest(_Sampling, _OpenEnd):
     # reasoning parser's reasoning_content is returned
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
+    # vLLM's: the reply starts with the last message's text when that is the assistant's
+    # (with continue_final_message, the whole turn comes back)
+    echo: bool = False
 
     def tool_mode(self) -> tuple[str, str | None]:
         """(``none`` | ``auto`` | ``required`` | ``named``, the named function's name)."""
