@@ -58,6 +58,10 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
+    def finished(self) -> bool:
+        """Whether this sequence has ended (vLLM's)."""
+        return self.finish_reason is not None
+
     def copy(self) -> CompletionOutput:
         """A copy whose lists may be extended without touching this one."""
         return dataclasses.replace(self, token_ids=list(self.token_ids),
@@ -109,6 +113,11 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(repr=False, default=None)
     # a pooling request's embedding or class logits (on its final output)
     pooled: list[float] | None = None
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens served from the prefix cache (vLLM's field)."""
+        return None if self.metrics is None else self.metrics.num_cached_tokens
 
     def add(self, later: RequestOutput) -> None:
         """Fold a later DELTA output of the same request into this one (``later`` is left

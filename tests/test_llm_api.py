@@ -372,12 +372,14 @@ def test_reset_prefix_cache_forgets_cached_prompts(llm):
     params = SamplingParams(temperature=0, max_tokens=3)
     first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     hits = stats.hits
-    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == first
-    assert stats.hits > hits
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == first and again.outputs[0].finished()
+    assert stats.hits > hits and again.num_cached_tokens >= 36  # vLLM's field
     assert llm.reset_prefix_cache()
     hits = stats.hits
-    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == first
-    assert stats.hits == hits
+    cold = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert cold.outputs[0].token_ids == first
+    assert stats.hits == hits and cold.num_cached_tokens == 0
 
 
 def test_invalid_requests_fail_before_queueing(llm):
