@@ -1,6 +1,7 @@
 """vLLM's prompt types for the offline API: ``TextPrompt`` and ``TokensPrompt`` are the
-dicts ``LLM.generate`` takes besides plain strings and token id lists; and the one reading
-of a chat message's OpenAI content parts, for the HTTP API and ``LLM.chat`` alike."""
+dicts ``LLM.generate`` takes besides plain strings and token id lists; and the readings the
+HTTP API and the offline API share: a chat message's OpenAI content parts, prompt
+truncation, and the text pairs a score compares."""
 
 from __future__ import annotations
 
@@ -42,3 +43,24 @@ def join_text_parts(content: list[Any], where: str) -> str:
                                       f"{at}.text")
         texts.append(part["text"])
     return "".join(texts)
+
+
+def truncate_prompt(ids: list[int], keep: int, max_model_len: int) -> list[int]:
+    """A prompt's last ``keep`` tokens (-1: the last ``max_model_len - 1``, leaving room for
+    one generated token); ``ids`` itself when it is no longer."""
+    keep = max_model_len - 1 if keep == -1 else keep
+    return ids[-keep:] if len(ids) > keep else ids
+
+
+def score_pairs(first: str | list[str], second: str | list[str],
+                names: tuple[str, str]) -> list[tuple[str, str]]:
+    """The (a, b) text pairs a score compares: one first text against each second one, or
+    two lists pairwise; a ValueError naming both (``names``) when their lengths differ."""
+    firsts = [first] if isinstance(first, str) else list(first)
+    seconds = [second] if isinstance(second, str) else list(second)
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds):
+        raise ValueError(f"{names[0]} has {len(firsts)} texts and {names[1]} "
+                         f"{len(seconds)}: give one {names[0]}, or as many as {names[1]}")
+    return list(zip(firsts, seconds, strict=True))

@@ -42,6 +42,17 @@ class Logprob(float):
                 f"decoded_token={self.decoded_token!r})")
 
 
+def logprob_entry(token: int, logprob: float, rank: int, top_ids: list[int],
+                  top_logprobs: list[float]) -> dict[int, Logprob]:
+    """One position's logprobs: its token first (with its own rank), then the top ids,
+    ranked 1, 2, ... in the order given."""
+    entry = {token: Logprob(logprob, rank)}
+    for r, (t, lp) in enumerate(zip(top_ids, top_logprobs, strict=True), 1):
+        if t != token:
+            entry[t] = Logprob(lp, r)
+    return entry
+
+
 SampleLogprobs = list[dict[int, Logprob]]  # per generated token: id -> logprob (vLLM's name)
 PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; None for the first
 

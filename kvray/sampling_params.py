@@ -118,6 +118,8 @@ class StructuredOutputsParams:
 
 
 _CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# keywords of a JSON schema whose values are data, not schemas: a schema walk leaves them
+SCHEMA_DATA_KEYWORDS = ("const", "enum", "default", "examples")
 POOLING_TYPES = ("last", "mean", "cls")
 
 

@@ -24,7 +24,11 @@ from typing import Any
 import torch
 
 from kvray.errors import InvalidRequestError
-from kvray.sampling_params import ReasoningSpan, StructuredOutputsParams
+from kvray.sampling_params import (
+    SCHEMA_DATA_KEYWORDS,
+    ReasoningSpan,
+    StructuredOutputsParams,
+)
 from kvray.tokenizer import load_tokenizer
 
 _CACHE_SIZE = 256  # compiled grammars kept (LRU), per process
@@ -258,7 +262,6 @@ class GrammarCompiler:
 
 
 _OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
                 "dependentSchemas")
 
@@ -274,7 +277,7 @@ def _closed(schema: Any, close: bool = True) -> Any:
         return schema
     out = {}
     for key, value in schema.items():
-        if key in _DATA_KEYWORDS:
+        if key in SCHEMA_DATA_KEYWORDS:
             out[key] = value
         elif key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
             out[key] = {name: _closed(sub) for name, sub in value.items()}

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvray.actors.step_state import CachedRequestState, StepInputs
-from kvray.outputs import Logprob
+from kvray.outputs import Logprob, logprob_entry
 from kvray.scheduler.output import SchedulerOutput
 
 
@@ -100,11 +100,9 @@ def prompt_logprobs(inputs: StepInputs, out: SchedulerOutput, hidden: torch.Tens
         entries: list[dict[int, Logprob] | None] = [None] if start == 0 else []
         top = lp.topk(k, dim=-1) if k else None
         for i, tok in enumerate(targets):
-            entry = {tok: Logprob(target_lp[i], ranks[i])}
-            if top is not None:
-                entry.update((t, Logprob(v, r)) for r, (t, v) in enumerate(
-                    zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True), 1))
-                entry[tok] = Logprob(target_lp[i], ranks[i])
-            entries.append(entry)
+            entries.append(logprob_entry(
+                tok, target_lp[i], ranks[i],
+                top.indices[i].tolist() if top is not None else [],
+                top.values[i].tolist() if top is not None else []))
         result[req_id] = (0 if start == 0 else start + 1, entries)
     return result

@@ -17,7 +17,7 @@ from kvray.kernels.sampling import (
     sample,
     sample_speculative,
 )
-from kvray.outputs import Logprob
+from kvray.outputs import logprob_entry
 from kvray.scheduler.output import ModelRunnerOutput
 
 
@@ -125,9 +125,8 @@ class StepSampler:
             sampled_lp[state.req_id] = lps[at:at + len(toks)]
             entries = []
             for j, tok in enumerate(toks):
-                entry = {tok: Logprob(lps[at + j], ranks[at + j])}
-                if k and top_ids is not None:  # the top k rank 1..k (the sampled one too)
-                    entry.update((t, Logprob(lp, r)) for r, (t, lp) in enumerate(
-                        zip(top_ids[at + j][:k], top_lps[at + j][:k], strict=True), 1))
-                entries.append(entry)
+                top = k and top_ids is not None
+                entries.append(logprob_entry(tok, lps[at + j], ranks[at + j],
+                                             top_ids[at + j][:k] if top else [],
+                                             top_lps[at + j][:k] if top else []))
             logprobs[state.req_id] = entries

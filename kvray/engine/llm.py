@@ -26,7 +26,7 @@ from kvray.engine.beam_search import (
     top_logprobs_of,
 )
 from kvray.engine.llm_engine import LLMEngine, PromptType
-from kvray.inputs import join_text_parts
+from kvray.inputs import join_text_parts, score_pairs
 from kvray.lora.request import LoRARequest
 from kvray.models.pooling import cosine_similarity
 from kvray.outputs import (
@@ -287,15 +287,10 @@ class LLM:
         pairwise for lists of one length), as vLLM's ``LLM.score``: a cross-encoder's
         (reranker's) activated logit for the pair, or on an embedding model the cosine
         similarity of the two embeddings."""
-        firsts = [data_1] if isinstance(data_1, str) else list(data_1)
-        seconds = [data_2] if isinstance(data_2, str) else list(data_2)
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
-        if len(firsts) != len(seconds) or not seconds:
-            raise ValueError(f"score: data_1 has {len(firsts)} texts and data_2 "
-                             f"{len(seconds)}: give one against any number, or two lists "
-                             "of one non-zero length")
-        for text in (*firsts, *seconds):
+        pairs = score_pairs(data_1, data_2, ("data_1", "data_2"))
+        if not pairs:
+            raise ValueError("score: data_2 holds no text")
+        for text in itertools.chain.from_iterable(pairs):
             if not isinstance(text, str):
                 raise ValueError(f"score: texts must be strings, got {type(text).__name__}")
         engine = self.llm_engine
@@ -304,20 +299,20 @@ class LLM:
                 raise ValueError(f"score: this model has {engine.spec.num_labels} labels; "
                                  "a cross-encoder score needs one (a reranker)")
             tok = self.get_tokenizer()
-            pairs = [{"prompt_token_ids": list(tok(a, text_pair=b)["input_ids"])}
-                     for a, b in zip(firsts, seconds, strict=True)]
-            outs = self._pool(pairs, PoolingParams(task="classify"), use_tqdm,
+            encoded = [{"prompt_token_ids": list(tok(a, text_pair=b)["input_ids"])}
+                       for a, b in pairs]
+            outs = self._pool(encoded, PoolingParams(task="classify"), use_tqdm,
                               truncate_prompt_tokens)
             return [ScoringRequestOutput(out.request_id, ScoringOutput(out.pooled[0]),
                                          out.prompt_token_ids) for out in outs]
-        texts = list(dict.fromkeys((*firsts, *seconds)))
+        texts = list(dict.fromkeys(itertools.chain.from_iterable(pairs)))
         embedded = self._pool(texts, PoolingParams(), use_tqdm, truncate_prompt_tokens)
         by_text = dict(zip(texts, embedded, strict=True))
         return [ScoringRequestOutput(
             f"{by_text[a].request_id}+{by_text[b].request_id}",
             ScoringOutput(cosine_similarity(by_text[a].pooled, by_text[b].pooled)),
             by_text[a].prompt_token_ids + by_text[b].prompt_token_ids)
-            for a, b in zip(firsts, seconds, strict=True)]
+            for a, b in pairs]
 
     def _pool(self, prompts: PromptType | Sequence[PromptType], pooling: PoolingParams,
               use_tqdm: bool, truncate_prompt_tokens: int | None = None

@@ -21,6 +21,7 @@ from kvray.engine.generation_config import generation_defaults
 from kvray.engine.request_state import RequestState, SequenceState
 from kvray.engine.stats import EngineStats
 from kvray.errors import EngineUnavailableError, InvalidRequestError
+from kvray.inputs import truncate_prompt
 from kvray.lora.manager import LoRARegistry
 from kvray.lora.request import LoRARequest
 from kvray.models.default_model import resolve_model_path, with_builtin_model
@@ -224,11 +225,10 @@ class LLMEngine:
         if isinstance(prompt, dict) and prompt.get("lora_name") and lora_request is None:
             lora_request = prompt["lora_name"]  # the HTTP front end names the adapter here
         text, ids = self._tokenize(prompt)
-        keep = params.truncate_prompt_tokens
-        if keep is not None:  # the prompt's last k tokens (-1: all the context holds)
-            keep = self.max_model_len - 1 if keep == -1 else keep
-            if len(ids) > keep:
-                text, ids = None, ids[-keep:]
+        if params.truncate_prompt_tokens is not None:
+            kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+            if kept is not ids:
+                text, ids = None, kept
         self._check_token_ids(ids, "the prompt", "prompt")
         self._check_token_ids(list(params.logit_bias or {}), "logit_bias", "logit_bias")
         self._check_token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")

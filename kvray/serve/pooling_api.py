@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, Field
 
+from kvray.inputs import score_pairs
 from kvray.models.pooling import cosine_similarity
 from kvray.outputs import RequestOutput
 from kvray.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
@@ -218,18 +219,15 @@ async def _scores(server: ServerContext, handler: PoolingHandler, pairs: list[tu
 
 async def create_scores(server: ServerContext, req: ScoreRequest, lora: str | None,
                         classify: bool) -> dict[str, Any]:
-    first = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)
-    second = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
-    if len(first) == 1:
-        first = first * len(second)
-    if len(first) != len(second):
-        raise APIError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: give "
-                       "one text_1, or as many as text_2", "BadRequestError", "text_2")
+    try:
+        pairs = score_pairs(req.text_1, req.text_2, ("text_1", "text_2"))
+    except ValueError as err:
+        raise APIError(400, str(err), "BadRequestError", "text_2") from None
+    first, second = [a for a, _ in pairs], [b for _, b in pairs]
     handler = PoolingHandler(server, lora, req.priority)
     handler.check_prompts(first, "text_1")
     handler.check_prompts(second, "text_2")
-    scores, outs = await _scores(server, handler, list(zip(first, second, strict=True)),
-                                 classify)
+    scores, outs = await _scores(server, handler, pairs, classify)
     return {"id": new_id("score"), "object": "list", "created": now(),
             "model": lora or server.model_name,
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvray.config import ServerConfig
 from kvray.errors import InvalidRequestError
-from kvray.inputs import join_text_parts
+from kvray.inputs import join_text_parts, truncate_prompt
 from kvray.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from kvray.serve.tools import required_schema
 
@@ -238,8 +238,7 @@ class _Sampling(_Request):
         if k != -1 and k < 1:
             raise ProtocolError(f"truncate_prompt_tokens = {k}: must be >= 1, or -1 (as "
                                 "many as the context holds)", "truncate_prompt_tokens")
-        keep = max_model_len - 1 if k == -1 else k
-        return ids[-keep:] if len(ids) > keep else ids
+        return truncate_prompt(ids, k, max_model_len)
 
     def check_limits(self, limits: ServerConfig, num_prompts: int) -> None:
         """The server's per-request limits on everything but the prompt itself; raises

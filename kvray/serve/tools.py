@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvray.sampling_params import SCHEMA_DATA_KEYWORDS
 from kvray.serve.tool_json import CallScanner
 from kvray.serve.tool_mistral import MISTRAL_TAG, MistralScanner
 from kvray.serve.tool_pythonic import PY_START, PythonicScanner
@@ -125,9 +126,6 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
     return schema
 
 
-_VALUE_KEYWORDS = ("const", "enum", "default", "examples")  # hold data, not schemas
-
-
 def _rebased(schema: Any, base: str) -> Any:
     """``schema`` with each local JSON-pointer ``$ref`` (``#`` or ``#/...``) prefixed by
     ``base``; anchors (``#name``) and other URIs are left as they are."""
@@ -140,7 +138,7 @@ def _rebased(schema: Any, base: str) -> Any:
         if key == "$ref" and isinstance(value, str) and (value == "#"
                                                            or value.startswith("#/")):
             out[key] = base + value[1:]
-        elif key in _VALUE_KEYWORDS:
+        elif key in SCHEMA_DATA_KEYWORDS:
             out[key] = value
         else:
             out[key] = _rebased(value, base)
