@@ -104,6 +104,36 @@ def test_stop_strings_end_requests_whose_next_step_already_runs(tiny_model_dir):
 
 
 @pytest.mark.parity
+@pytest.mark.parametrize("end", ["abort", "stop token"])
+def test_a_reused_request_id_gets_none_of_its_predecessors_tokens(tiny_model_dir, end):
+    """A request that ends (aborted, or at a stop token) while its next step runs ahead
+    leaves that step's token behind; a new request under the same id must not get it."""
+    model = str(tiny_model_dir("llama_gqa"))
+    prompt = {"prompt_token_ids": _repetitive_prompts(1, seed=9)[0][:50]}
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = LLM(model, dtype="float32", async_scheduling=True)
+    try:
+        want = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        engine = llm.llm_engine
+        first = params if end == "abort" else SamplingParams(
+            temperature=0.0, max_tokens=10, stop_token_ids=[want[3]])
+        engine.add_request("req-A", prompt, first)
+        engine.step()
+        engine.step()
+        if end == "abort":
+            engine.abort_request("req-A")
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.add_request("req-A", prompt, params)
+        final = None
+        while engine.has_unfinished_requests():
+            final = next((o for o in engine.step() if o.finished), final)
+        assert final.request_id == "req-A" and final.outputs[0].token_ids == want
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parity
 def test_drafts_and_grammars_wait_for_real_tokens_beside_requests_running_ahead(
         tiny_model_dir):
     """n-gram drafts and a JSON schema's masks need the real last token: those requests

@@ -123,27 +123,47 @@ def test_stop_string_spanning_two_tokens_is_found(tokenizer, include):
     assert detok.output_text == "".join(deltas) == text[:cut]
 
 
-def test_stop_strings_count_only_from_min_tokens_on(tokenizer):
+def test_output_completing_a_character_the_prompt_cut_loses_no_text(tiny_tokenizer):
+    """Regression: a prompt ending inside a multi-byte character ("日" = E6 97 A5, cut after
+    two bytes) made the context's text end in two U+FFFD that the output's first byte folds
+    into one character; measured by length, the next characters ("a") were lost. The text
+    is now the output's own tokens' decode."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = tiny_tokenizer
+    byte_id = {b: tok.convert_tokens_to_ids(c) for b, c in bytes_to_unicode().items()}
+    prompt = encode(tok, "Hi ") + [byte_id[0xE6], byte_id[0x97]]
+    for out in ([byte_id[0xA5]] + encode(tok, "abc"), [byte_id[0xA5], byte_id[0xA5]]
+                + encode(tok, "a, b")):
+        for chunk in (1, 2):
+            detok = IncrementalDetokenizer(tok, prompt, stop=[])
+            _, deltas, _ = stream(detok, out, chunk)
+            assert "".join(deltas) == detok.output_text == tok.decode(out), (out, chunk)
+
+
+def test_stop_strings_count_only_after_min_tokens(tokenizer):
     """Regression: ``min_tokens`` held back stop token ids but not stop strings (a stop
-    string in the first tokens ended the output short). As in vLLM, a stop string counts
-    once the output has min_tokens tokens, and text before that is not searched again."""
+    string in the first tokens ended the output short), and then the min_tokens-th token's
+    text was searched. As in vLLM, a stop string counts in the text of tokens after the
+    first min_tokens, and text before that is not searched again."""
     text = "a, b, c, d, e, f, g, h, i, j"
     ids = encode(tokenizer, text)
 
     def expected(min_tokens: int) -> str:  # cut at the first comma a counted token adds
-        for n in range(max(min_tokens, 1), len(ids) + 1):
+        for n in range(min_tokens + 1, len(ids) + 1):
             before, now = tokenizer.decode(ids[:n - 1]), tokenizer.decode(ids[:n])
             if (at := now.find(",", len(before))) >= 0:
                 return now[:at]
         return text
 
     first_comma = next(n for n in range(1, len(ids) + 1) if "," in tokenizer.decode(ids[:n]))
-    for min_tokens in (0, first_comma, first_comma + 1, len(ids) + 1):
+    for min_tokens in (0, first_comma - 1, first_comma, len(ids)):
         detok = IncrementalDetokenizer(tokenizer, [], stop=[","], min_tokens=min_tokens)
         stop, deltas, _ = stream(detok, ids)
         assert "".join(deltas) == expected(min_tokens)
-        assert stop == (None if min_tokens > len(ids) else ",")
-    assert expected(first_comma + 1) != expected(0) == text[:text.index(",")]
+        assert stop == (None if min_tokens >= len(ids) else ",")
+    assert expected(first_comma) != expected(first_comma - 1) == expected(0) \
+        == text[:text.index(",")]
 
 
 @pytest.mark.parametrize("chunk", [1, 100])

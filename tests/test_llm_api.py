@@ -165,6 +165,14 @@ def test_stop_token_ids_min_tokens_and_max_tokens(llm, hf):
                                               stop_token_ids=[stop_tok]), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == free.token_ids[:first + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
+    assert out.outputs[0].text == tok.decode(free.token_ids[:first])
+    # vLLM's include_stop_str_in_output also keeps a stop token's text
+    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12,
+                                               stop_token_ids=[stop_tok],
+                                               include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == tok.decode(free.token_ids[:first + 1])
+    assert kept.text != out.outputs[0].text
     held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, min_tokens=12,
                                                stop_token_ids=[stop_tok]), use_tqdm=False)[0]
     # Until min_tokens the stop token and EOS are banned: greedy picks the next best instead,

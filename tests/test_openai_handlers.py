@@ -5,6 +5,7 @@ and several prompts."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -167,7 +168,7 @@ def test_the_openai_client_retrieves_the_served_model_and_gets_a_404_for_others(
     assert hostile.status_code == 404 and "ActorID" not in hostile.text
 
 
-def test_echo_with_logprobs_covers_the_prompt_tokens_too(client):
+def test_echo_with_logprobs_covers_the_prompt_tokens_too(client, server):
     """Regression: echo + logprobs gave only the completion's tokens; as in OpenAI and
     vLLM the echoed prompt's tokens come first (the first one's logprob null), so the
     tokens and offsets cover the whole text."""
@@ -180,6 +181,43 @@ def test_echo_with_logprobs_covers_the_prompt_tokens_too(client):
     assert lp["top_logprobs"][0] is None
     assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"])
+    # Regression: a prompt whose tokens' texts are longer than its text (one character
+    # split over three byte tokens) made the completion's offsets go back (vLLM: a running
+    # sum over prompt and completion tokens)
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = server.tokenizer
+    split = [tok.convert_tokens_to_ids(bytes_to_unicode()[b]) for b in "日".encode()]
+    for stream in (False, True):
+        resp = client.post("/v1/completions", json={**body, "stream": stream,
+                                                    "prompt": split + tok.encode(" ok")})
+        lps = [c["choices"][0]["logprobs"] for c in _events(resp) if c["choices"]] if stream \
+            else [resp.json()["choices"][0]["logprobs"]]
+        tokens = [t for lp in lps if lp for t in lp["tokens"]]
+        offsets = [o for lp in lps if lp for o in lp["text_offset"]]
+        assert offsets == list(itertools.accumulate(map(len, tokens), initial=0))[:-1]
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(client):
+    """Regression: ``echo`` with ``max_tokens: 0`` (OpenAI's way to score a prompt) was a
+    400; as in OpenAI and vLLM it returns the prompt, with its tokens' logprobs, and no
+    completion tokens — streamed or not."""
+    body = {"model": "m", "prompt": "Hello world", "max_tokens": 0, "echo": True,
+            "logprobs": 2}
+    whole = client.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    assert choice["text"] == "Hello world" and choice["finish_reason"] == "length"
+    assert "".join(choice["logprobs"]["tokens"]) == "Hello world"
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    assert whole.json()["usage"]["completion_tokens"] == 0
+    streamed = _fold_completion_chunks(_events(client.post(
+        "/v1/completions", json={**body, "stream": True})))[0]
+    assert streamed["text"] == choice["text"]
+    assert streamed["tokens"] == choice["logprobs"]["tokens"]
+    assert streamed["finish_reason"] == "length"
+    plain = client.post("/v1/completions", json={**body, "echo": False})
+    assert plain.status_code == 400 and plain.json()["error"]["param"] == "max_tokens"
 
 
 def test_null_means_the_default_for_fields_that_hold_no_null(client):

@@ -27,8 +27,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
                  stop: list[str], skip_special_tokens: bool = True,
                  include_stop_str_in_output: bool = False, min_tokens: int = 0) -> None:
-        """``min_tokens``: stop strings count only from the output's ``min_tokens``-th
-        token on (vLLM's rule: earlier text is not searched again)."""
+        """``min_tokens``: stop strings count only after the output's ``min_tokens``-th
+        token (vLLM's rule: the text up to it is not searched)."""
         self._tokenizer = tokenizer
         self._stop = [s for s in stop if s]
         self._skip_special_tokens = skip_special_tokens
@@ -36,7 +36,7 @@ class IncrementalDetokenizer:
         # Characters that could be the start of a stop string not yet complete.
         self._num_holdback = max((len(s) for s in self._stop), default=1) - 1
         self._ids = list(prompt_token_ids)
-        self._stops_from = len(self._ids) + min_tokens  # ids held when stops start to count
+        self._stops_after = len(self._ids) + min_tokens  # ids held before stops count
         self._prefix_offset = max(len(self._ids) - _NUM_CONTEXT_TOKENS, 0)
         self._read_offset = len(self._ids)
         # Output text in pieces, so that appending stays O(new text).
@@ -112,6 +112,11 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset:])
+        if not new_text.startswith(prefix_text):
+            # The context ended inside a character (a prompt cut within its bytes) that the
+            # new tokens complete: the output's text is its own tokens', as decoding the
+            # output alone gives it, and none of it is lost to the context's length.
+            prefix_text, new_text = "", self._decode(self._ids[self._read_offset:])
         if len(new_text) <= len(prefix_text):
             return ""
         if new_text.endswith(_REPLACEMENT_CHAR) and not flush:
@@ -127,7 +132,7 @@ class IncrementalDetokenizer:
         tail = self._suffix(min(self._num_holdback, self._num_chars))
         self._chunks.append(new_text)
         self._num_chars += len(new_text)
-        if len(self._ids) < self._stops_from:
+        if len(self._ids) <= self._stops_after:
             return None
         match = self._find_stop(tail + new_text, len(tail))
         if match is None:

@@ -7,6 +7,7 @@ sampled tokens, detokenizes, checks stop strings and returns the outputs that ch
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections import deque
@@ -87,6 +88,11 @@ class LLMEngine:
         self._parents: dict[str, RequestState] = {}
         self._failed: list[tuple[str, str]] = []  # see pop_failed_requests
         self._child_to_parent: dict[str, tuple[str, int]] = {}
+        # Each request's sequences run under ids of their own ("<id>@<serial>", "#<i>" for
+        # n > 1): a step scheduled ahead (async scheduling, pipeline micro-batches) may still
+        # report on a finished or aborted request when a new one reuses its id; such a
+        # result names no live sequence and is dropped, never given to the newcomer.
+        self._serial = itertools.count()
         self.executor: Executor | None = None
         self.loras: LoRARegistry | None = None  # the adapters served (LoRA on)
         # Steps submitted and not yet collected, oldest first: (output, handle, start time).
@@ -255,8 +261,9 @@ class LLMEngine:
                               prompt_logprobs=[] if params.prompt_logprobs is not None
                               else None)
         children = []
+        serial = next(self._serial)
         for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child_id = f"{request_id}@{serial}" + (f"#{i}" if params.n > 1 else "")
             seed = None if params.seed is None else params.seed + i
             children.append(Request(child_id, ids, params, arrival, priority, max_tokens, seed,
                                     lora_id))
@@ -562,9 +569,11 @@ class LLMEngine:
             return 0
         new_tokens = req.output_token_ids[-num_new:]
         num_set_aside = 0
-        if req.status is RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason,
-                                                                             str):
-            new_tokens, num_set_aside = new_tokens[:-1], 1  # a stop token (or EOS): no text
+        params = req.sampling_params
+        if req.status is RequestStatus.FINISHED_STOPPED and not isinstance(
+                req.stop_reason, str) and not params.include_stop_str_in_output:
+            # a stop token (or EOS) adds no text, unless stop text is asked for (vLLM's)
+            new_tokens, num_set_aside = new_tokens[:-1], 1
         if not new_tokens:
             return 0
         stop = seq.detok.add_tokens(new_tokens)

@@ -126,6 +126,7 @@ class _Handler:
         async def gen():
             try:
                 async for out in stream:
+                    out = self.shown(out)
                     if any(c.token_ids for c in out.outputs):
                         times.append(time.monotonic())
                     total = self.totals.setdefault(
@@ -137,6 +138,10 @@ class _Handler:
                     self.server.record(self.totals[i], self.start, times)
 
         return gen()
+
+    def shown(self, out: RequestOutput) -> RequestOutput:
+        """What of an engine output the response shows (all of it, but for echo alone)."""
+        return out
 
     def token_text(self, token_id: int) -> str:
         """How logprobs name a token: its text, or ``token_id:<id>`` when the request asks
@@ -177,7 +182,7 @@ class _Handler:
                     continue
                 pend.started = True
                 prefix = self.prefix_text(i)
-                pend.text_offset = len(prefix)
+                pend.text_offset = _offset_after(echoed) if echoed else len(prefix)
             text = prefix + comp.text
             if not text and comp.finish_reason is None:
                 pend.keep(ids, lps)
@@ -354,8 +359,21 @@ class CompletionHandler(_Handler):
             prompt = {**prompt, "lora_name": self.lora}
         return self.server.stream(request_id, prompt, params, priority)
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0 (OpenAI's and vLLM's): the prompt alone comes
+        back (with its logprobs if asked); the one token run to compute them is dropped."""
+        return bool(self.req.echo) and self.req.max_tokens == 0
+
     def requested_max_tokens(self):
-        return self.req.max_tokens
+        return 1 if self.echo_only else self.req.max_tokens
+
+    def shown(self, out: RequestOutput) -> RequestOutput:
+        if not self.echo_only:
+            return out
+        return dataclasses.replace(out, outputs=[dataclasses.replace(
+            c, text="", token_ids=[], cumulative_logprob=None,
+            logprobs=None if c.logprobs is None else []) for c in out.outputs])
 
     def sampling_params(self, max_tokens):
         # echo with logprobs shows the prompt's tokens' logprobs too, as OpenAI and vLLM do
@@ -439,9 +457,10 @@ class CompletionHandler(_Handler):
             prefix = self.prefix_text(i)  # logprob offsets count the echoed prompt
             echoed = self.echoed_logprobs(i)
             prompt_lps = self.prompt_logprobs(out)
+            start = _offset_after(echoed) if echoed else len(prefix)
             for c in out.outputs:
                 choices.append(self.choice(i, c, prefix + c.text, c.token_ids, c.logprobs,
-                                           len(prefix)))
+                                           start))
                 if echoed:
                     _prepend_logprobs(choices[-1], echoed)
                 choices[-1]["prompt_logprobs"] = prompt_lps
@@ -455,6 +474,14 @@ def _within(lp: float, k: int) -> bool:
     """Whether a logprob entry is among the top ``k`` (its rank; an entry without one is)."""
     rank = getattr(lp, "rank", None)
     return rank is None or rank <= k
+
+
+def _offset_after(echoed: dict) -> int:
+    """Where the completion's ``text_offset`` goes on after the echoed prompt's tokens: their
+    texts' lengths summed (vLLM's running sum over prompt and completion tokens), so the
+    offsets never go back whatever the prompt's text looks like next to its tokens'."""
+    tokens, offsets = echoed["tokens"], echoed["text_offset"]
+    return offsets[-1] + len(tokens[-1]) if tokens else 0
 
 
 def _prepend_logprobs(choice: dict, echoed: dict) -> None:
