@@ -303,6 +303,23 @@ def test_bad_adapters_name_the_cause(lora_setup, tiny_model_dir, tmp_path):
     check(_copy_adapter(src, tmp_path / "dora", lambda c: c.update(use_dora=True)), "DoRA")
     check(_copy_adapter(src, tmp_path / "save", lambda c: c.update(
         modules_to_save=["lm_head"])), "modules_to_save")
+    # options that change the forward pass are refused, not served as a plain LoRA
+    for key, value, pattern in [("layer_replication", [[0, 2], [1, 2]], "layer replication"),
+                                ("alora_invocation_tokens", [5, 6], "activated LoRA"),
+                                ("use_qalora", True, "QA-LoRA"),
+                                ("use_bdlora", {"lora_a_is_blockdiagonal": ["q_proj"]},
+                                 "block-diagonal"),
+                                ("arrow_config", {"top_k": 2}, "Arrow")]:
+        check(_copy_adapter(src, tmp_path / key, lambda c, k=key, v=value: c.update({k: v})),
+              pattern)
+
+    # no lora_alpha saved: PEFT's default (8), not the rank
+    plain = load_adapter(LoRARequest("x", 1, str(adapters["r64"])), spec, 64)
+    unsaid = load_adapter(LoRARequest("x", 1, str(_copy_adapter(
+        adapters["r64"], tmp_path / "no_alpha", lambda c: c.pop("lora_alpha")))), spec, 64)
+    for key, slots in plain.weights.items():  # rsLoRA, r 64: alpha 16 -> 2.0, unsaid -> 1.0
+        for index, (_, b) in slots.items():
+            assert torch.allclose(unsaid.weights[key][index][1] * 2.0, b), key
 
     def wrong_shape(t):
         key = next(k for k in t if "q_proj.lora_A" in k)

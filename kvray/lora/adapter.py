@@ -97,14 +97,28 @@ def _pattern_value(patterns: dict, module: str, default: float) -> float:
     return default
 
 
+# PEFT LoraConfig options that change what a trained adapter computes, which kvray does not
+# implement: an adapter that sets one is refused rather than served as a plain LoRA.
+# (Options that only shape initialisation or training — loftq, eva, corda, lora_ga, velora —
+# leave the saved A and B meaning what they always mean.)
+_UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out", "lora_bias": "LoRA biases",
+    "layer_replication": "layer replication (the base's layers stacked again)",
+    "alora_invocation_tokens": "activated LoRA (applied only after its invocation tokens)",
+    "use_qalora": "QA-LoRA (inputs pooled by group)", "use_bdlora": "block-diagonal LoRA",
+    "arrow_config": "Arrow routing between adapters", "monteclora_config": "MonteCLoRA",
+    "kasa_config": "KaSA",
+}
+
+
 def _check_config(config: dict, path: Path) -> None:
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise LoRAError(f"adapter {path}: peft_type {peft_type!r} is not supported (LORA only)")
-    for key, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out"),
-                      ("lora_bias", "LoRA biases")):
+    for key, what in _UNSUPPORTED_OPTIONS.items():
         if config.get(key):
-            raise LoRAError(f"adapter {path}: {what} ({key}: true) is not supported")
+            raise LoRAError(f"adapter {path}: {what} ({key}: {config[key]!r}) is not "
+                            "supported")
     if config.get("modules_to_save"):
         raise LoRAError(f"adapter {path}: modules_to_save {config['modules_to_save']!r} "
                         "(fully trained modules) is not supported")
@@ -121,7 +135,7 @@ def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int) -> L
     config = _read_config(path)
     _check_config(config, path)
     tensors = _read_tensors(path)
-    alpha_default = float(config.get("lora_alpha", config.get("r", 8)))
+    alpha_default = float(config.get("lora_alpha", 8))  # PEFT's default when unsaid
     rslora = bool(config.get("use_rslora", False))
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
