@@ -123,7 +123,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = field(repr=False, default=None)
     # a pooling request's embedding or class logits (on its final output)
-    pooled: list[float] | None = None
+    pooled: list[float] | list[list[float]] | None = None
 
     @property
     def num_cached_tokens(self) -> int | None:
@@ -154,7 +154,8 @@ class RequestOutput:
 
 @dataclass
 class PoolingOutput:
-    """A pooling request's vector (``LLM.encode``): a tensor, as vLLM's."""
+    """A pooling request's result (``LLM.encode``) as a tensor, as vLLM's: a vector, or
+    one row per prompt token for the token tasks."""
 
     data: Any
 

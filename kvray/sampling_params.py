@@ -120,7 +120,8 @@ class StructuredOutputsParams:
 _CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # keywords of a JSON schema whose values are data, not schemas: a schema walk leaves them
 SCHEMA_DATA_KEYWORDS = ("const", "enum", "default", "examples")
-POOLING_TYPES = ("last", "mean", "cls")
+POOLING_TYPES = ("last", "mean", "cls", "all")
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
 
 
 @dataclass(frozen=True)
@@ -129,14 +130,20 @@ class PoolingParams:
     vector instead of text (prefill only; the one token the step samples is dropped).
 
     Attributes:
-        task: ``embed`` (the pooled final hidden state) or ``classify`` (the classification
-            head's logits at the pooled position: a ``*ForSequenceClassification`` model).
-        pooling_type: ``last`` token, ``mean`` over the prompt, or the first (``cls``);
-            None = the model's (its sentence-transformers pooling config, else ``last``).
-        normalize: L2-normalise the embedding; None = the model's choice.
+        task: ``embed`` (the pooled final hidden state), ``classify`` (the classification
+            head's logits at the pooled position: a ``*ForSequenceClassification`` model),
+            or per prompt token (vLLM's): ``token_embed`` (every final hidden state) and
+            ``token_classify`` (the head's logits at every position: a reward model's).
+        pooling_type: ``last`` token, ``mean`` over the prompt, the first (``cls``) or
+            ``all`` (one row per token: the token tasks' own); None = the model's (its
+            sentence-transformers pooling config, else ``last``).
+        normalize: L2-normalise the embedding (each row of ``token_embed``); None = the
+            model's choice.
         dimensions: keep the first ``dimensions`` values (Matryoshka), then normalise.
         activation: classify: the model's activation on the logits (a reranker's sigmoid,
             a classifier's softmax: vLLM's default); False: the raw logits.
+        use_activation: vLLM's newer name for both: when set, it decides ``normalize``
+            (embeddings) and ``activation`` (class scores).
     """
 
     task: str = "embed"
@@ -144,12 +151,22 @@ class PoolingParams:
     normalize: bool | None = None
     dimensions: int | None = None
     activation: bool = True
+    use_activation: bool | None = None
 
     def __post_init__(self) -> None:
-        _check(self.task in ("embed", "classify"), "task", self.task,
-               "must be embed or classify")
+        _check(self.task in POOLING_TASKS, "task", self.task,
+               f"must be one of {', '.join(POOLING_TASKS)}")
+        if self.use_activation is not None:  # (a frozen dataclass: set once, here)
+            object.__setattr__(self, "normalize", bool(self.use_activation))
+            object.__setattr__(self, "activation", bool(self.use_activation))
         _check(self.pooling_type is None or self.pooling_type in POOLING_TYPES,
                "pooling_type", self.pooling_type, f"must be one of {', '.join(POOLING_TYPES)}")
+        per_token = self.task.startswith("token_")
+        _check(self.pooling_type in (None, "all") if per_token
+               else self.pooling_type != "all", "pooling_type", self.pooling_type,
+               "all (one row per token) goes with the token tasks, and only with them")
+        if per_token:
+            object.__setattr__(self, "pooling_type", "all")
         _check(self.dimensions is None or (isinstance(self.dimensions, int)
                                            and self.dimensions >= 1),
                "dimensions", self.dimensions, "must be a positive integer")

@@ -407,8 +407,8 @@ def test_every_step_reuses_the_prompt_and_beam_blocks_from_the_prefix_cache(tiny
         calls: list[list[RequestOutput]] = []  # one per step
         generate = llm.generate
 
-        def recording(prompts, params, use_tqdm=True):
-            calls.append(generate(prompts, params, use_tqdm=use_tqdm))
+        def recording(prompts, params, use_tqdm=True, **kwargs):
+            calls.append(generate(prompts, params, use_tqdm=use_tqdm, **kwargs))
             return calls[-1]
 
         llm.generate = recording

@@ -125,6 +125,28 @@ def test_adapters_with_ngram_speculation_match_peft(lora_setup):
 
 
 @pytest.mark.parity
+def test_beam_search_runs_each_prompts_adapter(lora_setup):
+    """``LLM.beam_search(lora_request=...)`` (vLLM's): one beam is greedy search, so each
+    prompt's sequence is PEFT's greedy tokens under its own adapter."""
+    from kvray.engine.beam_search import BeamSearchParams
+
+    base, adapters, prompts, names, expected = lora_setup("llama_gqa")
+    llm = LLM(str(base), dtype="float32", block_size=4, enable_lora=True, max_loras=3,
+              max_lora_rank=64)
+    try:
+        requests = _requests(adapters)
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts[:4]],
+                               BeamSearchParams(beam_width=1, max_tokens=MAX_TOKENS,
+                                                ignore_eos=True),
+                               lora_request=[requests[n] if n else None for n in names[:4]])
+        for p, out, want in zip(prompts, outs, expected, strict=False):
+            assert out.sequences[0].token_ids == want
+            assert out.sequences[0].tokens == p + want  # vLLM's field: prompt included
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parity
 def test_adapter_output_does_not_depend_on_its_batch(lora_setup):
     """An int8-quantized base with adapters: a request's tokens are the same alone and in a
     batch of other adapters (and differ from the base model's)."""

@@ -95,6 +95,46 @@ def test_dimensions_and_normalize_options(embed_model):
         assert torch.allclose(c, torch.nn.functional.normalize(r[:8], dim=0), atol=1e-5)
 
 
+@pytest.mark.parity
+def test_token_embeddings_are_every_prompt_positions_hidden_state(embed_model):
+    """vLLM's ``token_embed``: one normalised row per prompt token, also when the prompt
+    prefills in several chunks and after a cached run of the same prompt."""
+    path, llm = embed_model
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    hf = transformers.AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
+    long = TEXTS[3] * 2  # several 16-token chunks
+    llm.embed([long], use_tqdm=False)  # its blocks are cached now: rows must still be whole
+    outs = llm.encode([TEXTS[0], long], use_tqdm=False, pooling_task="token_embed")
+    for text, out in zip([TEXTS[0], long], outs, strict=True):
+        ids = tok(text)["input_ids"]
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).last_hidden_state[0]
+        got = out.outputs.data
+        assert got.shape == (len(ids), want.shape[1]) and out.prompt_token_ids == ids
+        assert torch.allclose(got, torch.nn.functional.normalize(want, dim=-1), atol=1e-5)
+    raw = llm.encode([TEXTS[0]], PoolingParams(use_activation=False), use_tqdm=False,
+                     pooling_task="token_embed")[0].outputs.data
+    with torch.no_grad():
+        want = hf(torch.tensor([tok(TEXTS[0])["input_ids"]])).last_hidden_state[0]
+    assert torch.allclose(raw, want, atol=1e-5)
+    # the default task stays one vector
+    assert llm.encode([TEXTS[0]], use_tqdm=False)[0].outputs.data.shape == (want.shape[1],)
+
+
+@pytest.mark.unit
+def test_pooling_params_keep_all_rows_for_the_token_tasks_only():
+    assert PoolingParams(task="token_embed").pooling_type == "all"
+    assert PoolingParams(task="token_classify", pooling_type="all").pooling_type == "all"
+    for bad in (dict(task="embed", pooling_type="all"),
+                dict(task="token_embed", pooling_type="mean"), dict(task="reward")):
+        with pytest.raises(ValueError, match="pooling_type|task"):
+            PoolingParams(**bad)
+    off = PoolingParams(use_activation=False)
+    assert off.normalize is False and off.activation is False
+    on = PoolingParams(normalize=False, activation=False, use_activation=True)
+    assert on.normalize is True and on.activation is True
+
+
 def _sentence_transformers_dir(base, path, mode: str, normalize: bool):
     """A sentence-transformers checkpoint of ``base``: the base model's weights
     (``*Model``, keys without ``model.``), modules.json, its pooling config."""
@@ -189,6 +229,15 @@ def test_classification_scores_are_the_heads_logits_through_the_models_activatio
             assert abs(got.outputs.score - want) < 1e-6 and got.prompt_token_ids == ids
         with pytest.raises(ValueError, match="data_1 has 2 texts and data_2 3"):
             llm.score(["a", "b"], ["c", "d", "e"])
+        # vLLM's LLM.reward: the head's activated logits at every prompt token
+        rewards = llm.reward(TEXTS[:2], use_tqdm=False, truncate_prompt_tokens=9)
+        for text, out in zip(TEXTS[:2], rewards, strict=True):
+            ids = tok(text)["input_ids"][-9:]
+            with torch.no_grad():
+                hidden = hf.model(torch.tensor([ids])).last_hidden_state[0]
+                want = hf.score(hidden).sigmoid()
+            assert out.prompt_token_ids == ids and out.outputs.data.shape == (len(ids), 1)
+            assert torch.allclose(out.outputs.data, want, atol=1e-5)
     finally:
         llm.shutdown()
 
@@ -279,6 +328,20 @@ def test_rerank_and_score_use_the_classification_head(classifier):
         raw = client.post("/v1/classify", json={"input": docs[0], "activation": False})
         assert abs(raw.json()["data"][0]["probs"][0] - float(hf(torch.tensor(
             [tok(docs[0])["input_ids"]])).logits[0, 0])) < 1e-4
+        # vLLM's /pooling: the model's own task (classify here), or per token
+        pooled = client.post("/pooling", json={"input": docs[:2]})
+        assert pooled.status_code == 200, pooled.text
+        for doc, item in zip(docs[:2], pooled.json()["data"], strict=True):
+            assert item["object"] == "pooling"
+            with torch.no_grad():
+                logit = hf(torch.tensor([tok(doc)["input_ids"]])).logits[0, 0]
+            assert abs(item["data"][0] - logit.sigmoid().item()) < 1e-5
+        rows = client.post("/v1/pooling", json={"input": docs[0], "task": "token_classify",
+                                                "use_activation": False}).json()["data"][0]
+        with torch.no_grad():
+            hidden = hf.model(torch.tensor([tok(docs[0])["input_ids"]])).last_hidden_state
+            want = hf.score(hidden)[0]
+        assert torch.allclose(torch.tensor(rows["data"]), want, atol=1e-4)
         # a pooling model serves no text
         resp = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"
@@ -321,6 +384,80 @@ def test_embeddings_endpoint_errors_name_the_field(tiny_model_dir):
         assert floats["usage"]["prompt_tokens"] == floats["usage"]["total_tokens"] == 5
     finally:
         engine.shutdown()
+
+
+@pytest.mark.serve
+def test_pooling_routes_take_a_conversation_truncation_and_use_activation(tiny_model_dir):
+    """vLLM's pooling inputs: ``messages`` (the chat template's ids, no assistant turn
+    opened), ``truncate_prompt_tokens`` (the last k), ``add_special_tokens``,
+    ``use_activation``; ``/pooling`` per token; and their 400s."""
+    path = tiny_model_dir("llama_gqa")
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    llm_engine, client = _app(path, "lm")
+    try:
+        def embedding(body, route="/v1/embeddings"):
+            resp = client.post(route, json=body)
+            assert resp.status_code == 200, (body, resp.text)
+            return resp.json()
+
+        hf = transformers.AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
+
+        def direct(ids, normalize=True):  # transformers' last hidden state of ids
+            with torch.no_grad():
+                vec = hf(torch.tensor([ids])).last_hidden_state[0, -1]
+            return torch.nn.functional.normalize(vec, dim=0) if normalize else vec
+
+        messages = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hello there"}]
+        conv_ids = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                           add_generation_prompt=False)["input_ids"]
+        body = embedding({"messages": messages})
+        assert body["usage"]["prompt_tokens"] == len(conv_ids)
+        assert torch.allclose(torch.tensor(body["data"][0]["embedding"]), direct(conv_ids),
+                              atol=1e-5)
+        opened = embedding({"messages": messages, "add_generation_prompt": True})
+        assert opened["usage"]["prompt_tokens"] > len(conv_ids)
+        ids = tok(TEXTS[1])["input_ids"]
+        cut = embedding({"input": TEXTS[1], "truncate_prompt_tokens": 5})
+        assert cut["usage"]["prompt_tokens"] == 5
+        assert torch.allclose(torch.tensor(cut["data"][0]["embedding"]), direct(ids[-5:]),
+                              atol=1e-5)
+        bare = embedding({"input": TEXTS[1], "add_special_tokens": False})
+        assert bare["usage"]["prompt_tokens"] == len(tok(TEXTS[1],
+                                                         add_special_tokens=False)["input_ids"])
+        raw = embedding({"input": [ids], "use_activation": False})["data"][0]["embedding"]
+        assert torch.allclose(torch.tensor(raw), direct(ids, normalize=False), atol=1e-5)
+        # /pooling: an embedding by default, every position's row for token_embed
+        one = embedding({"input": [ids]}, "/pooling")["data"][0]
+        assert one["object"] == "pooling"
+        assert torch.allclose(torch.tensor(one["data"]), direct(ids), atol=1e-5)
+        rows = embedding({"input": [ids], "task": "token_embed"}, "/pooling")["data"][0]
+        assert len(rows["data"]) == len(ids) and len(rows["data"][0]) == 64
+        encoded = embedding({"input": [ids], "task": "token_embed",
+                             "encoding_format": "base64"}, "/v1/pooling")["data"][0]["data"]
+        raw_bytes = base64.b64decode(encoded)
+        flat = struct.unpack(f"<{len(raw_bytes) // 4}f", raw_bytes)
+        assert len(flat) == len(ids) * 64
+        assert max(abs(a - b) for a, b in zip(flat, [x for r in rows["data"] for x in r],
+                                               strict=True)) < 1e-6
+        for route, body, param in [
+                ("/v1/embeddings", {}, "input"),
+                ("/v1/embeddings", {"input": "x", "messages": messages}, "input"),
+                ("/v1/embeddings", {"messages": []}, "messages"),
+                ("/v1/embeddings", {"messages": messages, "add_special_tokens": True},
+                 "add_special_tokens"),
+                ("/v1/embeddings", {"input": "x", "truncate_prompt_tokens": 0},
+                 "truncate_prompt_tokens"),
+                ("/v1/embeddings", {"messages": messages, "continue_final_message": True},
+                 "continue_final_message"),
+                ("/pooling", {"input": "x", "task": "token_classify"}, "task"),
+                ("/pooling", {"input": "x", "task": "reward"}, "task"),
+                ("/classify", {"messages": messages}, "model")]:
+            resp = client.post(route, json=body)
+            assert resp.status_code == 400, (route, body, resp.text)
+            assert resp.json()["error"]["param"] == param, (route, body, resp.json())
+    finally:
+        llm_engine.shutdown()
 
 
 @pytest.mark.unit

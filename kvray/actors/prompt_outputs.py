@@ -16,10 +16,12 @@ from kvray.scheduler.output import SchedulerOutput
 @dataclass
 class Pooler:
     """Pooling requests' running state: which requests pool (none: no per-step scan) and
-    their partial sums (a mean's, a first token's)."""
+    their partial results (a mean's sum, a first token's row, every row so far for the
+    token tasks)."""
 
     pooling_ids: set[str] = field(default_factory=set)
     pool_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    pool_rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     def add(self, req_id: str) -> None:
         self.pooling_ids.add(req_id)
@@ -27,16 +29,18 @@ class Pooler:
     def forget(self, req_id: str) -> None:
         self.pooling_ids.discard(req_id)
         self.pool_sums.pop(req_id, None)
+        self.pool_rows.pop(req_id, None)
 
     def pool(self, inputs: StepInputs, out: SchedulerOutput, hidden: torch.Tensor,
              requests: dict[str, CachedRequestState],
-             classify: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, list[float]]:
+             classify: Callable[[torch.Tensor], torch.Tensor]
+             ) -> dict[str, list[float] | list[list[float]]]:
         """Pooling requests: fold this chunk's final hidden states into the request's
         vector; once its prompt is complete, the vector (the classification head's logits
-        for ``classify``), cut to ``dimensions`` and normalised as asked. A mean's running
-        sum outlives a swap-out (kept until the request finishes); a request that
-        recomputes starts it again at token 0."""
-        result: dict[str, list[float]] = {}
+        for ``classify``), cut to ``dimensions`` and normalised as asked — or for the token
+        tasks one such row per prompt token. A partial result outlives a swap-out (kept
+        until the request finishes); a request that recomputes starts again at token 0."""
+        result: dict[str, list[float] | list[list[float]]] = {}
         if not self.pooling_ids:
             return result
         for b, req_id in enumerate(inputs.req_ids):
@@ -48,28 +52,35 @@ class Pooler:
             end = min(start + out.num_scheduled_tokens[req_id], num_prompt)
             first = inputs.token_starts[b]
             rows = hidden[first:first + end - start].float()
-            if pooling.pooling_type == "mean":
+            kind = pooling.pooling_type
+            if kind == "mean":
                 total = rows.sum(0)
                 if start > 0:
                     total += self.pool_sums[req_id]
                 self.pool_sums[req_id] = total
-            elif pooling.pooling_type == "cls" and start == 0:
+            elif kind == "cls" and start == 0:
                 self.pool_sums[req_id] = rows[0]
+            elif kind == "all":
+                kept = [] if start == 0 else self.pool_rows[req_id]
+                kept.append(rows.clone())  # hidden is reused by the next step
+                self.pool_rows[req_id] = kept
             if end < num_prompt:
                 continue
-            if pooling.pooling_type == "last":
-                vector = rows[-1]
+            if kind == "last":
+                vectors = rows[-1:]
+            elif kind == "all":
+                vectors = torch.cat(self.pool_rows.pop(req_id))
             else:
-                vector = self.pool_sums.pop(req_id)
-                if pooling.pooling_type == "mean":
-                    vector = vector / num_prompt
-            if pooling.task == "classify":
-                vector = classify(vector[None])[0]
+                vectors = self.pool_sums.pop(req_id)[None]
+                if kind == "mean":
+                    vectors = vectors / num_prompt
+            if pooling.task in ("classify", "token_classify"):
+                vectors = classify(vectors)
             if pooling.dimensions is not None:
-                vector = vector[:pooling.dimensions]
+                vectors = vectors[:, :pooling.dimensions]
             if pooling.normalize:
-                vector = torch.nn.functional.normalize(vector, dim=0)
-            result[req_id] = vector.tolist()
+                vectors = torch.nn.functional.normalize(vectors, dim=-1)
+            result[req_id] = vectors.tolist() if kind == "all" else vectors[0].tolist()
         return result
 
 

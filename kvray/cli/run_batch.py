@@ -37,9 +37,10 @@ from typing import Any, TextIO
 from kvray.cli.flags import _positive_int, add_config_flags, config_from_args
 
 logger = logging.getLogger("kvray.cli")
-# The POST routes of the OpenAI app that run the model (vLLM's aliases of /score and /rerank
+# The POST routes of the OpenAI app that run the model (vLLM's aliases of the pooling routes
 # included): a batch line may name any of them.
 URLS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
+        "/classify", "/v1/classify", "/pooling", "/v1/pooling",
         "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 IN_FLIGHT_PER_SEQ = 4  # default lines in flight per max_num_seqs: the engine never starves
 MAX_WAITING = 1 << 20  # the engine's admission lifted: run-batch admits by --max-in-flight

@@ -105,6 +105,7 @@ class BeamSearchSequence:
     finish_reason: Literal["stop", "length"]  # EOS, or max_tokens reached
     stop_reason: int | None = None  # the EOS id that ended it
     text: str | None = None  # the tokens decoded, special tokens skipped (None: no tokenizer)
+    tokens: list[int] = field(default_factory=list)  # vLLM's: the prompt's ids + token_ids
 
 
 @dataclass
@@ -219,6 +220,7 @@ class BeamSearch:
         """The finished sequences, best first, their text decoded if a tokenizer is given."""
         assert self.done, "the search has not ended"
         for seq in self.finished:
+            seq.tokens = list(self.prompt_token_ids) + seq.token_ids
             if tokenizer is not None:
                 seq.text = tokenizer.decode(seq.token_ids, skip_special_tokens=True)
         return BeamSearchOutput(self.prompt, self.prompt_token_ids, list(self.finished))

@@ -221,56 +221,82 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+                    params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    ) -> list[BeamSearchOutput]:
         """Beam-search every prompt (forms as :meth:`generate` takes them); one output per
-        prompt, in input order, each with ``params.beam_width`` sequences best first.
+        prompt, in input order, each with ``params.beam_width`` sequences best first;
+        ``lora_request`` as :meth:`generate` takes it.
 
         Runs above the engine (:mod:`kvray.engine.beam_search`): each step is one
-        ``generate`` call with a one-token request per live beam of every prompt, which the
-        prefix cache serves from the blocks of the prompt and the beam's earlier tokens.
+        ``generate`` call with a one-token request per live beam of every prompt (of one
+        adapter), which the prefix cache serves from the blocks of the prompt and the
+        beam's earlier tokens.
         """
         prompts = _prompt_list(prompts)
+        loras = list(lora_request) if isinstance(lora_request, list | tuple) \
+            else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         engine = self.llm_engine
         searches = []
         for prompt in prompts:
             text, ids = engine._tokenize(prompt)
             searches.append(BeamSearch(ids, params, engine.eos_token_ids, text,
                                        engine.max_model_len))
+        by_adapter: dict[str | None, list[int]] = {}
+        for i, lora in enumerate(loras):
+            by_adapter.setdefault(None if lora is None else lora.lora_name, []).append(i)
+        for members in by_adapter.values():
+            lora = loras[members[0]]
 
-        def run_step(batch: list[list[int]], step_params: list[SamplingParams]):
-            outs = self.generate([{"prompt_token_ids": p} for p in batch], step_params,
-                                 use_tqdm=False)
-            return [top_logprobs_of(out) for out in outs]
+            def run_step(batch: list[list[int]], step_params: list[SamplingParams],
+                         lora: LoRARequest | None = lora):
+                outs = self.generate([{"prompt_token_ids": p} for p in batch], step_params,
+                                     use_tqdm=False, lora_request=lora)
+                return [top_logprobs_of(out) for out in outs]
 
-        run_beam_searches(searches, run_step)
+            run_beam_searches([searches[i] for i in members], run_step)
         return [search.output(self.get_tokenizer()) for search in searches]
 
     def encode(self, prompts: PromptType | Sequence[PromptType],
                pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
-               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
-        """Each prompt's pooled vector as a tensor (``outputs.data``): an embedding, or
-        with ``PoolingParams(task="classify")`` the class scores."""
+               truncate_prompt_tokens: int | None = None,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """Each prompt's pooling result as a tensor (``outputs.data``), for ``pooling_task``
+        (vLLM's; default: ``pooling_params``' task, ``embed``): an embedding, the class
+        scores (``classify``), or one row per prompt token (``token_embed``,
+        ``token_classify``)."""
         import torch
 
+        pooling = pooling_params or PoolingParams()
+        if pooling_task is not None:
+            pooling = dataclasses.replace(pooling, task=pooling_task, pooling_type=None
+                                          if pooling.pooling_type == "all"
+                                          else pooling.pooling_type)
         return [PoolingRequestOutput(out.request_id, PoolingOutput(torch.tensor(out.pooled)),
                                      out.prompt_token_ids)
-                for out in self._pool(prompts, pooling_params or PoolingParams(), use_tqdm,
-                                      truncate_prompt_tokens)]
+                for out in self._pool(prompts, pooling, use_tqdm, truncate_prompt_tokens,
+                                      lora_request)]
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
-              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+              truncate_prompt_tokens: int | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+              ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (``outputs.embedding``): the final hidden states pooled
         as the model says (its sentence-transformers config, else the last token,
         normalised) or as ``pooling_params`` asks."""
         outs = self._pool(prompts, pooling_params or PoolingParams(), use_tqdm,
-                          truncate_prompt_tokens)
+                          truncate_prompt_tokens, lora_request)
         return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.pooled),
                                        out.prompt_token_ids) for out in outs]
 
     def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
                  pooling_params: PoolingParams | None = None,
-                 truncate_prompt_tokens: int | None = None
+                 truncate_prompt_tokens: int | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  ) -> list[ClassificationRequestOutput]:
         """Each prompt's class probabilities (``outputs.probs``) from a
         ``*ForSequenceClassification`` model: its activation (softmax; a sigmoid for one
@@ -278,11 +304,22 @@ class LLM:
         pooling = dataclasses.replace(pooling_params or PoolingParams(), task="classify")
         return [ClassificationRequestOutput(out.request_id, ClassificationOutput(out.pooled),
                                             out.prompt_token_ids)
-                for out in self._pool(prompts, pooling, use_tqdm, truncate_prompt_tokens)]
+                for out in self._pool(prompts, pooling, use_tqdm, truncate_prompt_tokens,
+                                      lora_request)]
+
+    def reward(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+               pooling_params: PoolingParams | None = None,
+               truncate_prompt_tokens: int | None = None,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+               ) -> list[PoolingRequestOutput]:
+        """A reward model's scores at every prompt token (vLLM's ``LLM.reward``): the
+        classification head's activated logits, one row per token (``outputs.data``)."""
+        return self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens,
+                           lora_request, pooling_task="token_classify")
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
-              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None
-              ) -> list[ScoringRequestOutput]:
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
         """How well each text of ``data_2`` goes with ``data_1`` (one text against each, or
         pairwise for lists of one length), as vLLM's ``LLM.score``: a cross-encoder's
         (reranker's) activated logit for the pair, or on an embedding model the cosine
@@ -302,11 +339,12 @@ class LLM:
             encoded = [{"prompt_token_ids": list(tok(a, text_pair=b)["input_ids"])}
                        for a, b in pairs]
             outs = self._pool(encoded, PoolingParams(task="classify"), use_tqdm,
-                              truncate_prompt_tokens)
+                              truncate_prompt_tokens, lora_request)
             return [ScoringRequestOutput(out.request_id, ScoringOutput(out.pooled[0]),
                                          out.prompt_token_ids) for out in outs]
         texts = list(dict.fromkeys(itertools.chain.from_iterable(pairs)))
-        embedded = self._pool(texts, PoolingParams(), use_tqdm, truncate_prompt_tokens)
+        embedded = self._pool(texts, PoolingParams(), use_tqdm, truncate_prompt_tokens,
+                              lora_request)
         by_text = dict(zip(texts, embedded, strict=True))
         return [ScoringRequestOutput(
             f"{by_text[a].request_id}+{by_text[b].request_id}",
@@ -315,11 +353,13 @@ class LLM:
             for a, b in pairs]
 
     def _pool(self, prompts: PromptType | Sequence[PromptType], pooling: PoolingParams,
-              use_tqdm: bool, truncate_prompt_tokens: int | None = None
+              use_tqdm: bool, truncate_prompt_tokens: int | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
               ) -> list[RequestOutput]:
         """Run pooling requests (``truncate_prompt_tokens``: each prompt's last k tokens)."""
         return self.generate(prompts, SamplingParams(
-            pooling=pooling, truncate_prompt_tokens=truncate_prompt_tokens), use_tqdm)
+            pooling=pooling, truncate_prompt_tokens=truncate_prompt_tokens), use_tqdm,
+            lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

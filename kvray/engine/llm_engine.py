@@ -286,11 +286,12 @@ class LLMEngine:
         leaves it open, prefill plus one greedy token (dropped); InvalidRequestError naming
         the field it cannot serve."""
         pooling = params.pooling
-        if pooling.task == "classify" and self.spec.head != "classify":
+        classify = pooling.task in ("classify", "token_classify")
+        if classify and self.spec.head != "classify":
             raise InvalidRequestError(
                 f"this model ({self.spec.architecture}) has no classification head; "
                 "scores need a *ForSequenceClassification model", "model")
-        size = self.spec.num_labels if pooling.task == "classify" else self.spec.hidden_size
+        size = self.spec.num_labels if classify else self.spec.hidden_size
         if pooling.dimensions is not None and pooling.dimensions > size:
             raise InvalidRequestError(f"dimensions = {pooling.dimensions}: this model's "
                                       f"vectors have {size}", "dimensions")
@@ -480,8 +481,11 @@ class LLMEngine:
             parent = self._parents.get(parent_id)
             if parent is not None:
                 pooling = parent.params.pooling
-                if pooling is not None and pooling.task == "classify" and pooling.activation:
-                    vector = activated(vector, self.pooling.activation)
+                if pooling is not None and pooling.activation:
+                    if pooling.task == "classify":
+                        vector = activated(vector, self.pooling.activation)
+                    elif pooling.task == "token_classify":
+                        vector = [activated(row, self.pooling.activation) for row in vector]
                 parent.pooled = vector
                 touched.add(parent_id)
         return touched

@@ -74,7 +74,7 @@ class RequestState:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_sent_prompt_logprobs: int = 0  # DELTA
     prompt_sent: bool = False  # DELTA: the prompt went out with the first output
-    pooled: list[float] | None = None  # a pooling request's vector, once computed
+    pooled: list[float] | list[list[float]] | None = None  # once computed (token tasks: rows)
 
     @property
     def finished(self) -> bool:

@@ -88,6 +88,6 @@ class ModelRunnerOutput:
     # merged over the workers by the executor (a key a worker could not store is left out).
     kv_offloaded: dict[int, list[tuple[object, int]]] = field(default_factory=dict)
     # Pooling requests whose prompt completed this step: req -> embedding / class logits.
-    pooled: dict[str, list[float]] = field(default_factory=dict)
+    pooled: dict[str, list[float] | list[list[float]]] = field(default_factory=dict)
     # Speculative decoding with a draft model: req -> draft tokens for its next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

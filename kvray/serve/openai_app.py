@@ -33,10 +33,12 @@ from kvray.serve.metrics import ServerMetrics
 from kvray.serve.pooling_api import (
     ClassificationRequest,
     EmbeddingRequest,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
     create_classification,
     create_embeddings,
+    create_pooling,
     create_rerank,
     create_scores,
 )
@@ -293,6 +295,8 @@ class OpenAIServer:
         app.post("/v1/embeddings")(self.embeddings)
         for path in ("/classify", "/v1/classify"):
             app.post(path)(self.classify)
+        for path in ("/pooling", "/v1/pooling"):
+            app.post(path)(self.pooling)
         for path in ("/score", "/v1/score"):
             app.post(path)(self.score)
         for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
@@ -434,6 +438,10 @@ class OpenAIServer:
     async def classify(self, req: ClassificationRequest) -> dict:
         return await create_classification(self, req, self._check_model(req.model),
                                            self.model_head == "classify")
+
+    async def pooling(self, req: PoolingRequest) -> dict:
+        return await create_pooling(self, req, self._check_model(req.model),
+                                    self.model_head == "classify")
 
     async def score(self, req: ScoreRequest) -> dict:
         return await create_scores(self, req, self._check_model(req.model),
