@@ -470,11 +470,13 @@ class ServerConfig(_Section):
         1024, ge=1, le=1 << 20, description="Most chat messages in one request.")
     max_stop: int = Field(16, ge=0, le=4096, description="Most stop strings per request.")
     max_stop_chars: int = Field(
-        256, ge=1, le=1 << 16, description="Longest stop string in characters.")
+        256, ge=1, le=1 << 16,
+        description="Longest stop string (and bad_words word) in characters.")
     max_stop_token_ids: int = Field(
         256, ge=0, le=1 << 20, description="Most stop_token_ids per request.")
     max_logit_bias: int = Field(
-        1024, ge=0, le=1 << 20, description="Most logit_bias entries per request.")
+        1024, ge=0, le=1 << 20,
+        description="Most logit_bias entries (and bad_words words) per request.")
     max_logprobs: int = Field(
         20, ge=0, le=20,
         description="Largest top_logprobs (chat); completions' logprobs stay within "

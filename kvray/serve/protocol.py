@@ -265,6 +265,14 @@ class _Sampling(_Request):
         if len(bias) > limits.max_logit_bias:
             raise ProtocolError(f"logit_bias: {len(bias)} entries; at most "
                                 f"{limits.max_logit_bias} allowed", "logit_bias")
+        words = self.bad_words or []  # each is tokenized at admission: bounded like them
+        if len(words) > limits.max_logit_bias:
+            raise ProtocolError(f"bad_words: {len(words)} words; at most "
+                                f"{limits.max_logit_bias} allowed", "bad_words")
+        for word in words:
+            if len(word) > limits.max_stop_chars:
+                raise ProtocolError(f"bad_words: a word of {len(word)} characters; at most "
+                                    f"{limits.max_stop_chars} allowed", "bad_words")
         k = self.prompt_logprobs
         if k is not None and not 0 <= k <= limits.max_logprobs:
             raise ProtocolError(f"prompt_logprobs = {k}: must be in [0, "
