@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvray.lora.request import LoRARequest
 
 
 class Logprob(float):
@@ -124,6 +127,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(repr=False, default=None)
     # a pooling request's embedding or class logits (on its final output)
     pooled: list[float] | list[list[float]] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it ran with (vLLM's field)
 
     @property
     def num_cached_tokens(self) -> int | None:

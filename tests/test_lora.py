@@ -214,6 +214,31 @@ def test_a_lora_int_id_given_again_after_unloading_runs_the_new_adapter(lora_set
 
 
 @pytest.mark.engine
+def test_vllm_engine_and_request_names_for_adapters(lora_setup):
+    """vLLM's spellings: ``LoRARequest(lora_local_path=...)``, ``RequestOutput.lora_request``
+    (the adapter a request ran with), ``LLMEngine.add_lora`` / ``list_loras`` (ids) /
+    ``remove_lora`` (by id)."""
+    base, adapters, prompts, _, _ = lora_setup("llama_gqa")
+    old_style = LoRARequest("old", 3, lora_local_path=str(adapters["r8"]))
+    assert old_style.lora_path == old_style.path == str(adapters["r8"])
+    assert (old_style.adapter_id, old_style.name) == (3, "old")
+    with pytest.raises(LoRAError, match="lora_path"):
+        LoRARequest("nowhere", 4)
+    llm = LLM(str(base), dtype="float32", block_size=4, enable_lora=True, max_loras=2,
+              max_lora_rank=64)
+    try:
+        engine = llm.llm_engine
+        assert engine.add_lora(old_style) and engine.list_loras() == {3}
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], GREEDY,
+                            use_tqdm=False, lora_request=[old_style, None])
+        assert outs[0].lora_request == old_style and outs[1].lora_request is None
+        assert engine.remove_lora(3) and engine.list_loras() == set()
+        assert not engine.remove_lora(3)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.engine
 def test_unknown_and_unfit_adapters_are_refused_and_the_engine_goes_on(lora_setup, tmp_path):
     base, adapters, prompts, _, _ = lora_setup("llama_gqa")
     llm = LLM(str(base), dtype="float32", block_size=4, enable_lora=True, max_loras=2,

@@ -147,19 +147,15 @@ class LLM:
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Register (and validate) an adapter ahead of the requests that use it."""
-        self._loras().resolve(lora_request)
+        self.llm_engine.add_lora(lora_request)
 
     def remove_lora(self, name: str) -> bool:
         """Stop serving adapter ``name``; False if it is unknown."""
-        return self._loras().unregister(name)
+        return self.llm_engine.remove_lora(name)
 
     def list_loras(self) -> list[str]:
-        return self._loras().names()
-
-    def _loras(self):
-        if self.llm_engine.loras is None:
-            raise ValueError("LoRA is off: create the LLM with enable_lora=True")
-        return self.llm_engine.loras
+        """The names of the adapters served (``llm_engine.list_loras()``: their ids)."""
+        return self.llm_engine.lora_registry().names()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

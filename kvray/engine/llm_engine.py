@@ -250,7 +250,7 @@ class LLMEngine:
                 "embeddings and scores, not generated text", "model")
         if params.structured_outputs is not None:  # an invalid grammar is the client's 400
             self._grammar_compiler().compile(params.structured_outputs)
-        lora_id = self._lora_id(lora_request)
+        adapter = self._adapter(lora_request)
         # A prompt that fits generates at most to the context's end (finish "length"), as
         # vLLM's engine caps it; the HTTP front end refuses such a request first (a 400).
         room = self.max_model_len - len(ids)
@@ -259,14 +259,16 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = RequestState(request_id, text, ids, params,
                               prompt_logprobs=[] if params.prompt_logprobs is not None
-                              else None)
+                              else None,
+                              lora_request=lora_request if isinstance(lora_request, LoRARequest)
+                              else adapter)
         children = []
         serial = next(self._serial)
         for i in range(params.n):
             child_id = f"{request_id}@{serial}" + (f"#{i}" if params.n > 1 else "")
             seed = None if params.seed is None else params.seed + i
             children.append(Request(child_id, ids, params, arrival, priority, max_tokens, seed,
-                                    lora_id))
+                                    adapter.lora_int_id if adapter is not None else 0))
         for child in children:  # validate all before queueing any
             self.scheduler.check_request(child)
         for i, child in enumerate(children):
@@ -304,17 +306,47 @@ class LLMEngine:
             logprobs=None, prompt_logprobs=None, structured_outputs=None, stop=[],
             stop_token_ids=[], logit_bias=None)
 
-    def _lora_id(self, lora_request: LoRARequest | str | None) -> int:
-        """The registered id of the adapter a request names (0: none), its weights in host
-        memory (read again now if they were dropped: a read error is this request's)."""
+    # ---- adapters, as vLLM's LLMEngine manages them --------------------------------------
+    def lora_registry(self) -> LoRARegistry:
+        """The adapters served; ValueError when LoRA is off."""
+        if self.loras is None:
+            raise ValueError("LoRA is off: create the engine with enable_lora=True")
+        return self.loras
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register (and check) an adapter ahead of the requests that use it (LoRAError,
+        naming why, if it cannot be served)."""
+        self.lora_registry().resolve(lora_request)
+        return True
+
+    def remove_lora(self, lora: int | str) -> bool:
+        """Stop serving an adapter, named or by the id :meth:`list_loras` gives; False if
+        unknown."""
+        registry = self.lora_registry()
+        if isinstance(lora, int):
+            lora = next((name for name, i in registry.client_ids().items() if i == lora), "")
+        return registry.unregister(lora)
+
+    def list_loras(self) -> set[int]:
+        """The served adapters' ids (vLLM's): each its ``lora_int_id`` as registered."""
+        return set(self.lora_registry().client_ids().values())
+
+    def get_tokenizer(self):
+        """The tokenizer requests' text goes through (vLLM's accessor)."""
+        return self.tokenizer
+
+    def _adapter(self, lora_request: LoRARequest | str | None) -> LoRARequest | None:
+        """The registered adapter a request names (None: the base model; its id is the
+        registry's), its weights in host memory (read again now if they were dropped: a
+        read error is this request's)."""
         if lora_request is None:
-            return 0
+            return None
         if self.loras is None:
             raise InvalidRequestError("this server runs no LoRA adapters (start it with "
                                       "enable_lora or lora_modules)", "model")
         resolved = self.loras.resolve(lora_request)
         self.loras.payload(resolved.lora_int_id)
-        return resolved.lora_int_id
+        return resolved
 
     def _grammar_compiler(self) -> GrammarCompiler:
         """Compiles constraints at admission to reject invalid ones (workers in other

@@ -5,11 +5,15 @@ its params ask for: cumulative, only what is new (DELTA), or only the final one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvray.engine.detokenizer import IncrementalDetokenizer
 from kvray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvray.sampling_params import RequestOutputKind, SamplingParams
 from kvray.scheduler.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kvray.lora.request import LoRARequest
 
 
 @dataclass
@@ -75,6 +79,7 @@ class RequestState:
     num_sent_prompt_logprobs: int = 0  # DELTA
     prompt_sent: bool = False  # DELTA: the prompt went out with the first output
     pooled: list[float] | list[list[float]] | None = None  # once computed (token tasks: rows)
+    lora_request: LoRARequest | None = None  # the adapter it runs with
 
     @property
     def finished(self) -> bool:
@@ -106,7 +111,7 @@ class RequestState:
                 prompt_lps = prompt_lps[self.num_sent_prompt_logprobs:]
                 self.num_sent_prompt_logprobs += len(prompt_lps)
         return RequestOutput(self.request_id, prompt, prompt_ids, prompt_lps, outs,
-                             self.finished, self.metrics(), self.pooled)
+                             self.finished, self.metrics(), self.pooled, self.lora_request)
 
     def metrics(self) -> RequestMetrics:
         """Arrival, first scheduled, first token and finish times over the sequences."""

@@ -119,6 +119,14 @@ class LoRARegistry:
         with self._lock:
             return sorted(self._by_name)
 
+    def client_ids(self) -> dict[str, int]:
+        """Each registered adapter's id as a client knows it: the ``lora_int_id`` it was
+        registered with, else the registry's own (adapters loaded by name)."""
+        with self._lock:
+            given = {name: i for i, name in self._client_ids.items()}
+            return {name: given.get(name, req.lora_int_id)
+                    for name, req in self._by_name.items()}
+
     def name_of(self, lora_id: int) -> str:
         with self._lock:
             request = self._by_id.get(lora_id)
