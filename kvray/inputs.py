@@ -28,7 +28,8 @@ PromptType = str | list[int] | TextPrompt | TokensPrompt
 
 def join_text_parts(content: list[Any], where: str) -> str:
     """A message's list of OpenAI content parts (``[{"type": "text", "text": ...}]``) as
-    the one string chat templates take; any other part is an InvalidRequestError (a
+    the one string chat templates take, one part per line (vLLM's joining, so a prompt's
+    tokens are the same on both servers); any other part is an InvalidRequestError (a
     ValueError) naming ``where`` (e.g. ``messages.0.content``) and the part."""
     texts = []
     for j, part in enumerate(content):
@@ -42,7 +43,7 @@ def join_text_parts(content: list[Any], where: str) -> str:
             raise InvalidRequestError(f"{at}.text: a text part needs a string 'text'",
                                       f"{at}.text")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def truncate_prompt(ids: list[int], keep: int, max_model_len: int) -> list[int]:

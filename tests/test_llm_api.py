@@ -358,11 +358,11 @@ def test_stop_reason_is_the_stop_token_and_none_at_eos(llm, model_dir):
 
 
 def test_chat_takes_text_parts_and_a_lora_request_as_vllm_does(llm):
-    """OpenAI-style content parts are joined into the template's string; other part types
-    are refused."""
+    """OpenAI-style content parts are joined into the template's string, one per line as
+    vLLM joins them; other part types are refused."""
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hel"},
                                           {"type": "text", "text": "lo"}]}]
-    plain = [{"role": "user", "content": "Hello"}]
+    plain = [{"role": "user", "content": "Hel\nlo"}]
     params = SamplingParams(temperature=0, max_tokens=3)
     a = llm.chat(parts, params, use_tqdm=False)[0]
     b = llm.chat(plain, params, use_tqdm=False, lora_request=None)[0]

@@ -151,7 +151,8 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
 
 
 def _text_of(content: Any, where: str) -> str:
-    """A message's content: text, or its text parts joined (other parts are 400s)."""
+    """A message's content: text, or its text parts one per line, as chat content parts
+    are joined (:func:`kvray.inputs.join_text_parts`; other parts are 400s)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -163,7 +164,7 @@ def _text_of(content: Any, where: str) -> str:
             raise ProtocolError(f"{where}.{j}: content part {kind!r} is not supported; this "
                                 "model takes text parts (input_text)", f"{where}.{j}")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
