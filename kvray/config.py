@@ -499,6 +499,12 @@ class ServerConfig(_Section):
         "unaffected.")
     metrics_require_key: bool = Field(
         False, description="Require the API key on /metrics too (/health never needs it).")
+    allowed_origins: list[str] = Field(
+        ["*"], description="CORS: origins a browser may call the API from (vLLM's "
+        "--allowed-origins; a JSON list or 'a,b' on the command line). [] = no CORS headers.")
+    allowed_methods: list[str] = Field(["*"], description="CORS: methods allowed.")
+    allowed_headers: list[str] = Field(["*"], description="CORS: request headers allowed.")
+    allow_credentials: bool = Field(False, description="CORS: allow credentials (cookies).")
     stream_interval: int = Field(
         1, ge=1, le=1024,
         description="Streamed outputs carry this many new tokens per chunk (the first token "
@@ -517,6 +523,17 @@ class ServerConfig(_Section):
         "(Qwen3, QwQ: reasoning when the output or the prompt opens a block), deepseek_r1 "
         "(DeepSeek-R1 and distills: the output starts in the reasoning). Tool calls and "
         "structured outputs then apply to the answer only. none: the text is all content.")
+
+    @field_validator("allowed_origins", "allowed_methods", "allowed_headers", mode="before")
+    @classmethod
+    def _cors_list(cls, value: Any) -> Any:
+        """vLLM's command line spells these as JSON lists; a comma list works too."""
+        if isinstance(value, str) and value.strip().startswith("["):
+            try:
+                return json.loads(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is not a JSON list") from None
+        return _comma_list(value)
 
 
 _ADAPTER_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:/@+-")

@@ -35,15 +35,23 @@ def join_text_parts(content: list[Any], where: str) -> str:
     for j, part in enumerate(content):
         at = f"{where}.{j}"
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind != "text":
+        key = _TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
+        if key is None:
             raise InvalidRequestError(f"{at}.type: content part type {kind!r} is not "
                                       "supported; this model takes text parts only",
                                       f"{at}.type")
-        if not isinstance(part.get("text"), str):
-            raise InvalidRequestError(f"{at}.text: a text part needs a string 'text'",
-                                      f"{at}.text")
-        texts.append(part["text"])
+        if not isinstance(part.get(key), str):
+            raise InvalidRequestError(f"{at}.{key}: a {kind} part needs a string {key!r}",
+                                      f"{at}.{key}")
+        texts.append(part[key])
     return "\n".join(texts)
+
+
+# The content parts that carry text, and where: OpenAI's text part, the Responses API's
+# input/output text (vLLM takes them in chat too), and an assistant's refusal (the openai
+# client sends back the refusals it got).
+_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text",
+                   "refusal": "refusal"}
 
 
 def truncate_prompt(ids: list[int], keep: int, max_model_len: int) -> list[int]:

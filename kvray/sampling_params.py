@@ -183,7 +183,8 @@ class SamplingParams:
         repetition_penalty: > 1 discourages tokens seen in prompt or output (HF semantics).
         presence_penalty / frequency_penalty: OpenAI penalties over output tokens.
         logit_bias: token id -> bias added to its logit.
-        seed: per-request seed; the same seed gives the same tokens whatever else runs.
+        seed: per-request seed; the same seed gives the same tokens whatever else runs
+            (a negative one means what its unsigned 64-bit twin means, as in torch).
         stop: strings that end the output (not included in the text unless
             include_stop_str_in_output).
         stop_token_ids: token ids that end the output (included in token_ids, not the text).
@@ -296,8 +297,9 @@ class SamplingParams:
                "must be in [0, 20]")
         _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
                "prompt_logprobs", self.prompt_logprobs, "must be in [0, 20]")
-        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed,
-               "must be in [0, 2^63)")
+        # a 64-bit seed, signed as OpenAI's and vLLM's APIs take it or unsigned as torch's
+        _check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", self.seed,
+               "must be a 64-bit integer, in [-2^63, 2^64)")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "must be non-empty strings")
         _check(self.bad_words is None or (isinstance(self.bad_words, list) and all(

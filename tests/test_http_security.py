@@ -49,6 +49,31 @@ def test_every_route_but_the_probes_needs_the_key(engine):
     assert locked.get("/metrics", headers=KEY).status_code == 200
 
 
+def test_browsers_may_call_the_api_as_cors_allows(engine):
+    """vLLM's CORS defaults (any origin, method, header): a browser's preflight (no API
+    key, by the standard) is answered, and responses — a 401 included — carry the header;
+    the key still guards the routes. ``allowed_origins: []`` turns CORS off."""
+    client = _client(engine)
+    origin = {"Origin": "http://localhost:3000"}
+    preflight = client.options("/v1/chat/completions", headers={
+        **origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] in ("*", origin["Origin"])
+    models = client.get("/v1/models", headers={**KEY, **origin})
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "*"
+    refused = client.get("/v1/models", headers=origin)
+    assert refused.status_code == 401 and "access-control-allow-origin" in refused.headers
+    limited = _client(engine, allowed_origins='["https://app.example"]')
+    other = limited.options("/v1/models", headers={**origin,
+                                                    "Access-Control-Request-Method": "GET"})
+    assert other.status_code == 400  # an origin not allowed: starlette's refusal
+    off = _client(engine, allowed_origins=[])
+    assert "access-control-allow-origin" not in off.get("/v1/models",
+                                                        headers={**KEY, **origin}).headers
+    assert ServerConfig(allowed_methods="GET, POST").allowed_methods == ["GET", "POST"]
+
+
 def test_api_docs_are_off_by_default_and_behind_the_key_when_on(engine):
     client = _client(engine)
     for path in ("/docs", "/redoc", "/openapi.json"):

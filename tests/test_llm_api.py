@@ -121,6 +121,18 @@ def test_prompt_logprobs_survive_chunked_prefill(model_dir, hf):
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-4
 
 
+def test_a_negative_seed_is_its_unsigned_64_bit_twin(llm):
+    """Regression: ``seed: -1`` (what many chat UIs send) was a 400; OpenAI's and vLLM's
+    APIs take any signed 64-bit seed. It seeds as torch reads it, as 2^64 - 1."""
+    prompt = {"prompt_token_ids": _ids(6, 3)}
+    outs = [llm.generate(prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=8, n=2),
+                         use_tqdm=False)[0] for seed in (-1, 2**64 - 1)]
+    assert [c.token_ids for c in outs[0].outputs] == [c.token_ids for c in outs[1].outputs]
+    for bad in (-(2**63) - 1, 2**64):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=bad)
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_large_mixed_batch(model_dir):
     tight = LLM(str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=48,
                 max_num_seqs=12, num_gpu_blocks_override=60)

@@ -190,6 +190,8 @@ def test_a_valid_surrogate_pair_is_accepted(client):
     ({"text": "no type"}, "messages.0.content.0.type"),
     ({"type": "text", "text": 5}, "messages.0.content.0.text"),
     ({"type": "text"}, "messages.0.content.0.text"),
+    ({"type": "refusal", "text": "no"}, "messages.0.content.0.refusal"),
+    ({"type": ["text"], "text": "x"}, "messages.0.content.0.type"),
 ])
 def test_non_text_content_parts_are_400s(client, part, param):
     body = _chat(messages=[{"role": "user", "content": [part]}])
@@ -198,13 +200,22 @@ def test_non_text_content_parts_are_400s(client, part, param):
                 param)
 
 
-def test_text_content_parts_are_joined(client):
-    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
+def test_text_content_parts_are_joined_one_per_line(client):
+    """vLLM's joining (regression: parts were concatenated); the Responses API's text
+    parts and an assistant's refusal (sent back by the openai client) carry text too."""
+    parts = [{"type": "text", "text": "Hello "}, {"type": "input_text", "text": "there"}]
     joined = client.post("/tokenize", json={"model": "m", "messages": [
-        {"role": "user", "content": "Hello there"}]}).json()["tokens"]
+        {"role": "user", "content": "Hello \nthere"}]}).json()["tokens"]
     got = client.post("/tokenize", json={"model": "m", "messages": [
         {"role": "user", "content": parts}]}).json()["tokens"]
     assert got == joined
+    refused = [{"role": "user", "content": "Do it"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+               {"role": "user", "content": "Please"}]
+    plain = [refused[0], {"role": "assistant", "content": "No."}, refused[2]]
+    got, want = (client.post("/tokenize", json={"model": "m", "messages": m}).json()["tokens"]
+                 for m in (refused, plain))
+    assert got == want
 
 
 def test_admission_counts_sequences_not_requests(tiny_model_dir):

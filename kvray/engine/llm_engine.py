@@ -266,7 +266,7 @@ class LLMEngine:
         serial = next(self._serial)
         for i in range(params.n):
             child_id = f"{request_id}@{serial}" + (f"#{i}" if params.n > 1 else "")
-            seed = None if params.seed is None else params.seed + i
+            seed = None if params.seed is None else (params.seed + i) % 2**64
             children.append(Request(child_id, ids, params, arrival, priority, max_tokens, seed,
                                     adapter.lora_int_id if adapter is not None else 0))
         for child in children:  # validate all before queueing any

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -212,6 +213,12 @@ class OpenAIServer:
         self._install_handlers()
         self._install_routes()
         self.app.add_middleware(_Gate, server=self)
+        limits = self.limits
+        if limits.allowed_origins:  # outside the gate: a browser's preflight has no API key
+            self.app.add_middleware(
+                CORSMiddleware, allow_origins=limits.allowed_origins,
+                allow_methods=limits.allowed_methods, allow_headers=limits.allowed_headers,
+                allow_credentials=limits.allow_credentials)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work on the tokenizer thread."""
