@@ -54,10 +54,16 @@ _TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text",
                    "refusal": "refusal"}
 
 
-def truncate_prompt(ids: list[int], keep: int, max_model_len: int) -> list[int]:
-    """A prompt's last ``keep`` tokens (-1: the last ``max_model_len - 1``, leaving room for
-    one generated token); ``ids`` itself when it is no longer."""
-    keep = max_model_len - 1 if keep == -1 else keep
+def truncate_prompt(ids: list[int], keep: int, max_model_len: int,
+                    generates: bool = True) -> list[int]:
+    """A prompt's last ``keep`` tokens (-1: as many as the context holds — leaving room for
+    one generated token unless the request only pools); ``ids`` itself when it is no
+    longer. ValueError when ``keep`` exceeds the context (vLLM's rule)."""
+    if keep > max_model_len:
+        raise InvalidRequestError(f"truncate_prompt_tokens = {keep} exceeds the model's "
+                                  f"maximum context length ({max_model_len})",
+                                  "truncate_prompt_tokens")
+    keep = max_model_len - generates if keep == -1 else keep
     return ids[-keep:] if len(ids) > keep else ids
 
 

@@ -156,6 +156,10 @@ class PoolingParams:
     def __post_init__(self) -> None:
         _check(self.task in POOLING_TASKS, "task", self.task,
                f"must be one of {', '.join(POOLING_TASKS)}")
+        for name in ("normalize", "use_activation", "activation"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool) or (value is None and name != "activation"),
+                   name, value, "must be true or false")
         if self.use_activation is not None:  # (a frozen dataclass: set once, here)
             object.__setattr__(self, "normalize", bool(self.use_activation))
             object.__setattr__(self, "activation", bool(self.use_activation))
@@ -168,8 +172,12 @@ class PoolingParams:
         if per_token:
             object.__setattr__(self, "pooling_type", "all")
         _check(self.dimensions is None or (isinstance(self.dimensions, int)
+                                           and not isinstance(self.dimensions, bool)
                                            and self.dimensions >= 1),
                "dimensions", self.dimensions, "must be a positive integer")
+        _check(self.dimensions is None or self.task in ("embed", "token_embed"),
+               "dimensions", self.dimensions, "only embeddings take dimensions (Matryoshka); "
+               "class scores keep every class")
 
 
 @dataclass

@@ -129,6 +129,11 @@ def test_pooling_params_keep_all_rows_for_the_token_tasks_only():
                 dict(task="token_embed", pooling_type="mean"), dict(task="reward")):
         with pytest.raises(ValueError, match="pooling_type|task"):
             PoolingParams(**bad)
+    for bad in (dict(use_activation="no"), dict(normalize="yes"), dict(activation=None),
+                dict(dimensions=True), dict(task="classify", dimensions=2)):
+        with pytest.raises(ValueError, match=next(iter(bad)) if "task" not in bad
+                           else "dimensions"):
+            PoolingParams(**bad)
     off = PoolingParams(use_activation=False)
     assert off.normalize is False and off.activation is False
     on = PoolingParams(normalize=False, activation=False, use_activation=True)
@@ -230,6 +235,12 @@ def test_classification_scores_are_the_heads_logits_through_the_models_activatio
         with pytest.raises(ValueError, match="data_1 has 2 texts and data_2 3"):
             llm.score(["a", "b"], ["c", "d", "e"])
         # vLLM's LLM.reward: the head's activated logits at every prompt token
+        # Regression: use_activation (vLLM's) also turned on the embeddings' normalisation,
+        # which L2-normalised class logits before the sigmoid
+        used = llm.classify(TEXTS[:2], use_tqdm=False,
+                            pooling_params=PoolingParams(use_activation=True))
+        assert torch.allclose(torch.tensor([u.outputs.probs for u in used]),
+                              torch.tensor([p.outputs.probs for p in probs[:2]]), atol=1e-6)
         rewards = llm.reward(TEXTS[:2], use_tqdm=False, truncate_prompt_tokens=9)
         for text, out in zip(TEXTS[:2], rewards, strict=True):
             ids = tok(text)["input_ids"][-9:]
@@ -260,6 +271,14 @@ def test_score_takes_every_name_vllm_gave_its_texts():
      "sigmoid"),
     ({"id2label": {"0": "a"}, "sentence_transformers": {
         "activation_fn": "torch.nn.modules.linear.Identity"}}, "identity"),
+    # regressions: a regression head's logits are its scores; the older cross-encoder key
+    ({"id2label": {"0": "a"}, "problem_type": "regression"}, "identity"),
+    ({"id2label": {"0": "a", "1": "b"}, "problem_type": "regression"}, "identity"),
+    ({"id2label": {"0": "a"},
+      "sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"},
+     "identity"),
+    ({"id2label": {"0": "a"},
+      "sbert_ce_default_activation_function": "torch.nn.modules.activation.Tanh"}, "tanh"),
     ({}, "softmax")])
 def test_a_classifiers_activation_is_read_from_its_config(tmp_path, config, want):
     from kvray.models.pooling import activated, classify_activation
@@ -272,6 +291,8 @@ def test_a_classifiers_activation_is_read_from_its_config(tmp_path, config, want
         assert scores[2] == 1.0 and scores[3] == 0.0 and abs(scores[0] - 0.8807971) < 1e-6
     elif want == "softmax":
         assert abs(sum(scores) - 1.0) < 1e-9 and scores[2] == 1.0
+    elif want == "tanh":
+        assert scores[2] == 1.0 and scores[3] == -1.0 and abs(scores[0] - 0.9640276) < 1e-6
     else:
         assert scores == logits
 
@@ -422,6 +443,12 @@ def test_pooling_routes_take_a_conversation_truncation_and_use_activation(tiny_m
         assert cut["usage"]["prompt_tokens"] == 5
         assert torch.allclose(torch.tensor(cut["data"][0]["embedding"]), direct(ids[-5:]),
                               atol=1e-5)
+        # a whole context's input pools (its sampled token is never cached), as in vLLM;
+        # -1 keeps as much
+        full = embedding({"input": [list(range(5, 261))]})
+        assert full["usage"]["prompt_tokens"] == 256
+        kept = embedding({"input": [list(range(5, 300))], "truncate_prompt_tokens": -1})
+        assert kept["usage"]["prompt_tokens"] == 256
         bare = embedding({"input": TEXTS[1], "add_special_tokens": False})
         assert bare["usage"]["prompt_tokens"] == len(tok(TEXTS[1],
                                                          add_special_tokens=False)["input_ids"])
@@ -451,6 +478,12 @@ def test_pooling_routes_take_a_conversation_truncation_and_use_activation(tiny_m
                 ("/v1/embeddings", {"messages": messages, "continue_final_message": True},
                  "continue_final_message"),
                 ("/pooling", {"input": "x", "task": "token_classify"}, "task"),
+                ("/pooling", {"input": "x", "dimensions": 4, "task": "token_embed",
+                              "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
+                ("/v1/embeddings", {"input": [5] * 257}, "input"),
+                ("/score", {"text_1": "a", "text_2": []}, "text_2"),
+                ("/score", {"text_1": "a", "text_2": ["x" * 10**6]}, "text_2"),
+                ("/rerank", {"query": "a", "documents": ["b " * 300]}, "documents"),
                 ("/pooling", {"input": "x", "task": "reward"}, "task"),
                 ("/classify", {"messages": messages}, "model")]:
             resp = client.post(route, json=body)

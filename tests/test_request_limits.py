@@ -176,6 +176,19 @@ def test_a_suffix_is_a_400_naming_it_not_silently_dropped(client):
     assert ok.status_code == 200, ok.text
 
 
+def test_context_overflow_says_so_in_the_words_clients_match(client):
+    """Regression: the message was kvray's own; clients (LiteLLM, agent frameworks) match
+    vLLM's and OpenAI's "maximum context length" to trim a conversation. A prompt that
+    leaves no room names the prompt (a chat's messages), else max_tokens."""
+    for path, body, param in [
+            ("/v1/completions", _completion(prompt=[5] * 300), "prompt"),
+            ("/v1/chat/completions", _chat(max_tokens=300), "max_tokens"),
+            ("/v1/completions", _completion(prompt=[5] * 100, max_tokens=200), "max_tokens")]:
+        resp = client.post(path, json=body)
+        _assert_400(resp, param)
+        assert "maximum context length is 256 tokens" in resp.json()["error"]["message"]
+
+
 def test_a_valid_surrogate_pair_is_accepted(client):
     body = '{"model": "m", "prompt": "smile \\ud83d\\ude42", "max_tokens": 1}'
     resp = client.post("/v1/completions", content=body.encode(),

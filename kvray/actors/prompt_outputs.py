@@ -78,8 +78,8 @@ class Pooler:
                 vectors = classify(vectors)
             if pooling.dimensions is not None:
                 vectors = vectors[:, :pooling.dimensions]
-            if pooling.normalize:
-                vectors = torch.nn.functional.normalize(vectors, dim=-1)
+            if pooling.normalize and pooling.task in ("embed", "token_embed"):
+                vectors = torch.nn.functional.normalize(vectors, dim=-1)  # not class logits
             result[req_id] = vectors.tolist() if kind == "all" else vectors[0].tolist()
         return result
 

@@ -232,7 +232,8 @@ class LLMEngine:
             lora_request = prompt["lora_name"]  # the HTTP front end names the adapter here
         text, ids = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
-            kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+            kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len,
+                                   generates=params.pooling is None)
             if kept is not ids:
                 text, ids = None, kept
         self._check_token_ids(ids, "the prompt", "prompt")

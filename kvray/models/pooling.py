@@ -31,7 +31,8 @@ class ModelPooling:
     activation: str = "softmax"
 
 
-_ACTIVATIONS = {"Sigmoid": "sigmoid", "Softmax": "softmax", "Identity": "identity"}
+_ACTIVATIONS = {"Sigmoid": "sigmoid", "Softmax": "softmax", "Identity": "identity",
+                "Tanh": "tanh"}
 
 
 def activated(logits: list[float], activation: str) -> list[float]:
@@ -40,6 +41,8 @@ def activated(logits: list[float], activation: str) -> list[float]:
     if activation == "sigmoid":
         return [1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
                 for x in logits]
+    if activation == "tanh":
+        return [math.tanh(x) for x in logits]
     if activation == "softmax" and logits:
         top = max(logits)
         exps = [math.exp(x - top) for x in logits]
@@ -57,18 +60,22 @@ def cosine_similarity(a: list[float], b: list[float]) -> float:
 
 def classify_activation(model_dir: str | Path | None) -> str:
     """How a ``*ForSequenceClassification`` checkpoint turns logits into scores, as
-    sentence-transformers' CrossEncoder and vLLM read it: the ``activation_fn`` its config
-    names, else a sigmoid for one label (a reranker) or multi-label problems, else softmax.
-    """
+    sentence-transformers' CrossEncoder and vLLM read it: the activation its config names
+    (``sentence_transformers.activation_fn``, else the older
+    ``sbert_ce_default_activation_function``), else none for a regression head, a sigmoid
+    for one label (a reranker) or multi-label problems, else softmax."""
     config_file = Path(model_dir) / "config.json" if model_dir is not None else None
     try:
         config = json.loads(config_file.read_text()) if config_file is not None \
             and config_file.is_file() else {}
     except (OSError, ValueError):
         config = {}
-    named = str((config.get("sentence_transformers") or {}).get("activation_fn", ""))
+    named = str((config.get("sentence_transformers") or {}).get("activation_fn")
+                or config.get("sbert_ce_default_activation_function") or "")
     if named.rsplit(".", 1)[-1] in _ACTIVATIONS:
         return _ACTIVATIONS[named.rsplit(".", 1)[-1]]
+    if config.get("problem_type") == "regression":
+        return "identity"
     labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
     if labels == 1 or config.get("problem_type") == "multi_label_classification":
         return "sigmoid"

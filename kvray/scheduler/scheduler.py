@@ -150,26 +150,31 @@ class Scheduler:
             self.loras.retain(request.lora_id, self.loras.name_of(request.lora_id))
 
     def check_request(self, request: Request) -> None:
-        """Raise RequestTooLongError if ``request`` could never be scheduled."""
+        """Raise RequestTooLongError if ``request`` could never be scheduled. A pooling
+        request needs only its prompt's room: the one token it samples is dropped and
+        never enters the cache."""
         n = request.num_prompt_tokens
         if n == 0:
             raise RequestTooLongError("the prompt is empty; give at least one token", "prompt")
-        if n + request.max_tokens > self.max_model_len:
-            raise RequestTooLongError(
-                f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = "
-                f"{n + request.max_tokens} exceeds max_model_len ({self.max_model_len})")
+        pools = request.sampling_params.pooling is not None
+        need = n if pools else n + request.max_tokens
+        asked = f"prompt ({n} tokens)" if pools else \
+            f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = {need}"
+        if need > self.max_model_len:
+            raise RequestTooLongError(f"{asked} exceeds max_model_len ({self.max_model_len})")
         capacity = self.kv.num_blocks * self.block_size - self.lookahead
-        if n + request.max_tokens > capacity:
+        if need > capacity:
             raise RequestTooLongError(
-                f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) needs more KV cache "
-                f"than exists ({self.kv.num_blocks} blocks x {self.block_size} = {capacity} "
-                "tokens); raise kv_cache_memory or num_gpu_blocks_override")
+                f"{asked} needs more KV cache than exists ({self.kv.num_blocks} blocks x "
+                f"{self.block_size}" + (f" - {self.lookahead} kept for drafts"
+                                        if self.lookahead else "")
+                + f" = {capacity} tokens); raise kv_cache_memory or num_gpu_blocks_override")
         budget = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and n + request.max_tokens > budget:
+        if not self.config.enable_chunked_prefill and need > budget:
             # A preempted request re-prefills prompt + output in one step.
             raise RequestTooLongError(
-                f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) exceeds "
-                f"max_num_batched_tokens ({budget}) and chunked prefill is disabled")
+                f"{asked} exceeds max_num_batched_tokens ({budget}) and chunked prefill is "
+                "disabled")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.swap) or len(self.waiting) > 0

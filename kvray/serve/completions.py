@@ -54,7 +54,8 @@ class ServerContext(Protocol):
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work off the event loop."""
 
-    def resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int,
+                           prompt_field: str = "prompt") -> int:
         """``max_tokens`` for a prompt (400 when it does not fit the context)."""
 
     def check_prompt_text(self, text: str, param: str) -> None:
@@ -100,6 +101,7 @@ class _Pending:
 
 class _Handler:
     id_prefix = object_name = chunk_name = ""
+    prompt_field = "prompt"  # what a context-length 400 names when the prompt alone is over
 
     def __init__(self, server: ServerContext, req: Any, lora: str | None = None) -> None:
         self.server, self.req = server, req
@@ -112,7 +114,8 @@ class _Handler:
 
     def _params(self, prompt_len: int):
         try:
-            max_tokens = self.server.resolve_max_tokens(self.requested_max_tokens(), prompt_len)
+            max_tokens = self.server.resolve_max_tokens(self.requested_max_tokens(), prompt_len,
+                                                        self.prompt_field)
             return self.sampling_params(max_tokens)
         except ProtocolError as err:
             raise APIError(400, str(err), "BadRequestError", err.param) from None
@@ -494,6 +497,7 @@ class ChatHandler(_Handler):
     id_prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
+    prompt_field = "messages"
 
     def __init__(self, server: ServerContext, req: Any, lora: str | None = None) -> None:
         super().__init__(server, req, lora)

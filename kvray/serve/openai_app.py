@@ -271,17 +271,27 @@ class OpenAIServer:
                            f"'{self.model_name}'", "NotFoundError", "model")
         return model
 
-    def resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int,
+                           prompt_field: str = "prompt") -> int:
         """``max_tokens`` for a prompt: as requested, or all the room left in the context
-        (at most the model's default, if its generation config has one);
-        an APIError (400) when prompt + max_tokens exceeds the context length."""
+        (at most the model's default, if its generation config has one); an APIError (400)
+        when the prompt leaves no room (naming ``prompt_field``) or prompt + max_tokens
+        exceeds the context length, in vLLM's (and OpenAI's) words, which clients match to
+        trim a conversation."""
         room = self.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
+                           f"tokens. However, your request has {prompt_len} input tokens. "
+                           "Please reduce the length of the input.", "BadRequestError",
+                           prompt_field)
         if requested is None:
             requested = min(room, self.sampling_defaults.get("max_tokens") or room)
-        if prompt_len + requested > self.max_model_len or room < 1:
-            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({requested}) "
-                           f"exceeds the model's context length ({self.max_model_len})",
-                           "BadRequestError", "max_tokens")
+        if requested > room:
+            raise APIError(400, f"'max_tokens' is too large: {requested}. This model's maximum "
+                           f"context length is {self.max_model_len} tokens and your request "
+                           f"has {prompt_len} input tokens ({requested} > "
+                           f"{self.max_model_len} - {prompt_len}).", "BadRequestError",
+                           "max_tokens")
         return requested
 
     # ---- routes -------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, Field
 
+from kvray.errors import InvalidRequestError
 from kvray.inputs import score_pairs, truncate_prompt
 from kvray.models.pooling import cosine_similarity
 from kvray.outputs import RequestOutput
@@ -167,12 +168,17 @@ class PoolingHandler:
         max_len = self.server.max_model_len
         keep = self.req.truncate_prompt_tokens
         if keep is not None:
-            ids = [truncate_prompt(prompt_ids, keep, max_len) for prompt_ids in ids]
+            try:
+                ids = [truncate_prompt(prompt_ids, keep, max_len, generates=False)
+                       for prompt_ids in ids]
+            except InvalidRequestError as err:
+                raise api_error_from(err) from None
         for prompt_ids in ids:
-            if len(prompt_ids) + 1 > max_len:
-                raise APIError(400, f"{field}: an input of {len(prompt_ids)} tokens exceeds "
-                               f"the model's context length ({max_len})",
-                               "BadRequestError", field)
+            if len(prompt_ids) > max_len:
+                raise APIError(400, f"{field}: this model's maximum context length is "
+                               f"{max_len} tokens. However, an input has {len(prompt_ids)} "
+                               "tokens. Please reduce the length of the input, or set "
+                               "truncate_prompt_tokens.", "BadRequestError", field)
         return await asyncio.gather(*(self._one(f"{self.id}-{i}", prompt_ids, params, field)
                                       for i, prompt_ids in enumerate(ids)))
 
@@ -265,8 +271,11 @@ async def create_pooling(server: ServerContext, req: PoolingRequest, lora: str |
                        "*ForSequenceClassification model has one)", "BadRequestError", "task")
     handler = PoolingHandler(server, lora, req, "pool")
     prompts = await handler.inputs()
-    pooling = PoolingParams(task=task, dimensions=req.dimensions,
-                            use_activation=req.use_activation)
+    try:
+        pooling = PoolingParams(task=task, dimensions=req.dimensions,
+                                use_activation=req.use_activation)
+    except ValueError as err:  # "<field> = <value>: <rule>"
+        raise APIError(400, str(err), "BadRequestError", str(err).split(" ", 1)[0]) from None
     outs = await handler.pool(prompts, pooling, "input")
     data = [{"index": i, "object": "pooling", "data": _encode(out.pooled, req.encoding_format)}
             for i, out in enumerate(outs)]
@@ -294,34 +303,34 @@ def _encode(vector: list[float] | list[list[float]], encoding: str
 
 
 async def _scores(server: ServerContext, handler: PoolingHandler, pairs: list[tuple[str, str]],
-                  classify: bool) -> tuple[list[float], list[RequestOutput]]:
+                  classify: bool, field: str) -> tuple[list[float], list[RequestOutput]]:
     """One score per (a, b) pair: the classification head's activated logit, or the
-    cosine similarity of the two texts' embeddings."""
+    cosine similarity of the two texts' embeddings (an input too long: a 400 naming
+    ``field``, the second texts', usually the long ones)."""
     if classify:
         outs = await handler.pool(pairs, PoolingParams(
-            task="classify", use_activation=handler.req.use_activation), "text_1")
+            task="classify", use_activation=handler.req.use_activation), field)
         for out in outs:
             if len(out.pooled) != 1:
                 raise APIError(400, f"this model has {len(out.pooled)} labels; scores need a "
                                "model with one (a reranker)", "BadRequestError", "model")
         return [out.pooled[0] for out in outs], outs
     texts = sorted({t for pair in pairs for t in pair})
-    outs = await handler.pool(texts, PoolingParams(normalize=False), "text_1")
+    outs = await handler.pool(texts, PoolingParams(normalize=False), field)
     vectors = dict(zip(texts, (o.pooled for o in outs), strict=True))
     return [cosine_similarity(vectors[a], vectors[b]) for a, b in pairs], outs
 
 
 async def create_scores(server: ServerContext, req: ScoreRequest, lora: str | None,
                         classify: bool) -> dict[str, Any]:
+    handler = PoolingHandler(server, lora, req, "score")
+    for texts, field in ((req.text_1, "text_1"), (req.text_2, "text_2")):
+        handler.check_prompts([texts] if isinstance(texts, str) else texts, field)
     try:
         pairs = score_pairs(req.text_1, req.text_2, ("text_1", "text_2"))
     except ValueError as err:
         raise APIError(400, str(err), "BadRequestError", "text_2") from None
-    first, second = [a for a, _ in pairs], [b for _, b in pairs]
-    handler = PoolingHandler(server, lora, req, "score")
-    handler.check_prompts(first, "text_1")
-    handler.check_prompts(second, "text_2")
-    scores, outs = await _scores(server, handler, pairs, classify)
+    scores, outs = await _scores(server, handler, pairs, classify, "text_2")
     return {"id": handler.id, "object": "list", "created": now(),
             "model": lora or server.model_name,
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
@@ -340,7 +349,8 @@ async def create_rerank(server: ServerContext, req: RerankRequest, lora: str | N
     handler = PoolingHandler(server, lora, req, "rerank")
     handler.check_prompts([req.query], "query")
     handler.check_prompts(docs, "documents")
-    scores, outs = await _scores(server, handler, [(req.query, d) for d in docs], classify)
+    scores, outs = await _scores(server, handler, [(req.query, d) for d in docs], classify,
+                                 "documents")
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n or len(docs)]
     results = []
     for i in order:
