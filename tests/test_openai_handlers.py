@@ -220,6 +220,43 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone(client):
     assert plain.status_code == 400 and plain.json()["error"]["param"] == "max_tokens"
 
 
+def test_tool_choice_auto_over_no_tools_is_plain_chat(client):
+    """Regression: ``tools: []`` with ``tool_choice: "auto"`` (agent frameworks send it
+    before any tool is registered) was a 400; vLLM answers it as plain chat. A required
+    or named call without tools stays a 400."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for extra in ({"tools": [], "tool_choice": "auto"}, {"tool_choice": "auto"}):
+        resp = client.post("/v1/chat/completions", json={**body, **extra})
+        assert resp.status_code == 200, resp.text
+        assert not resp.json()["choices"][0]["message"].get("tool_calls")
+    resp = client.post("/v1/chat/completions", json={**body, "tools": [],
+                                                     "tool_choice": "required"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tool_choice"
+
+
+def test_parallel_tool_calls_false_keeps_one_call_under_auto(client):
+    """OpenAI's promise for ``parallel_tool_calls: false``: at most one call, also when the
+    model writes two under ``tool_choice: auto`` (here forced by a choice), streamed or
+    not."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}
+    two = ('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "f", "arguments": {"x": 2}}\n</tool_call>')
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200,
+            "tools": [tool], "tool_choice": "auto", "guided_choice": [two]}
+    both = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert [json.loads(c["function"]["arguments"]) for c in both["tool_calls"]] == [
+        {"x": 1}, {"x": 2}]
+    one = client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False})
+    calls = one.json()["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"x": 1}]
+    streamed = _events(client.post("/v1/chat/completions", json={
+        **body, "parallel_tool_calls": False, "stream": True}))
+    entries = [e for c in streamed for ch in c["choices"]
+               for e in ch["delta"].get("tool_calls") or []]
+    assert entries and {e["index"] for e in entries} == {0}
+
+
 def test_null_means_the_default_for_fields_that_hold_no_null(client):
     """Regression: clients that send unset fields as null got 400s for n, stream, echo,
     penalties, logprobs, parallel_tool_calls (OpenAI's "or null" fields)."""

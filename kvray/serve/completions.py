@@ -615,6 +615,13 @@ class ChatHandler(_Handler):
                 parts += streamer.finish()
             delta = _merge_deltas(parts)
             made_calls = streamer.made_calls
+            if not self.req.parallel_tool_calls and "tool_calls" in delta:
+                kept = [e for e in delta["tool_calls"] if e["index"] == 0]  # the first only
+                if kept:
+                    delta["tool_calls"] = kept
+                else:
+                    del delta["tool_calls"]
+                    delta.setdefault("content", "")
         if reasoning:
             if delta.get("content") == "" and "tool_calls" not in delta:
                 del delta["content"]
@@ -631,6 +638,8 @@ class ChatHandler(_Handler):
                                           self.tool_name, tools=self.tools)
         if comp.finish_reason == "length" and self.tool_mode in ("required", "named"):
             content, calls = answer, []  # cut off mid-arguments: not a call
+        if not self.req.parallel_tool_calls:
+            calls = calls[:1]  # OpenAI's promise: at most one call
         if reasoning is not None and content == "":
             content = None  # all thought, no answer (yet)
         message: dict[str, Any] = {"role": "assistant", "content": content}

@@ -406,8 +406,8 @@ class ChatCompletionRequest(_Sampling, _OpenEnd):
     def tool_mode(self) -> tuple[str, str | None]:
         """(``none`` | ``auto`` | ``required`` | ``named``, the named function's name)."""
         choice = self.tool_choice
-        if not self.tools:
-            if choice not in (None, "none"):
+        if not self.tools:  # "auto" over no tools is plain chat (vLLM's; clients send it)
+            if choice not in (None, "none", "auto"):
                 raise ProtocolError("tool_choice: needs tools", "tool_choice")
             return "none", None
         if isinstance(choice, NamedToolChoice):
