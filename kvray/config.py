@@ -533,6 +533,8 @@ class ServerConfig(_Section):
                 return json.loads(value)
             except ValueError:
                 raise ValueError(f"{value!r} is not a JSON list") from None
+        if isinstance(value, str) and not value.strip():
+            return []  # `--allowed-origins ''`: none
         return _comma_list(value)
 
 

@@ -255,6 +255,8 @@ def test_parallel_tool_calls_false_keeps_one_call_under_auto(client):
     entries = [e for c in streamed for ch in c["choices"]
                for e in ch["delta"].get("tool_calls") or []]
     assert entries and {e["index"] for e in entries} == {0}
+    arguments = "".join(e["function"].get("arguments") or "" for e in entries)
+    assert json.loads(arguments) == {"x": 1}
 
 
 def test_null_means_the_default_for_fields_that_hold_no_null(client):

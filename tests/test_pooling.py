@@ -117,8 +117,11 @@ def test_token_embeddings_are_every_prompt_positions_hidden_state(embed_model):
     with torch.no_grad():
         want = hf(torch.tensor([tok(TEXTS[0])["input_ids"]])).last_hidden_state[0]
     assert torch.allclose(raw, want, atol=1e-5)
-    # the default task stays one vector
+    # the default task stays one vector; embed is an embedding whatever params it gets
     assert llm.encode([TEXTS[0]], use_tqdm=False)[0].outputs.data.shape == (want.shape[1],)
+    token_params = PoolingParams(task="token_embed")
+    assert len(llm.embed([TEXTS[0]], token_params, use_tqdm=False)[0].outputs.embedding) \
+        == want.shape[1]
 
 
 @pytest.mark.unit
@@ -279,6 +282,12 @@ def test_score_takes_every_name_vllm_gave_its_texts():
      "identity"),
     ({"id2label": {"0": "a"},
       "sbert_ce_default_activation_function": "torch.nn.modules.activation.Tanh"}, "tanh"),
+    # an explicit problem type comes first (vLLM's order)
+    ({"id2label": {"0": "a"}, "problem_type": "regression", "sentence_transformers": {
+        "activation_fn": "torch.nn.modules.activation.Sigmoid"}}, "identity"),
+    ({"id2label": {"0": "a", "1": "b"}, "problem_type": "single_label_classification",
+      "sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"},
+     "softmax"),
     ({}, "softmax")])
 def test_a_classifiers_activation_is_read_from_its_config(tmp_path, config, want):
     from kvray.models.pooling import activated, classify_activation

@@ -204,6 +204,7 @@ def test_a_valid_surrogate_pair_is_accepted(client):
     ({"type": "text", "text": 5}, "messages.0.content.0.text"),
     ({"type": "text"}, "messages.0.content.0.text"),
     ({"type": "refusal", "text": "no"}, "messages.0.content.0.refusal"),
+    ({"type": "refusal", "refusal": "r" * 60}, "messages"),  # counted against the limit
     ({"type": ["text"], "text": "x"}, "messages.0.content.0.type"),
 ])
 def test_non_text_content_parts_are_400s(client, part, param):

@@ -107,6 +107,15 @@ def _text_contents(conv: Conversation) -> Conversation:
             for i, m in enumerate(conv)]
 
 
+def _for_task(pooling: PoolingParams | None, task: str) -> PoolingParams:
+    """``pooling`` for ``task`` (what ``embed``/``classify``/``encode(pooling_task=)``
+    ask for, whatever task the params named): a token task's per-token pooling type
+    goes, and comes with a token task."""
+    pooling = pooling or PoolingParams()
+    keep = None if pooling.pooling_type == "all" else pooling.pooling_type
+    return dataclasses.replace(pooling, task=task, pooling_type=keep)
+
+
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     """One prompt (text, token ids or a prompt dict) or several, as a list."""
     if isinstance(prompts, str | dict) or (
@@ -268,9 +277,7 @@ class LLM:
 
         pooling = pooling_params or PoolingParams()
         if pooling_task is not None:
-            pooling = dataclasses.replace(pooling, task=pooling_task, pooling_type=None
-                                          if pooling.pooling_type == "all"
-                                          else pooling.pooling_type)
+            pooling = _for_task(pooling, pooling_task)
         return [PoolingRequestOutput(out.request_id, PoolingOutput(torch.tensor(out.pooled)),
                                      out.prompt_token_ids)
                 for out in self._pool(prompts, pooling, use_tqdm, truncate_prompt_tokens,
@@ -284,7 +291,7 @@ class LLM:
         """Each prompt's embedding (``outputs.embedding``): the final hidden states pooled
         as the model says (its sentence-transformers config, else the last token,
         normalised) or as ``pooling_params`` asks."""
-        outs = self._pool(prompts, pooling_params or PoolingParams(), use_tqdm,
+        outs = self._pool(prompts, _for_task(pooling_params, "embed"), use_tqdm,
                           truncate_prompt_tokens, lora_request)
         return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.pooled),
                                        out.prompt_token_ids) for out in outs]
@@ -297,7 +304,7 @@ class LLM:
         """Each prompt's class probabilities (``outputs.probs``) from a
         ``*ForSequenceClassification`` model: its activation (softmax; a sigmoid for one
         label) of the head's logits, which ``PoolingParams(activation=False)`` returns."""
-        pooling = dataclasses.replace(pooling_params or PoolingParams(), task="classify")
+        pooling = _for_task(pooling_params, "classify")
         return [ClassificationRequestOutput(out.request_id, ClassificationOutput(out.pooled),
                                             out.prompt_token_ids)
                 for out in self._pool(prompts, pooling, use_tqdm, truncate_prompt_tokens,

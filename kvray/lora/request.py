@@ -20,7 +20,8 @@ class LoRARequest:
     """Which adapter a request runs with, as vLLM spells it: a name (what clients pass as
     ``model``), an integer id unique per adapter (> 0), and its PEFT directory
     (``lora_path``; vLLM's older ``lora_local_path`` is read when it is not given).
-    ``base_model_name`` is vLLM's too: what ``/v1/models`` names as the adapter's parent."""
+    ``base_model_name`` is accepted as vLLM takes it (kvray serves one base model: its
+    ``/v1/models`` names that as every adapter's parent)."""
 
     lora_name: str
     lora_int_id: int

@@ -59,27 +59,31 @@ def cosine_similarity(a: list[float], b: list[float]) -> float:
 
 
 def classify_activation(model_dir: str | Path | None) -> str:
-    """How a ``*ForSequenceClassification`` checkpoint turns logits into scores, as
-    sentence-transformers' CrossEncoder and vLLM read it: the activation its config names
+    """How a ``*ForSequenceClassification`` checkpoint turns logits into scores, as vLLM
+    reads it: the config's ``problem_type`` first (none for ``regression``, a sigmoid for
+    multi-label, softmax — a sigmoid for one label — for single-label), else the
+    activation a sentence-transformers cross-encoder names
     (``sentence_transformers.activation_fn``, else the older
-    ``sbert_ce_default_activation_function``), else none for a regression head, a sigmoid
-    for one label (a reranker) or multi-label problems, else softmax."""
+    ``sbert_ce_default_activation_function``), else a sigmoid for one label (a reranker),
+    softmax for more."""
     config_file = Path(model_dir) / "config.json" if model_dir is not None else None
     try:
         config = json.loads(config_file.read_text()) if config_file is not None \
             and config_file.is_file() else {}
     except (OSError, ValueError):
         config = {}
-    named = str((config.get("sentence_transformers") or {}).get("activation_fn")
-                or config.get("sbert_ce_default_activation_function") or "")
-    if named.rsplit(".", 1)[-1] in _ACTIVATIONS:
-        return _ACTIVATIONS[named.rsplit(".", 1)[-1]]
-    if config.get("problem_type") == "regression":
-        return "identity"
     labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
-    if labels == 1 or config.get("problem_type") == "multi_label_classification":
+    problem = config.get("problem_type")
+    if problem == "regression":
+        return "identity"
+    if problem == "multi_label_classification":
         return "sigmoid"
-    return "softmax"
+    if problem != "single_label_classification":
+        named = str((config.get("sentence_transformers") or {}).get("activation_fn")
+                    or config.get("sbert_ce_default_activation_function") or "")
+        if named.rsplit(".", 1)[-1] in _ACTIVATIONS:
+            return _ACTIVATIONS[named.rsplit(".", 1)[-1]]
+    return "sigmoid" if labels == 1 else "softmax"
 
 
 def model_pooling(model_dir: str | Path | None, classify: bool = False) -> ModelPooling:

@@ -160,21 +160,24 @@ class Scheduler:
         need = n if pools else n + request.max_tokens
         asked = f"prompt ({n} tokens)" if pools else \
             f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = {need}"
+        param = "prompt" if pools else "max_tokens"  # what a pooling request can shorten
         if need > self.max_model_len:
-            raise RequestTooLongError(f"{asked} exceeds max_model_len ({self.max_model_len})")
+            raise RequestTooLongError(f"{asked} exceeds max_model_len ({self.max_model_len})",
+                                      param)
         capacity = self.kv.num_blocks * self.block_size - self.lookahead
         if need > capacity:
             raise RequestTooLongError(
                 f"{asked} needs more KV cache than exists ({self.kv.num_blocks} blocks x "
                 f"{self.block_size}" + (f" - {self.lookahead} kept for drafts"
                                         if self.lookahead else "")
-                + f" = {capacity} tokens); raise kv_cache_memory or num_gpu_blocks_override")
+                + f" = {capacity} tokens); raise kv_cache_memory or num_gpu_blocks_override",
+                param)
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and need > budget:
             # A preempted request re-prefills prompt + output in one step.
             raise RequestTooLongError(
                 f"{asked} exceeds max_num_batched_tokens ({budget}) and chunked prefill is "
-                "disabled")
+                "disabled", param)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.swap) or len(self.waiting) > 0

@@ -376,7 +376,10 @@ class CompletionHandler(_Handler):
             return out
         return dataclasses.replace(out, outputs=[dataclasses.replace(
             c, text="", token_ids=[], cumulative_logprob=None,
-            logprobs=None if c.logprobs is None else []) for c in out.outputs])
+            logprobs=None if c.logprobs is None else [],
+            # the hidden token's own finish (an EOS, a stop) is not the response's
+            finish_reason=None if c.finish_reason is None else "length", stop_reason=None)
+            for c in out.outputs])
 
     def sampling_params(self, max_tokens):
         # echo with logprobs shows the prompt's tokens' logprobs too, as OpenAI and vLLM do

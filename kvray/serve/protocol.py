@@ -527,9 +527,10 @@ def check_messages(messages: list[ChatMessage], limits: ServerConfig) -> None:
     for m in messages:
         if isinstance(m.content, str):
             total += len(m.content)
-        elif isinstance(m.content, list):
-            total += sum(len(p.get("text", "")) for p in m.content
-                         if isinstance(p.get("text"), str))
+        elif isinstance(m.content, list):  # every string a part carries (a text, a
+            # refusal...) and the line breaks that join them
+            total += sum(len(v) for p in m.content for v in p.values()
+                         if isinstance(v, str)) + max(len(m.content) - 1, 0)
     if total > limits.max_prompt_chars:
         raise ProtocolError(f"messages: {total} characters of content; at most "
                             f"{limits.max_prompt_chars} allowed", "messages")

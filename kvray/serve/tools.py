@@ -12,7 +12,8 @@ model's text turned into OpenAI ``tool_calls``, whole or streamed.
   calls, or ``[TOOL_CALLS]name[ARGS]{...}`` per call), ``pythonic`` (Llama 3.2/4:
   ``[get_weather(city="Paris"), ...]``, maybe in ``<|python_start|>``...``<|python_end|>``)
   or ``qwen3_coder`` (Qwen3-Coder: ``<function=NAME><parameter=KEY>value</parameter>...``,
-  values typed by the tool's schema). ``"none"``: no calls are ever parsed.
+  values typed by the tool's schema); ``parallel_tool_calls: false`` keeps the first call
+  found. ``"none"``: no calls are ever parsed.
 
 Streaming: :class:`ToolCallStreamer` turns text deltas into OpenAI deltas as the text
 arrives: content outside the calls as ``content``; per call first a delta with its index,

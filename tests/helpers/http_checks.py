@@ -19,9 +19,10 @@ LEAKS = [
     ("ray internals", re.compile(r"ActorID|actor_id|ObjectRef|RayTaskError|ray::")),
     ("memory address", re.compile(r"\b0x[0-9a-fA-F]{8,}\b")),
     # a 32+ hex run with a letter in it, except a response id (cmpl-/chatcmpl-/embd-/
-    # score-/rerank-<uuid hex>; resp_/msg_/fc_/rs_ ids have no word boundary before it)
-    ("hex id", re.compile(r"(?<!cmpl-)(?<!embd-)(?<!score-)(?<!rerank-)"
-                          r"\b(?=[0-9]*[a-fA-F])[0-9a-fA-F]{32,}\b")),
+    # score-/rerank-/pool-/classify-<uuid hex>; resp_/msg_/fc_/rs_ ids have no word
+    # boundary before it)
+    ("hex id", re.compile(r"(?<!cmpl-)(?<!embd-)(?<!score-)(?<!rerank-)(?<!pool-)"
+                          r"(?<!classify-)\b(?=[0-9]*[a-fA-F])[0-9a-fA-F]{32,}\b")),
 ]
 # Generated or echoed text in a successful response is content, not a leak.
 CONTENT_KEYS = {"text", "content", "token", "tokens", "top_logprobs", "prompt", "bytes"}
