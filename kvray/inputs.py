@@ -35,7 +35,7 @@ def join_text_parts(content: list[Any], where: str) -> str:
     for j, part in enumerate(content):
         at = f"{where}.{j}"
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        key = _TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
+        key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
         if key is None:
             raise InvalidRequestError(f"{at}.type: content part type {kind!r} is not "
                                       "supported; this model takes text parts only",
@@ -50,7 +50,7 @@ def join_text_parts(content: list[Any], where: str) -> str:
 # The content parts that carry text, and where: OpenAI's text part, the Responses API's
 # input/output text (vLLM takes them in chat too), and an assistant's refusal (the openai
 # client sends back the refusals it got).
-_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text",
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text",
                    "refusal": "refusal"}
 
 

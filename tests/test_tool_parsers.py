@@ -565,6 +565,61 @@ def test_garbled_outputs_stream_what_their_whole_parse_finds(parser):
         _assert_stream_agrees_with_whole_parse(parser, "".join(text), rnd)
 
 
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", "Use <tool_call> tags to call tools. Bye."),  # a tag in prose
+    ("hermes", '<tool_call>{"answer": 42}</tool_call>'),  # an object naming no call
+    ("hermes", 'Ok <tool_call>{"tool": "x"}</tool_call> then.'),
+    ("llama3_json", '{"answer": 42}'),
+])
+def test_text_that_names_no_call_streams_as_the_content_it_is(parser, text):
+    """Regressions: a hermes tag in prose swallowed the rest of the stream, and an object
+    without a name opened an invisible call (finish "tool_calls", no call, no content);
+    whole, such text is content, and streamed it now is too, however it is cut."""
+    assert parse_tool_calls(text, "auto", parser) == (text, [])
+    for cuts in _cuts(text):
+        streamed, rebuilt, streamer = _stream("auto", parser, cuts)
+        assert (streamed, rebuilt, streamer.made_calls) == (text, {}, False), cuts
+
+
+@pytest.mark.parametrize("mode,parser,text,cuts", [
+    # a close tag cut between deltas; text after the call then a name-like object
+    ("auto", "hermes", '<tool_call>{"name":"get_time","arguments":{}}</tool_call>\nNow '
+     '{"name": "search"} done.', [48, 54]),
+    # the tag, then spaces in their own delta, then the call
+    ("auto", "llama3_json", '<|python_tag|>\n{"name": "get_time", "parameters": {}}', [15]),
+    # no arguments given: "{}", as the whole parse says, not ""
+    ("auto", "hermes", '<tool_call>{"name": "get_time"}</tool_call>', []),
+    ("auto", "llama3_json", '{"name": "get_time"}', []),
+    ("required", "hermes", '[{"name": "get_time"}]', []),
+    # a nameless object before a call: the call is index 0
+    ("auto", "hermes", '<tool_call>{"tool":"x"}</tool_call><tool_call>{"name":"get_time",'
+     '"arguments":{"tz":"UTC"}}</tool_call>', [20]),
+])
+def test_streamed_calls_equal_the_whole_parse_at_awkward_cuts(mode, parser, text, cuts):
+    _, calls = parse_tool_calls(text, mode, parser)
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    _, rebuilt, _ = _stream(mode, parser, pieces)
+    assert [(c["name"], json.loads(c["args"])) for _, c in sorted(rebuilt.items())] == \
+        [(c.name, json.loads(c.arguments)) for c in calls]
+    assert sorted(rebuilt) == list(range(len(calls)))
+
+
+@pytest.mark.parametrize("mode,parser", [("auto", "hermes"), ("auto", "llama3_json"),
+                                         ("required", "hermes")])
+def test_deeply_nested_output_is_content_not_an_error(mode, parser):
+    """Regression: a model repeating "[" until max_tokens made the whole parse raise
+    RecursionError (a 500); it is now text that parses to no call."""
+    text = ("<tool_call>" if parser == "hermes" and mode == "auto" else "") + "[" * 5000
+    content, calls = parse_tool_calls(text, mode, parser)
+    assert calls == [] and content == text
+
+
+def test_a_hermes_output_cut_inside_its_close_tag_keeps_its_call():
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {}} </tool_c',
+                                      "auto", "hermes")
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("f", "{}")]
+
+
 def test_the_config_accepts_every_parser():
     from typing import get_args
 

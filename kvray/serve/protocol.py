@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvray.config import ServerConfig
 from kvray.errors import InvalidRequestError
-from kvray.inputs import join_text_parts, truncate_prompt
+from kvray.inputs import TEXT_PART_KEYS, join_text_parts, truncate_prompt
 from kvray.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from kvray.serve.tools import required_schema
 
@@ -527,10 +527,14 @@ def check_messages(messages: list[ChatMessage], limits: ServerConfig) -> None:
     for m in messages:
         if isinstance(m.content, str):
             total += len(m.content)
-        elif isinstance(m.content, list):  # every string a part carries (a text, a
+        elif isinstance(m.content, list):  # the text each part carries (a text, a
             # refusal...) and the line breaks that join them
-            total += sum(len(v) for p in m.content for v in p.values()
-                         if isinstance(v, str)) + max(len(m.content) - 1, 0)
+            for p in m.content:
+                kind = p.get("type")
+                text = p.get(TEXT_PART_KEYS.get(kind, "text") if isinstance(kind, str)
+                             else "text")
+                total += len(text) if isinstance(text, str) else 0
+            total += max(len(m.content) - 1, 0)
     if total > limits.max_prompt_chars:
         raise ProtocolError(f"messages: {total} characters of content; at most "
                             f"{limits.max_prompt_chars} allowed", "messages")

@@ -184,7 +184,7 @@ def parse_tool_calls(text: str, mode: str, parser: str, named: str | None = None
     if mode == "required":
         try:
             items = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # (a model repeating "[" to max_tokens)
             return text, []
         calls = [c for c in (_call_of(i, ("parameters", "arguments"), new_id) for i in items)
                  if c] if isinstance(items, list) else []
@@ -231,9 +231,11 @@ def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     calls = []
     for body in re.findall(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE)
                            + r"|$)", text[start:], flags=re.DOTALL):
+        body = body.strip()
+        body = body[:len(body) - partial_suffix(body, HERMES_CLOSE)]  # output cut in the tag
         try:
-            call = _call_of(json.loads(body.strip()), ("arguments", "parameters"))
-        except ValueError:
+            call = _call_of(json.loads(body), ("arguments", "parameters"))
+        except (ValueError, RecursionError):
             call = None
         if call is not None:
             calls.append(call)
@@ -253,7 +255,7 @@ def _parse_llama3(text: str) -> tuple[str | None, list[ToolCall]]:
     while pos < len(body):
         try:
             obj, end = decoder.raw_decode(body, pos)
-        except ValueError:
+        except (ValueError, RecursionError):
             return text, []
         call = _call_of(obj, ("parameters", "arguments"))
         if call is None:
@@ -291,6 +293,14 @@ class ToolCallStreamer:
         self.new_id = _id_maker(parser)
         self.calls: list[dict] = []  # per call: {"id", "name"}
         self.pending_args = ""  # arguments seen before the name (rare key order)
+        # A JSON call object opened and not yet named: it becomes a call with its name (an
+        # object without one never does, as in the whole-text parse).
+        self.unnamed = False
+        self.args_sent = False  # the open call's arguments started (else "{}" at its end)
+        # hermes: the raw text of the call being read (from its tag), and the calls before
+        # it: a tag that yields no call gives its text back as content
+        self.call_raw = ""
+        self.calls_before = 0
         self.held = ""  # content held back: the start of a tag, or spaces (format scanners)
         self.in_call = False
         self.started = False
@@ -335,6 +345,15 @@ class ToolCallStreamer:
 
     def finish(self) -> list[dict]:
         out = self._apply(self.format_scanner.finish()) if self.format_scanner else []
+        if self.in_call and self.mode == "auto" and self.parser not in _SCANNERS \
+                and self.parser != "llama3_json":
+            self.call_raw += self.held  # (a cut close tag's start is the call's text)
+            self.held = ""
+            out += self._end_hermes_call()
+        elif self.in_call and self.parser == "llama3_json" and self.mode == "auto" \
+                and not self.calls and self.call_raw:
+            out.append({"content": self.call_raw})  # JSON that named no call: text after all
+            self.call_raw = ""
         if self.format_scanner and not self.calls:
             # no call came: what the scanner took for one's start is content after all
             out += self._send_content(self.fed[self.num_sent:])
@@ -385,10 +404,16 @@ class ToolCallStreamer:
         while buf:
             if self.in_call:
                 end = buf.find(HERMES_CLOSE)
-                body, buf = (buf, "") if end < 0 else (buf[:end], buf[end + len(HERMES_CLOSE):])
-                out += self._scan(body)
-                if end >= 0:
-                    self.in_call, self.scanner = False, None
+                if end < 0:  # the close tag may be cut: hold its start
+                    keep = partial_suffix(buf, HERMES_CLOSE)
+                    body, self.held = buf[:len(buf) - keep], buf[len(buf) - keep:]
+                    self.call_raw += body
+                    out += self._scan(body)
+                    break
+                self.call_raw += buf[:end + len(HERMES_CLOSE)]
+                out += self._scan(buf[:end])
+                buf = buf[end + len(HERMES_CLOSE):]
+                out += self._end_hermes_call()
                 continue
             start = buf.find(HERMES_OPEN)
             if start >= 0:
@@ -396,6 +421,7 @@ class ToolCallStreamer:
                     out.append({"content": buf[:start]})
                 buf = buf[start + len(HERMES_OPEN):]
                 self.in_call, self.scanner = True, CallScanner(1, ("arguments", "parameters"))
+                self.call_raw, self.calls_before = HERMES_OPEN, len(self.calls)
                 continue
             keep = partial_suffix(buf, HERMES_OPEN)
             if buf[:len(buf) - keep]:
@@ -404,8 +430,16 @@ class ToolCallStreamer:
             break
         return out
 
+    def _end_hermes_call(self) -> list[dict]:
+        """A hermes call's text ended (its close tag, or the output): one that gave no
+        call (a tag in prose, an object with no name) is content after all."""
+        self.in_call, self.scanner = False, None
+        raw, self.call_raw = self.call_raw, ""
+        return [{"content": raw}] if len(self.calls) == self.calls_before and raw else []
+
     def _feed_llama3(self, text: str) -> list[dict]:
         if self.in_call:
+            self.call_raw += text
             return self._scan(text)
         buf = self.held + text
         self.held = ""
@@ -415,8 +449,11 @@ class ToolCallStreamer:
             return []
         if stripped.startswith(_PYTHON_TAG):
             stripped = stripped[len(_PYTHON_TAG):]
+            if not stripped.strip():
+                self.held = buf  # the tag and spaces: the call may follow
+                return []
         if stripped.lstrip().startswith("{") and not self.started:
-            self.in_call = True
+            self.in_call, self.call_raw = True, buf
             self.scanner = CallScanner(1, ("parameters", "arguments"))
             return self._scan(stripped)
         self.started = True
@@ -427,20 +464,25 @@ class ToolCallStreamer:
         out = []
         for kind, value in self.scanner.feed(text):
             if kind == "start":
-                self.calls.append({"id": self.new_id(), "name": None})
-                self.pending_args = ""
-            elif not self.calls:
-                continue
+                self.unnamed, self.pending_args, self.args_sent = True, "", False
             elif kind == "name":
-                call = self.calls[-1]
-                call["name"] = value
+                if not self.unnamed:
+                    continue  # a second "name" key in one object: the first named the call
+                self.unnamed = False
+                self.calls.append({"id": self.new_id(), "name": value})
                 out.append(self._header(len(self.calls) - 1, value, self.pending_args))
+                self.args_sent = bool(self.pending_args)
                 self.pending_args = ""
             elif kind == "args":
-                if self.calls[-1]["name"] is None:
+                if self.unnamed:
                     self.pending_args += value
-                else:
+                elif self.calls:
                     out.append(self._args(len(self.calls) - 1, value))
+                    self.args_sent = True
+            elif kind == "end":
+                if not self.unnamed and self.calls and not self.args_sent:
+                    out.append(self._args(len(self.calls) - 1, "{}"))  # no arguments given
+                self.unnamed = False
         return out
 
     def _header(self, index: int, name: str, args: str) -> dict:
