@@ -591,6 +591,10 @@ def test_text_that_names_no_call_streams_as_the_content_it_is(parser, text):
     ("auto", "hermes", '<tool_call>{"name": "get_time"}</tool_call>', []),
     ("auto", "llama3_json", '{"name": "get_time"}', []),
     ("required", "hermes", '[{"name": "get_time"}]', []),
+    # arguments written as a JSON string: its text, as the whole parse reads it
+    ("auto", "hermes", '<tool_call>{"name":"get_time","arguments":"{\\"tz\\": \\"UTC\\"}"}'
+     '</tool_call>', [30, 40]),
+    ("auto", "llama3_json", '{"name":"get_time","parameters":"{\\"tz\\": \\"UTC\\"}"}', [33]),
     # a nameless object before a call: the call is index 0
     ("auto", "hermes", '<tool_call>{"tool":"x"}</tool_call><tool_call>{"name":"get_time",'
      '"arguments":{"tz":"UTC"}}</tool_call>', [20]),

@@ -43,6 +43,7 @@ class QwenCoderScanner(FormatScanner):
         self.call: str | None = None  # the open call's name
         self.param = ""  # the parameter whose value is being read
         self.num_params = 0  # parameters of the open call sent
+        self.searched = 0  # how much of the value in ``buf`` was searched for its end
 
     def _content(self, out: list[Event]) -> bool:
         text, tag, self.buf = split_at_tag(self.buf, self._OPENERS)
@@ -86,11 +87,16 @@ class QwenCoderScanner(FormatScanner):
         if end < 0:
             return False
         self.param, self.buf, self.state = self.buf[:end].strip(), self.buf[end + 1:], "value"
+        self.searched = 0
         return True
 
     def _value(self, out: list[Event]) -> bool:
-        end, tag = first_tag(self.buf, self._VALUE_ENDS)
+        # a value is sent whole once its end tag comes: search only the text not searched
+        # yet (and a tag's length back), or a long value streams in quadratic time
+        longest = max(map(len, self._VALUE_ENDS))
+        end, tag = first_tag(self.buf, self._VALUE_ENDS, max(0, self.searched - longest + 1))
         if end < 0:
+            self.searched = len(self.buf)
             return False
         text = self.buf[:end]
         self.buf = self.buf[end + len(tag):] if tag == _QWEN_PARAM_END else self.buf[end:]

@@ -54,11 +54,12 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def first_tag(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
-    """Where the earliest of ``tags`` starts in ``text``, and which; (-1, "") if none does."""
+def first_tag(text: str, tags: tuple[str, ...], start: int = 0) -> tuple[int, str]:
+    """Where the earliest of ``tags`` starts in ``text`` (from ``start``), and which;
+    (-1, "") if none does."""
     best = (-1, "")
     for tag in tags:
-        i = text.find(tag)
+        i = text.find(tag, start)
         if i >= 0 and (best[0] < 0 or i < best[0]):
             best = (i, tag)
     return best

@@ -216,6 +216,16 @@ def _parse_with(scanner: FormatScanner, text: str, new_id: Callable[[], str]
     return "".join(content).strip() or None, calls
 
 
+def _string_args(text: str) -> str:
+    """Arguments a model wrote as a JSON string: the string's text (the arguments' JSON),
+    as :func:`_args_text` reads it in the whole parse; the text as it is if not a string."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, str) else text
+
+
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
@@ -297,6 +307,9 @@ class ToolCallStreamer:
         # object without one never does, as in the whole-text parse).
         self.unnamed = False
         self.args_sent = False  # the open call's arguments started (else "{}" at its end)
+        # arguments given as a JSON string (its text is the JSON, as the whole parse reads
+        # it): held until the call's object ends, then sent decoded
+        self.string_args: str | None = None
         # hermes: the raw text of the call being read (from its tag), and the calls before
         # it: a tag that yields no call gives its text back as content
         self.call_raw = ""
@@ -476,13 +489,19 @@ class ToolCallStreamer:
             elif kind == "args":
                 if self.unnamed:
                     self.pending_args += value
+                elif self.string_args is not None:
+                    self.string_args += value
+                elif self.calls and not self.args_sent and value.lstrip().startswith('"'):
+                    self.string_args = value
                 elif self.calls:
                     out.append(self._args(len(self.calls) - 1, value))
                     self.args_sent = True
             elif kind == "end":
-                if not self.unnamed and self.calls and not self.args_sent:
+                if not self.unnamed and self.calls and self.string_args is not None:
+                    out.append(self._args(len(self.calls) - 1, _string_args(self.string_args)))
+                elif not self.unnamed and self.calls and not self.args_sent:
                     out.append(self._args(len(self.calls) - 1, "{}"))  # no arguments given
-                self.unnamed = False
+                self.unnamed, self.string_args = False, None
         return out
 
     def _header(self, index: int, name: str, args: str) -> dict:
