@@ -378,9 +378,11 @@ def test_rerank_and_score_use_the_classification_head(classifier):
         for body, param in [({"query": "q", "documents": []}, "documents"),
                             ({"query": "", "documents": ["a"]}, "query"),
                             ({"query": "q", "documents": [{"x": 1}]}, "documents.0"),
-                            ({"query": "q", "documents": ["a"], "top_n": 0}, "top_n")]:
+                            ({"query": "q", "documents": ["a"], "top_n": -1}, "top_n")]:
             resp = client.post("/rerank", json=body)
             assert resp.status_code == 400 and resp.json()["error"]["param"] == param, body
+        every = client.post("/rerank", json={"query": "q", "documents": docs, "top_n": 0})
+        assert len(every.json()["results"]) == len(docs)  # vLLM's: 0 means all
         resp = client.post("/score", json={"text_1": ["a", "b"], "text_2": ["c", "d", "e"]})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "text_2"
     finally:

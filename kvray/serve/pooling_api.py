@@ -103,7 +103,7 @@ class ScoreRequest(_PoolingRequest):
 class RerankRequest(_PoolingRequest):
     query: str
     documents: list[str | dict[str, Any]] = Field(min_length=1)
-    top_n: int | None = Field(None, ge=1)
+    top_n: int | None = Field(None, ge=0)  # None or 0: every document (vLLM's)
     return_documents: bool = True
 
 
