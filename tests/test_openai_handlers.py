@@ -259,6 +259,43 @@ def test_parallel_tool_calls_false_keeps_one_call_under_auto(client):
     assert json.loads(arguments) == {"x": 1}
 
 
+def _response_events(resp) -> list[dict]:
+    return [json.loads(block.split("data: ", 1)[1]) for block in resp.text.split("\n\n")
+            if "data: " in block]
+
+
+def test_responses_stream_opens_items_empty_and_an_empty_output_keeps_its_message(client):
+    """OpenAI's event shapes: an item is added with no content (its part follows in
+    content_part.added; the openai client's accumulator doubled it); an output with no
+    text still has its (empty) message item streamed, as the non-streamed response has."""
+    body = {"model": "m", "input": "Hi", "max_output_tokens": 5, "temperature": 0}
+    events = _response_events(client.post("/v1/responses", json={**body, "stream": True}))
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    assert added and all(e["item"]["content"] == [] for e in added
+                         if e["item"]["type"] == "message")
+    empty = {**body, "allowed_token_ids": [2]}  # EOS only: nothing generated
+    whole = client.post("/v1/responses", json=empty).json()
+    streamed = _response_events(client.post("/v1/responses", json={**empty, "stream": True}))
+    final = streamed[-1]["response"]
+    assert [i["type"] for i in final["output"]] == [i["type"] for i in whole["output"]] \
+        == ["message"]
+    assert final["output"][0]["content"][0]["text"] == whole["output"][0]["content"][0][
+        "text"] == ""
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"include": ["message.output_text.logprobs"]}, "top_logprobs"),
+])
+def test_responses_fields_it_cannot_honour_are_400s(client, extra, param):
+    """Regression: these were ignored (200) although ignoring them changes the answer."""
+    resp = client.post("/v1/responses", json={"model": "m", "input": "Hi",
+                                              "max_output_tokens": 2, **extra})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
 def test_null_means_the_default_for_fields_that_hold_no_null(client):
     """Regression: clients that send unset fields as null got 400s for n, stream, echo,
     penalties, logprobs, parallel_tool_calls (OpenAI's "or null" fields)."""

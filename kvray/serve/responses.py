@@ -70,6 +70,18 @@ class ResponsesRequest(_Request):
         if self.background:
             raise ProtocolError("background: not supported; this server answers in the "
                                 "request", "background")
+        extra = self.model_extra or {}
+        if extra.get("conversation") is not None:  # stateful, as previous_response_id
+            raise ProtocolError("conversation: this server stores no conversations; send "
+                                "the whole conversation as input", "conversation")
+        if extra.get("prompt") is not None:  # a stored prompt template: its text is not here
+            raise ProtocolError("prompt: stored prompts are not supported; send the text as "
+                                "input and instructions", "prompt")
+        include = extra.get("include") or []
+        if extra.get("top_logprobs") or (isinstance(include, list) and any(
+                isinstance(x, str) and "logprobs" in x for x in include)):
+            raise ProtocolError("top_logprobs: log-probabilities are not returned by "
+                                "/v1/responses here; use /v1/chat/completions", "top_logprobs")
         body: dict[str, Any] = {k: v for k, v in (self.model_extra or {}).items()
                                 if k not in _OWN}
         body.update(model=self.model, messages=self._messages(), stream=self.stream,
@@ -300,6 +312,10 @@ class ResponsesHandler:
                 finish = choice.get("finish_reason") or finish
                 for text in stream.delta(choice["delta"]):
                     yield text
+        if not stream.output and stream.item is None:  # nothing generated: an empty
+            # message, as the non-streamed response has
+            for text in stream._open(_message_item(new_id("msg"), "")):
+                yield text
         for text in stream.close_item():
             yield text
         incomplete = finish == "length"
@@ -330,8 +346,11 @@ class _EventStream:
     def _open(self, item: dict[str, Any]) -> list[str]:
         out = self.close_item()
         self.item = item
+        added = {**item, "status": "in_progress"}
+        if item["type"] in ("message", "reasoning"):
+            added["content"] = []  # its part comes with content_part.added (OpenAI's order)
         out.append(self.event("response.output_item.added", output_index=len(self.output),
-                              item={**item, "status": "in_progress"}))
+                              item=added))
         if item["type"] in ("message", "reasoning"):
             part = {"type": "output_text", "text": "", "annotations": []} \
                 if item["type"] == "message" else {"type": "reasoning_text", "text": ""}
