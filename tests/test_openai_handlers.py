@@ -284,6 +284,11 @@ def test_responses_stream_opens_items_empty_and_an_empty_output_keeps_its_messag
 
 
 @pytest.mark.parametrize("extra,param", [
+    # named as a Responses body spells them (regression: chat paths, tools.0.function.name)
+    ({"tools": [{"type": "function", "name": 5}]}, "tools.0.name"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools.0.parameters"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+     "text.format.schema"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"top_logprobs": 2}, "top_logprobs"),

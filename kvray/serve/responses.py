@@ -18,6 +18,7 @@ Stateless: nothing is stored, so ``previous_response_id`` and ``background`` are
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,6 +40,14 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 # A chat field that failed validation, named as this request names it.
 _CHAT_TO_OWN = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                 "response_format": "text.format"}
+
+
+def _own_path(param: str) -> str:
+    """A nested chat field's path as this request spells it: a tool's fields sit on the
+    tool itself (``tools.0.name``, not ``tools.0.function.name``), the schema format's on
+    ``text.format``."""
+    param = re.sub(r"^(tools\.\d+)\.function(?=\.|$)", r"\1", param)
+    return re.sub(r"^response_format\.json_schema(?=\.|$)", "text.format", param)
 
 
 class ResponsesRequest(_Request):
@@ -106,7 +115,7 @@ class ResponsesRequest(_Request):
             cause = (first.get("ctx") or {}).get("error")
             if isinstance(cause, ProtocolError):
                 raise cause from None
-            loc = ".".join(str(x) for x in first.get("loc", ()))
+            loc = _own_path(".".join(str(x) for x in first.get("loc", ())))
             param = _CHAT_TO_OWN.get(loc.split(".", 1)[0], loc)
             raise ProtocolError(f"{param}: {first.get('msg', 'invalid')}", param) from None
 
@@ -236,6 +245,10 @@ class ResponsesHandler:
             streams, firsts = await chat.submit()
         except APIError as err:  # named as this request names the field
             if err.param is not None:
+                own_path = _own_path(err.param)
+                if own_path != err.param:
+                    err.message = err.message.replace(err.param, own_path)
+                    err.param = own_path
                 head, _, rest = err.param.partition(".")
                 own = {"max_tokens": "max_output_tokens", **_CHAT_TO_OWN}.get(head)
                 if own is not None:
