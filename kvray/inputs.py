@@ -58,7 +58,11 @@ def truncate_prompt(ids: list[int], keep: int, max_model_len: int,
                     generates: bool = True) -> list[int]:
     """A prompt's last ``keep`` tokens (-1: as many as the context holds — leaving room for
     one generated token unless the request only pools); ``ids`` itself when it is no
-    longer. ValueError when ``keep`` exceeds the context (vLLM's rule)."""
+    longer. ValueError, naming the field, when ``keep`` is neither -1 nor at least 1, or
+    exceeds the context (vLLM's rule)."""
+    if keep != -1 and keep < 1:
+        raise InvalidRequestError(f"truncate_prompt_tokens = {keep}: must be >= 1, or -1 (as "
+                                  "many as the context holds)", "truncate_prompt_tokens")
     if keep > max_model_len:
         raise InvalidRequestError(f"truncate_prompt_tokens = {keep} exceeds the model's "
                                   f"maximum context length ({max_model_len})",

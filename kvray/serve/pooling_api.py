@@ -115,11 +115,6 @@ class PoolingHandler:
                  prefix: str = "embd") -> None:
         self.server, self.lora, self.req = server, lora, req
         self.id = new_id(prefix)
-        keep = req.truncate_prompt_tokens
-        if keep is not None and keep != -1 and keep < 1:
-            raise APIError(400, f"truncate_prompt_tokens = {keep}: must be >= 1, or -1 (as "
-                           "many as the context holds)", "BadRequestError",
-                           "truncate_prompt_tokens")
 
     def check_prompts(self, prompts: list[Prompt], field: str) -> None:
         limits = self.server.limits

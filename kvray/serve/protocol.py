@@ -233,12 +233,7 @@ class _Sampling(_Request):
         """The prompt's ids as ``truncate_prompt_tokens`` keeps them (its last k; -1: the
         last ``max_model_len - 1``, leaving room for one generated token)."""
         k = self.truncate_prompt_tokens
-        if k is None:
-            return ids
-        if k != -1 and k < 1:
-            raise ProtocolError(f"truncate_prompt_tokens = {k}: must be >= 1, or -1 (as "
-                                "many as the context holds)", "truncate_prompt_tokens")
-        return truncate_prompt(ids, k, max_model_len)
+        return ids if k is None else truncate_prompt(ids, k, max_model_len)
 
     def check_limits(self, limits: ServerConfig, num_prompts: int) -> None:
         """The server's per-request limits on everything but the prompt itself; raises
