@@ -497,6 +497,10 @@ class ServerConfig(_Section):
         True, description="`kvray serve` prints a throughput line (tokens/s, running, "
         "waiting) every 10 s. vLLM's --disable-log-stats turns it off; /metrics is "
         "unaffected.")
+    enable_prompt_tokens_details: bool = Field(
+        False, description="Add usage.prompt_tokens_details.cached_tokens (prompt tokens "
+        "served from the prefix cache) to completions and chat responses, as vLLM's "
+        "--enable-prompt-tokens-details; the Responses API always reports them.")
     metrics_require_key: bool = Field(
         False, description="Require the API key on /metrics too (/health never needs it).")
     allowed_origins: list[str] = Field(

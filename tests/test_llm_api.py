@@ -415,6 +415,8 @@ def test_invalid_requests_fail_before_queueing(llm):
         SamplingParams(top_k=2**63)
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        llm.generate("a", SamplingParams(max_tokens=1), priority=[3], use_tqdm=False)  # vLLM's
     assert not engine.has_unfinished_requests()
     assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 

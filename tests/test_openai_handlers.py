@@ -283,6 +283,51 @@ def test_responses_stream_opens_items_empty_and_an_empty_output_keeps_its_messag
         "text"] == ""
 
 
+def test_responses_cut_by_max_output_tokens_mark_the_cut_item_incomplete(client):
+    """OpenAI's shape: in an incomplete response the item the limit cut says so (it said
+    completed), streamed and whole alike; usage counts the prefix-cache hits."""
+    body = {"model": "m", "input": "Hello there, how are you doing today?",
+            "max_output_tokens": 3, "temperature": 0, "ignore_eos": True}
+    whole = client.post("/v1/responses", json=body).json()
+    assert whole["status"] == "incomplete" and whole["output"][-1]["status"] == "incomplete"
+    events = _response_events(client.post("/v1/responses", json={**body, "stream": True}))
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.incomplete"
+    assert done[-1]["status"] == final["output"][-1]["status"] == "incomplete"
+    again = client.post("/v1/responses", json=body).json()  # the prompt is cached now
+    assert again["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    whole_ok = client.post("/v1/responses", json={**body, "max_output_tokens": 16,
+                                                  "ignore_eos": False,
+                                                  "allowed_token_ids": [2]}).json()
+    assert whole_ok["status"] == "completed"
+    assert all(i["status"] == "completed" for i in whole_ok["output"])
+
+
+def test_prompt_tokens_details_report_prefix_cache_hits_when_enabled(tiny_async_llm):
+    """vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens."""
+    engine = tiny_async_llm(max_model_len=256, num_gpu_blocks_override=256,
+                            enable_prompt_tokens_details=True)
+    client = TestClient(OpenAIServer(engine, "m", 256, limits=engine.config.server).app)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story " * 4}],
+            "max_tokens": 2}
+    first = client.post("/v1/chat/completions", json=body).json()["usage"]
+    second = client.post("/v1/chat/completions", json=body).json()["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 0 < second["prompt_tokens_details"]["cached_tokens"] < second["prompt_tokens"]
+    chunks = _events(client.post("/v1/chat/completions", json={
+        **body, "stream": True, "stream_options": {"include_usage": True}}))
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    plain = client.post("/v1/completions", json={"model": "m", "prompt": "Hi",
+                                                 "max_tokens": 1}).json()["usage"]
+    assert "prompt_tokens_details" in plain
+
+
+def test_usage_has_no_prompt_tokens_details_by_default(client):
+    resp = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 1})
+    assert "prompt_tokens_details" not in resp.json()["usage"]
+
+
 @pytest.mark.parametrize("extra,param", [
     # named as a Responses body spells them (regression: chat paths, tools.0.function.name)
     ({"tools": [{"type": "function", "name": 5}]}, "tools.0.name"),
@@ -512,3 +557,17 @@ def test_chat_echo_starts_the_reply_with_the_assistants_last_message(client):
     assert streamed == text
     plain = client.post("/v1/chat/completions", json={**body, "echo": False}).json()
     assert plain["choices"][0]["message"]["content"] == text[len("Hello I am"):]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "Hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_priority_under_fcfs_is_a_400_naming_it(client, path, body):
+    """vLLM refuses a priority the fcfs scheduler would silently ignore."""
+    resp = client.post(path, json={"model": "m", "max_tokens": 1, "priority": 1, **body})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "priority" and "priority scheduling is not enabled" in err["message"]
+    assert client.post(path, json={"model": "m", "max_tokens": 1, "priority": 0,
+                                   **body}).status_code == 200

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.serve
 LIMITS = dict(max_request_bytes=4096, max_prompts_per_request=3, max_seqs_per_request=4,
               max_prompt_chars=50, max_messages=3, max_stop=2, max_stop_chars=8,
               max_stop_token_ids=2, max_logit_bias=2, max_logprobs=20)
-ENGINE = dict(dtype="float32", block_size=4, max_model_len=256, num_gpu_blocks_override=256)
+ENGINE = dict(dtype="float32", block_size=4, max_model_len=256, num_gpu_blocks_override=256,
+              scheduling_policy="priority")  # fcfs refuses any priority but 0
 
 
 def _engine(model: str, **extra) -> AsyncLLM:

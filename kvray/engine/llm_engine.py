@@ -226,6 +226,11 @@ class LLMEngine:
         (NotFoundError if unknown)."""
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            # vLLM refuses it too: under fcfs a priority would be silently ignored
+            raise InvalidRequestError(
+                f"Got priority {priority} but priority scheduling is not enabled "
+                "(scheduler.scheduling_policy is 'fcfs'; set it to 'priority')", "priority")
         if self.executor is None:
             self._build_executor()
         if isinstance(prompt, dict) and prompt.get("lora_name") and lora_request is None:

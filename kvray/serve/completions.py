@@ -102,6 +102,7 @@ class _Pending:
 class _Handler:
     id_prefix = object_name = chunk_name = ""
     prompt_field = "prompt"  # what a context-length 400 names when the prompt alone is over
+    cached_details = False  # usage always reports prefix-cache hits (the Responses API's)
 
     def __init__(self, server: ServerContext, req: Any, lora: str | None = None) -> None:
         self.server, self.req = server, req
@@ -205,10 +206,16 @@ class _Handler:
         return None
 
     def usage(self, outs: list[RequestOutput]) -> dict:
+        """OpenAI's usage of the folded outputs; ``prompt_tokens_details.cached_tokens``
+        (prefix-cache hits) when the server enables it or ``cached_details`` is set."""
         prompt = sum(len(o.prompt_token_ids or ()) for o in outs)
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
+        if self.cached_details or self.server.limits.enable_prompt_tokens_details:
+            usage["prompt_tokens_details"] = {
+                "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs)}
+        return usage
 
     async def run(self):
         """The whole response, or a streaming response of SSE chunks."""

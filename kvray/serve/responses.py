@@ -242,6 +242,7 @@ class ResponsesHandler:
             raise APIError(400, str(err), "BadRequestError", err.param) from None
         try:
             chat = ChatHandler(self.server, chat_req, self.lora)
+            chat.cached_details = True
             streams, firsts = await chat.submit()
         except APIError as err:  # named as this request names the field
             if err.param is not None:
@@ -291,6 +292,8 @@ class ResponsesHandler:
             fn = call["function"]
             output.append(_call_item(new_id("fc"), call["id"], fn["name"], fn["arguments"]))
         incomplete = choice["finish_reason"] == "length"
+        if incomplete:  # the item the limit cut (OpenAI's status for it)
+            output[-1]["status"] = "incomplete"
         return self._envelope("incomplete" if incomplete else "completed", output,
                               _usage(chat["usage"]), incomplete)
 
@@ -329,9 +332,11 @@ class ResponsesHandler:
             # message, as the non-streamed response has
             for text in stream._open(_message_item(new_id("msg"), "")):
                 yield text
+        incomplete = finish == "length"
+        if incomplete and stream.item is not None:  # the item the limit cut
+            stream.item["status"] = "incomplete"
         for text in stream.close_item():
             yield text
-        incomplete = finish == "length"
         done = self._envelope("incomplete" if incomplete else "completed", stream.output,
                               usage, incomplete)
         yield stream.event("response.incomplete" if incomplete else "response.completed",
@@ -450,7 +455,8 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str) -> dict[st
 
 def _usage(chat_usage: dict[str, int]) -> dict[str, Any]:
     return {"input_tokens": chat_usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": (chat_usage.get(
+                "prompt_tokens_details") or {}).get("cached_tokens", 0)},
             "output_tokens": chat_usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}
