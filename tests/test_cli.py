@@ -171,6 +171,28 @@ def test_the_single_replica_front_ends_refuse_several_replicas_before_starting_a
     assert "invalid choice" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("port", ["0", "65536", "99999", "-1"])
+def test_a_port_outside_1_to_65535_is_a_usage_error_naming_it(capsys, port):
+    """Regression: 99999 reached the socket bind and died with an OverflowError."""
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", port])
+    assert "--port" in capsys.readouterr().err
+
+
+def test_a_replica_start_failure_is_reported_by_its_own_exception_line():
+    """Serve's own error says only that a deployment failed; the CLI names the replica's."""
+    from kvray.cli.serve_lifecycle import last_exception_line
+
+    message = ("The deployment failed to start 3 times in a row.\nray.exceptions.RayTaskError"
+               "(RuntimeError): ray::ServeReplica:kvray:LLMServer.initialize()\nRuntimeError: "
+               "Traceback (most recent call last):\n  File \"/x/loader.py\", line 381, in "
+               "resolve\n    raise ValueError(f\"quantization = {requested!r}\")\nValueError: "
+               "quantization = 'awq', but the checkpoint is gguf\n")
+    assert last_exception_line(message) == \
+        "ValueError: quantization = 'awq', but the checkpoint is gguf"
+    assert last_exception_line("no traceback here") is None
+
+
 @pytest.mark.parametrize("host,where", [("0.0.0.0", "EveryNode"), ("::", "EveryNode"),
                                         ("10.0.0.7", "HeadOnly"), ("127.0.0.1", "HeadOnly"),
                                         ("my-head.internal", "HeadOnly")])

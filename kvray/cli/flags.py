@@ -42,6 +42,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1-65535, got {value}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0.0:
@@ -76,7 +83,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
                         help="model directory or .gguf file (default: the built-in SmolLM2)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=_positive_int, default=8000, help="port (default 8000)")
+    parser.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' (visible in ps: prefer "
                              "KVRAY_API_KEY or --api-key-file)")

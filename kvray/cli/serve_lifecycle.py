@@ -38,6 +38,33 @@ def proxy_location(host: str) -> str:
     return "EveryNode" if wildcard else "HeadOnly"
 
 
+def last_exception_line(text: str) -> str | None:
+    """The ``SomeError: message`` line a traceback ends with (its innermost cause)."""
+    found = None
+    for line in text.splitlines():
+        head = line.strip().split(":", 1)[0]
+        if head.rsplit(".", 1)[-1].endswith(("Error", "Exception")) and ":" in line \
+                and " " not in head:
+            found = line.strip()
+    return found
+
+
+def replica_start_error() -> str | None:
+    """Why the app's replicas failed to start (a config the model cannot run, say), as the
+    replica raised it; None when Serve reports no failed deployment."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(APP_NAME)
+    except Exception:
+        return None
+    for deployment in (app.deployments.values() if app is not None else ()):
+        line = last_exception_line(deployment.message or "")
+        if line is not None:
+            return line
+    return None
+
+
 def run_bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> None:
     """Run ``fn`` on a daemon thread for at most ``timeout_s``; report errors and overruns
     and go on (shutdown must finish even when Ray is half gone)."""
@@ -110,7 +137,13 @@ class ServeLifecycle:
 
         serve.start(http_options={"host": host, "port": port},
                     proxy_location=proxy_location(host))
-        serve.run(build_app(), name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(build_app(), name=APP_NAME, route_prefix="/")
+        except RuntimeError as err:  # Serve says only that a deployment failed
+            cause = replica_start_error()
+            if cause is None:
+                raise
+            raise RuntimeError(f"the model replica failed to start: {cause}") from err
         print(f"kvray: serving {self.model_name} on http://{host}:{port}/v1 "
               f"({replicas}); Ctrl-C or SIGTERM drains and stops", flush=True)
 
