@@ -303,6 +303,30 @@ def test_structured_output_constrains_the_answer_after_free_reasoning(clients, b
 
 
 @pytest.mark.serve
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}},
+    {"response_format": {"type": "json_object"}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}],
+     "tool_choice": "required"},
+])
+def test_constrained_output_when_the_prompt_opens_no_block(clients, extra):
+    """Regression: the output may still open a block, so the gate's mask lets <think> in;
+    that bit was written on the mask thread outside inference mode and the engine step
+    failed (a 503, every request in flight aborted)."""
+    tok = _thinking_tokenizer()
+    start = tok.convert_tokens_to_ids("<think>")
+    for bias in (0.0, 100.0):  # the answer at once / a block opened by the output
+        body = {**_body(tok), "logit_bias": {str(start): bias}, "max_tokens": 60, **extra}
+        resp = clients["qwen3"].post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        message = resp.json()["choices"][0]["message"]
+        if bias:
+            assert message["reasoning_content"] is not None
+        if message["content"] is not None and "tools" not in extra:
+            json.loads(message["content"])
+
+
+@pytest.mark.serve
 @pytest.mark.parametrize(("kwargs", "param"), [
     ({"tools": []}, "chat_template_kwargs.tools"),
     ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),

@@ -59,6 +59,14 @@ class GrammarMasks:
     def _fill(self, plain: list[tuple[Matcher, int]],
               spec: list[tuple[Matcher, int, list[int]]], bitmask: torch.Tensor
               ) -> torch.Tensor:
+        # the bitmask was made under the worker's inference mode, which is per thread: a
+        # write through torch here (the reasoning gate's opening-marker bit) needs it too
+        with torch.inference_mode():
+            return self._fill_rows(plain, spec, bitmask)
+
+    def _fill_rows(self, plain: list[tuple[Matcher, int]],
+                   spec: list[tuple[Matcher, int, list[int]]], bitmask: torch.Tensor
+                   ) -> torch.Tensor:
         self._compiler.fill_bitmask(plain, bitmask)
         for matcher, first, drafts in spec:
             consumed = 0
