@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvray.engine.generation_config import generation_defaults
+from kvray.engine.generation_config import generation_defaults, generation_eos_ids
 
 pytestmark = pytest.mark.unit
 
@@ -62,3 +62,16 @@ def test_overrides_lie_over_the_file_and_apply_even_at_transformers_defaults(tmp
     assert generation_defaults("vllm", tmp_path, {"top_k": 5}) == {"top_k": 5}
     with pytest.raises(ValueError, match="override_generation_config: top_k = -5"):
         generation_defaults("vllm", tmp_path, {"top_k": -5})
+
+
+def test_eos_ids_are_read_whatever_the_sampling_source_says(tmp_path):
+    """vLLM reads the file's eos_token_id even with generation_config vllm."""
+    _write(tmp_path, {"eos_token_id": [7, 3], "temperature": 0.6})
+    assert generation_eos_ids("auto", tmp_path) == generation_eos_ids("vllm", tmp_path) \
+        == (7, 3)
+    _write(tmp_path / "other", {"eos_token_id": 9})
+    assert generation_eos_ids(str(tmp_path / "other"), tmp_path) == (9,)
+    for bad in ('{"eos_token_id": "x"}', "[1]", "not json", '{"eos_token_id": [true, -1, 4]}'):
+        (tmp_path / "generation_config.json").write_text(bad)
+        assert generation_eos_ids("auto", tmp_path) in ((), (4,))
+    assert generation_eos_ids("auto", tmp_path / "missing") == ()

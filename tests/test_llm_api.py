@@ -271,6 +271,25 @@ def test_default_sampling_params_come_from_the_generation_config(model_dir, tmp_
     assert (params.temperature, params.top_k, params.top_p) == (0.5, 7, 1.0)
 
 
+def test_eos_ids_of_the_generation_config_end_a_sequence(model_dir, tmp_path):
+    """Regression: generation_config.json's eos_token_id list (an instruct model's
+    end-of-turn token) was ignored and generation ran to max_tokens (vLLM stops)."""
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 40]}')
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_gpu_blocks_override=32,
+              generation_config=str(tmp_path))
+    params = dict(temperature=0, max_tokens=4, logit_bias={40: 100.0})
+    try:
+        out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(**params),
+                           use_tqdm=False)[0].outputs[0]
+        ignored = llm.generate({"prompt_token_ids": [5, 6]},
+                               SamplingParams(**params, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    assert (out.token_ids, out.finish_reason) == ([40], "stop")
+    assert (ignored.token_ids, ignored.finish_reason) == ([40] * 4, "length")
+
+
 def test_a_stop_string_met_only_when_the_last_partial_character_is_flushed_reports_stop(llm):
     """The one token generated is the first byte of a character: its text (U+FFFD) waits
     for a next token that never comes, is flushed at the end and meets the stop string

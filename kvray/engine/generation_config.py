@@ -75,3 +75,22 @@ def _file_values(source: str, model_path: str | Path) -> dict[str, Any]:
         raise ValueError(f"generation_config: {path}: {err}; set generation_config: vllm "
                          "to ignore the file") from None
     return values
+
+
+def generation_eos_ids(source: str, model_path: str | Path) -> tuple[int, ...]:
+    """The ``eos_token_id`` (one id or a list) of the model's generation_config.json (of the
+    folder ``source`` names, if it names one): ids that end a sequence besides the
+    tokenizer's EOS, read as vLLM reads them whatever ``source`` says about sampling
+    defaults. Instruct checkpoints list their end-of-turn token there (Qwen2.5's
+    ``<|im_end|>`` beside ``<|endoftext|>``, Phi-3's ``<|end|>``, Gemma's
+    ``<end_of_turn>``); without it generation runs past the turn. () when there is none."""
+    folder = Path(model_path) if source in ("auto", "vllm") else Path(source).expanduser()
+    try:
+        data = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return ()
+    ids = data.get("eos_token_id") if isinstance(data, dict) else None
+    ids = [ids] if isinstance(ids, int) else ids
+    if not isinstance(ids, list):
+        return ()
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)

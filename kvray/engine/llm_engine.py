@@ -18,7 +18,7 @@ from kvray.actors.executor import Executor, initialize_kv_cache, make_executor
 from kvray.actors.weights_store import local_model_path
 from kvray.config import EngineConfig
 from kvray.engine.detokenizer import IncrementalDetokenizer
-from kvray.engine.generation_config import generation_defaults
+from kvray.engine.generation_config import generation_defaults, generation_eos_ids
 from kvray.engine.request_state import RequestState, SequenceState
 from kvray.engine.stats import EngineStats
 from kvray.errors import EngineUnavailableError, InvalidRequestError
@@ -103,6 +103,8 @@ class LLMEngine:
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
+        eos.update(i for i in generation_eos_ids(config.model.generation_config, local_path)
+                   if i < self.spec.vocab_size)
         self.eos_token_ids = tuple(sorted(eos))
         self.pooling = model_pooling(local_path, classify=self.spec.head == "classify")
 
