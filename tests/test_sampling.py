@@ -178,6 +178,14 @@ def test_min_p_drops_tokens_below_fraction_of_max():
     assert set(tokens.tolist()) == {i for i, p in enumerate(probs) if p >= 0.3 * 0.4}
 
 
+def test_min_p_applies_before_top_p_which_measures_what_is_left():
+    """vLLM's order (regression: min-p ran last): min_p 0.3 leaves {0, 1, 2} renormalised
+    to [4/9, 3/9, 2/9]; top_p 0.75 of that keeps {0, 1}. Top-p first kept {0, 1, 2}."""
+    probs = [0.4, 0.3, 0.2, 0.1]
+    tokens = draw(probs_logits(probs), SamplingParams(min_p=0.3, top_p=0.75), 6000)
+    assert set(tokens.tolist()) == {0, 1}
+
+
 def test_rows_with_different_filters_in_one_batch_each_obey_their_own():
     probs = [0.35, 0.25, 0.2, 0.1, 0.06, 0.04]
     params = [SamplingParams(top_k=2), SamplingParams(top_p=0.7), SamplingParams(),

@@ -1,7 +1,7 @@
 """Vectorised sampling for one engine step: logit processors, filters and a per-row-seeded draw.
 
 Order (vLLM's): logit_bias -> banned ids -> repetition penalty -> presence/frequency penalties
--> greedy rows take the argmax | other rows: temperature -> top-k -> top-p -> min-p -> draw.
+-> greedy rows take the argmax | other rows: temperature -> min-p -> top-k -> top-p -> draw.
 
 The draw is an exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` picks token i with
 probability ``probs[i] / sum(probs)``, so no renormalisation or cumulative search is needed and
@@ -256,17 +256,18 @@ def _token_counts(token_lists: list[list[int]], vocab: int,
 
 
 def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p; unnormalised probs (masked tokens are 0)."""
+    """Temperature, min-p, then top-k and top-p (vLLM's order: top-p measures the mass of
+    what min-p left, renormalised); probs, masked tokens 0."""
     temperature = torch.where(batch.temperature < _GREEDY_EPS, 1.0, batch.temperature)
     logits = logits / temperature.unsqueeze(1)
+    if not batch.no_min_p:
+        probs = logits.softmax(dim=-1)
+        threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     if not (batch.no_top_k and batch.no_top_p):
         logits = _top_k_top_p(logits, None if batch.no_top_k else batch.top_k,
                               None if batch.no_top_p else batch.top_p)
-    probs = logits.softmax(dim=-1)
-    if not batch.no_min_p:
-        threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs
+    return logits.softmax(dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
