@@ -479,8 +479,8 @@ class ServerConfig(_Section):
         description="Most logit_bias entries (and bad_words words) per request.")
     max_logprobs: int = Field(
         20, ge=0, le=20,
-        description="Largest top_logprobs (chat); completions' logprobs stay within "
-        "min(5, this), OpenAI's cap.")
+        description="Largest top_logprobs (chat) and logprobs (completions; OpenAI caps "
+        "the latter at 5, vLLM and kvray at this).")
     routing: Literal["prefix", "load"] = Field(
         "prefix",
         description="How the Serve ingress picks a model replica for a request (num_replicas "

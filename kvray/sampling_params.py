@@ -192,7 +192,8 @@ class SamplingParams:
         presence_penalty / frequency_penalty: OpenAI penalties over output tokens.
         logit_bias: token id -> bias added to its logit.
         seed: per-request seed; the same seed gives the same tokens whatever else runs
-            (a negative one means what its unsigned 64-bit twin means, as in torch).
+            (-1 means none, as in vLLM; another negative one means what its unsigned
+            64-bit twin means, as in torch).
         stop: strings that end the output (not included in the text unless
             include_stop_str_in_output).
         stop_token_ids: token ids that end the output (included in token_ids, not the text).
@@ -261,6 +262,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if self.seed == -1:  # vLLM's (and chat UIs') spelling of "no seed"
+            self.seed = None
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         if isinstance(self.structured_outputs, dict):
@@ -344,7 +347,7 @@ class SamplingParams:
                 and not self.logit_bias and not self.bad_words_token_ids
                 and self.allowed_token_ids is None and self.repetition_penalty == 1.0
                 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
-                and (num_output_tokens >= self.min_tokens or not self.all_stop_token_ids))
+                and (num_output_tokens >= self.min_tokens or not self.min_tokens_banned_ids))
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's): changing it leaves this one as it is."""
@@ -354,14 +357,20 @@ class SamplingParams:
         """Token ids the next token may not be after these outputs: the stop ids before
         ``min_tokens``, and each bad word's last token where the output ends with the
         tokens before it."""
-        banned = sorted(self.all_stop_token_ids) if len(output_token_ids) < self.min_tokens \
-            else []
+        banned = sorted(self.min_tokens_banned_ids) \
+            if len(output_token_ids) < self.min_tokens else []
         for word in self.bad_words_token_ids:
             head = len(word) - 1
             if head == 0 or (len(output_token_ids) >= head
                              and tuple(output_token_ids[-head:]) == word[:-1]):
                 banned.append(word[-1])
         return banned
+
+    @property
+    def min_tokens_banned_ids(self) -> set[int]:
+        """What may not come before ``min_tokens``: stop_token_ids and EOS, even under
+        ignore_eos (vLLM's)."""
+        return set(self.stop_token_ids) | set(self.eos_token_ids)
 
     @property
     def all_stop_token_ids(self) -> set[int]:

@@ -121,13 +121,19 @@ def test_prompt_logprobs_survive_chunked_prefill(model_dir, hf):
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-4
 
 
-def test_a_negative_seed_is_its_unsigned_64_bit_twin(llm):
-    """Regression: ``seed: -1`` (what many chat UIs send) was a 400; OpenAI's and vLLM's
-    APIs take any signed 64-bit seed. It seeds as torch reads it, as 2^64 - 1."""
+def test_a_negative_seed_is_its_unsigned_64_bit_twin_and_minus_one_is_none(llm):
+    """Regression: a negative seed was a 400; OpenAI's and vLLM's APIs take any signed
+    64-bit seed. It seeds as torch reads it (-2 as 2^64 - 2), but -1 means no seed, as
+    vLLM reads it (chat UIs send it for "random"; it gave every request the same tokens)."""
     prompt = {"prompt_token_ids": _ids(6, 3)}
     outs = [llm.generate(prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=8, n=2),
-                         use_tqdm=False)[0] for seed in (-1, 2**64 - 1)]
+                         use_tqdm=False)[0] for seed in (-2, 2**64 - 2)]
     assert [c.token_ids for c in outs[0].outputs] == [c.token_ids for c in outs[1].outputs]
+    assert SamplingParams(seed=-1).seed is None
+    unseeded = {tuple(llm.generate(prompt, SamplingParams(temperature=1.0, seed=-1,
+                                                          max_tokens=8),
+                                   use_tqdm=False)[0].outputs[0].token_ids) for _ in range(3)}
+    assert len(unseeded) > 1
     for bad in (-(2**63) - 1, 2**64):
         with pytest.raises(ValueError, match="seed"):
             SamplingParams(seed=bad)

@@ -260,6 +260,15 @@ def test_ids_are_only_banned_until_min_tokens_are_out():
     assert batch.banned_token_ids == [[1, 4], [1, 4], []]
 
 
+def test_min_tokens_bans_eos_even_under_ignore_eos():
+    """vLLM's: ignore_eos lets EOS through after min_tokens, never before (regression:
+    EOS was free from the first token)."""
+    params = SamplingParams(min_tokens=2, ignore_eos=True, eos_token_ids=(1,))
+    assert params.banned_after([]) == [1] and params.banned_after([9, 9]) == []
+    greedy = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True, eos_token_ids=(1,))
+    assert not greedy.plain_greedy_after(0) and greedy.plain_greedy_after(2)
+
+
 # --- seeds ----------------------------------------------------------------------------------
 
 def target_logits(step: int) -> torch.Tensor:
@@ -321,10 +330,19 @@ def test_logprobs_are_of_raw_logits_at_sampled_token_and_top_k(dtype):
     top = raw.topk(3, -1)
     assert out.top_token_ids.tolist() == top.indices.tolist()
     torch.testing.assert_close(out.top_logprobs, top.values)
-    # rank: 1 + how many tokens the raw distribution puts strictly above the sampled one
+    # rank (vLLM's): how many tokens the raw distribution puts at or above the sampled one
     chosen = logits.float().gather(1, out.token_ids[:, None])
-    assert out.ranks.tolist() == ((logits.float() > chosen).sum(-1) + 1).tolist()
+    assert out.ranks.tolist() == (logits.float() >= chosen).sum(-1).tolist()
     assert out.ranks[1] > 1  # the bias made greedy take a token the raw logits rank low
+
+
+def test_rank_counts_the_tokens_tied_with_the_sampled_one():
+    """vLLM counts ties (common in bf16 logits): 3 tokens tied at the top, the sampled one
+    among them, rank 3 (regression: 1)."""
+    row = torch.full((1, VOCAB), -5.0)
+    row[0, [4, 9, 11]] = 2.0
+    out = sample(row, make_batch([SamplingParams(temperature=0.0, logprobs=1)]), gen(1))
+    assert out.token_ids.item() in (4, 9, 11) and out.ranks.tolist() == [3]
 
 
 def test_no_logprobs_requested_skips_the_log_normaliser():

@@ -106,7 +106,7 @@ def prompt_logprobs(inputs: StepInputs, out: SchedulerOutput, hidden: torch.Tens
         lp = torch.log_softmax(compute_logits(hidden[rows]).float(), dim=-1)
         target_lp = lp.gather(1, torch.tensor(targets, dtype=torch.int64,
                                               device=lp.device).view(-1, 1))
-        ranks = ((lp > target_lp).sum(dim=-1) + 1).tolist()
+        ranks = (lp >= target_lp).sum(dim=-1).tolist()  # ties count, as vLLM's
         target_lp = target_lp.view(-1).tolist()
         entries: list[dict[int, Logprob] | None] = [None] if start == 0 else []
         top = lp.topk(k, dim=-1) if k else None

@@ -308,7 +308,7 @@ def _output(tokens: torch.Tensor, raw_logits: torch.Tensor, num_logprobs: int) -
     log_norm = torch.logsumexp(raw_logits, dim=-1, keepdim=True)
     chosen = raw_logits.gather(1, tokens.unsqueeze(1))
     token_logprobs = (chosen - log_norm).squeeze(1)
-    ranks = (raw_logits > chosen).sum(dim=-1) + 1
+    ranks = (raw_logits >= chosen).sum(dim=-1)  # vLLM's: ties with it count
     if num_logprobs == 0:
         return SamplerOutput(tokens, token_logprobs, None, None, ranks)
     top = raw_logits.topk(min(num_logprobs, raw_logits.shape[1]), dim=-1)
