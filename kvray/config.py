@@ -10,6 +10,7 @@ is allowed.
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import json
 from collections.abc import Mapping
@@ -87,6 +88,16 @@ def _is_template_text(value: str) -> bool:
     return "{" in value or "\n" in value
 
 
+def _unescaped(text: str) -> str:
+    """A one-line template's backslash escapes (``\\n``, ``\\t``, ``\\u00e9``...)
+    decoded, as vLLM reads an inline ``--chat-template``: a command line cannot hold the
+    newlines the template needs. Text whose escapes do not decode stays as it is."""
+    try:
+        return codecs.decode(text.encode("latin-1", "backslashreplace"), "unicode_escape")
+    except UnicodeDecodeError:
+        return text
+
+
 def read_chat_template(value: str) -> str:
     """The template text of ``chat_template``: a file's contents, or ``value`` itself when
     it holds Jinja markup. ValueError naming the key for a missing file or a template Jinja
@@ -94,6 +105,8 @@ def read_chat_template(value: str) -> str:
     import jinja2
 
     path = Path(value).expanduser()
+    if _is_template_text(value) and "\n" not in value and "\\" in value:
+        value = _unescaped(value)
     if not _is_template_text(value):
         try:
             value = path.read_text()
@@ -521,6 +534,18 @@ class ServerConfig(_Section):
         "mistral ([TOOL_CALLS]), pythonic (Llama 3.2/4: [f(x=1)]), qwen3_coder (Qwen3-Coder's "
         "<function=...> XML; values typed by the tool's schema); auto = the one the chat "
         "template speaks, else hermes.")
+    chat_template_content_format: Literal["auto", "string", "openai"] = Field(
+        "auto", description="How a chat message's content reaches the template (vLLM's "
+        "--chat-template-content-format): string (text parts joined with newlines), openai "
+        "(a list of text parts; a string becomes one part), auto = openai when the "
+        "template loops over a message's content (Gemma 3, Llama 4), else string.")
+    trust_request_chat_template: bool = Field(
+        False, description="Let a request bring its own chat_template (vLLM's "
+        "--trust-request-chat-template); otherwise such a request is a 400. A template "
+        "runs in a sandbox but may still cost the server time.")
+    exclude_tools_when_tool_choice_none: bool = Field(
+        False, description="Leave the tools out of the prompt when tool_choice is none "
+        "(vLLM's flag); by default the template still renders them, as vLLM does.")
     reasoning_parser: Literal["none", "qwen3", "deepseek_r1"] = Field(
         "none", description="Split a thinking model's <think>...</think> text from its answer "
         "on chat completions (message.reasoning_content / delta.reasoning_content): qwen3 "

@@ -47,6 +47,66 @@ def join_text_parts(content: list[Any], where: str) -> str:
     return "\n".join(texts)
 
 
+def text_parts(content: list[Any], where: str) -> list[dict[str, str]]:
+    """A message's text parts as ``[{"type": "text", "text": ...}]`` (what templates that
+    iterate over a message's parts read: Responses parts and refusals become text parts,
+    as vLLM wraps them); any other part is an InvalidRequestError as in
+    :func:`join_text_parts`."""
+    join_text_parts(content, where)  # checks every part
+    return [{"type": "text", "text": part[TEXT_PART_KEYS[part["type"]]]} for part in content]
+
+
+def message_content(content: Any, fmt: str, where: str) -> Any:
+    """A message's content as a template in content format ``fmt`` takes it: ``string``
+    one string (parts joined), ``openai`` a list of text parts (a string becomes one part;
+    no content, none). Anything else passes through."""
+    if fmt == "openai":
+        if content is None:
+            return []
+        return [{"type": "text", "text": content}] if isinstance(content, str) \
+            else text_parts(content, where) if isinstance(content, list) else content
+    if isinstance(content, list):
+        return join_text_parts(content, where)
+    return "" if content is None else content
+
+
+def detect_content_format(template: str | None) -> str:
+    """``openai`` when a chat template loops over a message's content (Gemma 3, Llama 4,
+    Mistral Small 3.1, Qwen2-VL: they render a list of parts), else ``string`` — vLLM's
+    ``auto`` rule. The loop may run over ``x.content`` / ``x['content']`` (behind filters)
+    or over a variable set from one."""
+    if not template:
+        return "string"
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateError:
+        return "string"
+
+    def bare(node: Any) -> Any:
+        while isinstance(node, nodes.Filter | nodes.Test) or (
+                isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)):
+            node = node.node
+        return node
+
+    def is_content(node: Any, names: set[str]) -> bool:
+        node = bare(node)
+        if isinstance(node, nodes.Getattr):
+            return node.attr == "content"
+        if isinstance(node, nodes.Getitem):
+            return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+        return isinstance(node, nodes.Name) and node.name in names
+
+    names: set[str] = set()  # variables set from a message's content
+    for assign in tree.find_all(nodes.Assign):
+        if isinstance(assign.target, nodes.Name) and is_content(assign.node, set()):
+            names.add(assign.target.name)
+    return "openai" if any(is_content(loop.iter, names)
+                           for loop in tree.find_all(nodes.For)) else "string"
+
+
 # The content parts that carry text, and where: OpenAI's text part, the Responses API's
 # input/output text (vLLM takes them in chat too), and an assistant's refusal (the openai
 # client sends back the refusals it got).

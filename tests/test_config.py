@@ -70,6 +70,16 @@ def test_chat_template_is_read_from_a_file_or_taken_as_text(tmp_path):
     assert load_config(tmp_path / "c.yaml").model.chat_template == text
 
 
+def test_a_one_line_chat_template_has_its_escapes_decoded_as_vllm_does():
+    """vLLM's documented single-line form (regression: a literal backslash-n went into
+    every prompt); a template with real newlines is taken as it is."""
+    one_line = r"{% for m in messages %}{{ m['content'] }}\n{% endfor %}\tend é"
+    assert load_config(chat_template=one_line).model.chat_template == \
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}\tend é"
+    lines = "{% for m in messages %}\n{{ m['content'] ~ '\\n' }}{% endfor %}"
+    assert load_config(chat_template=lines).model.chat_template == lines
+
+
 @pytest.mark.parametrize(("value", "message"), [
     ("/no/such/template.jinja", "chat_template = '/no/such/template.jinja': cannot read"),
     ("{% for m in messages %}", "chat_template: not a valid Jinja template"),

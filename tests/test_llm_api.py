@@ -637,8 +637,25 @@ def test_chat_hands_templates_parts_when_asked(llm):
     joined = llm.chat(conv, params, use_tqdm=False, chat_template=plain_template,
                       add_generation_prompt=False)[0]
     assert joined.prompt == "<hi><a\nb>"  # parts one per line, as vLLM joins them
+    detected = llm.chat(conv, params, use_tqdm=False, chat_template=parts_template,
+                        add_generation_prompt=False)[0]  # auto: the template loops: parts
+    assert detected.prompt == "[hi][a][b]"
     with pytest.raises(ValueError, match="chat_template_content_format"):
         llm.chat(conv, params, chat_template_content_format="xml")
+
+
+def test_chat_hands_templates_earlier_tool_call_arguments_as_objects(llm):
+    """As vLLM's LLM.chat (and kvray's HTTP chat): OpenAI's JSON-text arguments become an
+    object (regression: a tojson template encoded the text a second time)."""
+    template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                "{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}")
+    conv = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "1", "type": "function",
+                 "function": {"name": "f", "arguments": '{"city": "Paris"}'}}]}]
+    out = llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template,
+                   add_generation_prompt=False)[0]
+    assert out.prompt == '{"city": "Paris"}'
 
 
 def test_a_vllm_style_script_builds_its_engine_from_cli_flags(model_dir):

@@ -571,3 +571,92 @@ def test_priority_under_fcfs_is_a_400_naming_it(client, path, body):
     assert err["param"] == "priority" and "priority scheduling is not enabled" in err["message"]
     assert client.post(path, json={"model": "m", "max_tokens": 1, "priority": 0,
                                    **body}).status_code == 200
+
+
+# ---- how a conversation reaches the chat template (vLLM's rules) ----------------------------
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}"
+                  "{{ m.content }}{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}"
+                  "{% endif %}{% if m.reasoning_content %}(r:{{ m.reasoning_content }}){% endif %}"
+                  "{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}")
+STRING_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def trusting(server):
+    from kvray.config import ServerConfig
+
+    return TestClient(OpenAIServer(server.client, "m", 256, limits=ServerConfig(
+        trust_request_chat_template=True)).app)
+
+
+def _rendered(client, **body) -> str:
+    resp = client.post("/tokenize", json={"model": "m", "add_generation_prompt": False,
+                                          **body})
+    assert resp.status_code == 200, resp.text
+    return client.post("/detokenize", json={"model": "m",
+                                            "tokens": resp.json()["tokens"]}).json()["prompt"]
+
+
+def test_a_request_template_needs_the_servers_trust(client, trusting):
+    """Regression: a request's chat_template was ignored with a 200 (vLLM: a 400 unless
+    --trust-request-chat-template)."""
+    messages = [{"role": "user", "content": "Hi"}]
+    for path, body in (("/v1/chat/completions", {"max_tokens": 1}), ("/tokenize", {})):
+        resp = client.post(path, json={"model": "m", "messages": messages,
+                                       "chat_template": STRING_TEMPLATE, **body})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template"
+    assert _rendered(trusting, messages=messages, chat_template=STRING_TEMPLATE) == "<user>Hi"
+    resp = trusting.post("/v1/chat/completions", json={
+        "model": "m", "messages": messages, "chat_template": STRING_TEMPLATE, "max_tokens": 1})
+    assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] == len(
+        trusting.post("/tokenize", json={"model": "m", "messages": messages,
+                                         "chat_template": STRING_TEMPLATE}).json()["tokens"])
+
+
+def test_a_template_that_loops_over_content_gets_parts_and_others_a_joined_string(trusting):
+    """vLLM's content format auto-detection (Gemma 3, Llama 4 loop over the parts; a string
+    content becomes one part there); other templates get the parts joined with newlines."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "input_text", "text": "b"}]},
+                {"role": "assistant", "content": "c"}]
+    assert _rendered(trusting, messages=messages, chat_template=PARTS_TEMPLATE) == \
+        "<user>[a][b]<assistant>[c]"
+    assert _rendered(trusting, messages=messages, chat_template=STRING_TEMPLATE) == \
+        "<user>a\nb<assistant>c"
+
+
+def test_earlier_reasoning_and_tools_reach_the_template_as_vllm_passes_them(trusting):
+    """An assistant's reasoning (interleaved thinking) was dropped; tools lost their null
+    description/parameters (templates tojson them); /tokenize ignored tools."""
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a", "reasoning_content": "why"}]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    text = _rendered(trusting, messages=messages, chat_template=PARTS_TEMPLATE, tools=tools)
+    assert "(r:why)" in text
+    assert json.loads(text[text.index("[{"):]) == [
+        {"type": "function", "function": {"name": "f", "description": None,
+                                          "parameters": None}}]
+
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt_unless_the_server_excludes_them(
+        server, trusting):
+    """vLLM's default renders the tools under tool_choice none (regression: dropped)."""
+    from kvray.config import ServerConfig
+
+    excluding = TestClient(OpenAIServer(server.client, "m", 256, limits=ServerConfig(
+        trust_request_chat_template=True, exclude_tools_when_tool_choice_none=True)).app)
+    tools = [{"type": "function", "function": {"name": "f", "description": "d" * 40}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+            "tools": tools, "chat_template": PARTS_TEMPLATE}
+    bare = {k: v for k, v in body.items() if k != "tools"}
+
+    def prompt_tokens(client, **extra) -> int:
+        resp = client.post("/v1/chat/completions", json={**body, **extra})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens"]
+
+    with_tools = prompt_tokens(trusting, tool_choice="auto")
+    without = trusting.post("/v1/chat/completions", json=bare).json()["usage"]["prompt_tokens"]
+    assert with_tools > without
+    assert prompt_tokens(trusting, tool_choice="none") == with_tools
+    assert prompt_tokens(excluding, tool_choice="none") == without

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ from kvray.engine.beam_search import (
     top_logprobs_of,
 )
 from kvray.engine.llm_engine import LLMEngine, PromptType
-from kvray.inputs import join_text_parts, score_pairs
+from kvray.inputs import detect_content_format, message_content, score_pairs
 from kvray.lora.request import LoRARequest
 from kvray.models.pooling import cosine_similarity
 from kvray.outputs import (
@@ -85,26 +86,34 @@ def _vllm_engine_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _text_parts(conv: Conversation) -> Conversation:
-    """The conversation with string contents as OpenAI's list of one text part (for
-    templates that iterate over parts); the parts must be text (checked)."""
+def _template_messages(conv: Conversation, content_format: str) -> Conversation:
+    """A conversation as vLLM's ``LLM.chat`` hands it to the template: each content as
+    ``content_format`` takes it (:func:`kvray.inputs.message_content`; parts must be
+    text), earlier tool calls' JSON-text ``arguments`` as objects (templates render them
+    as such; Llama 3.1's would encode the text again)."""
     out = []
     for i, m in enumerate(conv):
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
-            m = {**m, "content": [{"type": "text", "text": content}]}
-        elif isinstance(content, list):
-            join_text_parts(content, f"messages.{i}.content")  # text parts only
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        m = {**m, "content": message_content(m.get("content"), content_format,
+                                             f"messages.{i}.content")}
+        if isinstance(m.get("tool_calls"), list):
+            m["tool_calls"] = [_call_with_object_arguments(c) for c in m["tool_calls"]]
         out.append(m)
     return out
 
 
-def _text_contents(conv: Conversation) -> Conversation:
-    """The conversation with list-of-parts contents joined into strings, as chat
-    templates expect (:func:`kvray.inputs.join_text_parts`)."""
-    return [{**m, "content": join_text_parts(m["content"], f"messages.{i}.content")}
-            if isinstance(m, dict) and isinstance(m.get("content"), list) else m
-            for i, m in enumerate(conv)]
+def _call_with_object_arguments(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    args = fn.get("arguments") if isinstance(fn, dict) else None
+    if not isinstance(args, str):
+        return call
+    try:
+        parsed = json.loads(args) if args.strip() else {}
+    except ValueError:
+        return call  # not JSON: the template gets the text as it is
+    return {**call, "function": {**fn, "arguments": parsed}}
 
 
 def _for_task(pooling: PoolingParams | None, task: str) -> PoolingParams:
@@ -424,9 +433,13 @@ class LLM:
             raise ValueError("this model's tokenizer has no chat template; give chat_template "
                              "or use generate()")
         prompts = []
+        fmt = chat_template_content_format
+        if fmt == "auto":  # vLLM's: parts for a template that loops over them
+            own = template or tok.chat_template
+            fmt = "openai" if any(detect_content_format(t) == "openai" for t in (
+                own.values() if isinstance(own, dict) else [own])) else "string"
         for conv in convs:
-            conv = _text_contents(conv) if chat_template_content_format != "openai" \
-                else _text_parts(conv)
+            conv = _template_messages(conv, fmt)
             extra = dict(chat_template_kwargs or {})
             extra["continue_final_message"] = continue_final_message
             if template is not None:

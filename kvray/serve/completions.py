@@ -64,8 +64,15 @@ class ServerContext(Protocol):
     def chat_prompt_ids(self, conv: list[dict], add_generation_prompt: bool,
                         tools: list[dict] | None = None,
                         template_kwargs: dict[str, Any] | None = None,
-                        continue_final_message: bool = False) -> list[int]:
+                        continue_final_message: bool = False,
+                        chat_template: str | None = None) -> list[int]:
         """A conversation's token ids through the chat template."""
+
+    def request_template(self, template: str | None) -> str | None:
+        """A request's own chat template, if the server takes it (else a 400)."""
+
+    def content_format(self, template: str | None = None) -> str:
+        """How message content reaches the template: ``string`` or ``openai``."""
 
     def stream(self, request_id: str, prompt: Any, params: Any, priority: int
                ) -> AsyncIterator[RequestOutput]:
@@ -570,12 +577,16 @@ class ChatHandler(_Handler):
         return 1
 
     def prompt_ids(self) -> list[tuple[str | None, list[int]]]:
-        # under tool_choice "none" the tools stay out of the prompt: no calls to tempt
-        tools = self.req.tool_dicts() if self.tool_mode != "none" else None
-        ids = self.server.chat_prompt_ids(self.req.conversation(),
+        # under tool_choice "none" the template still renders the tools (vLLM's default)
+        # unless the server leaves them out
+        tools = self.req.tool_dicts() if self.tool_mode != "none" or not \
+            self.server.limits.exclude_tools_when_tool_choice_none else None
+        template = self.server.request_template(self.req.chat_template)
+        ids = self.server.chat_prompt_ids(self.req.conversation(
+                                              self.server.content_format(template)),
                                           self.req.add_generation_prompt, tools,
                                           self.req.template_kwargs(),
-                                          self.req.continue_final_message)
+                                          self.req.continue_final_message, template)
         if self.reasoning_parser is not None:
             tail = self.server.tokenizer.decode(ids[-16:], skip_special_tokens=False)
             self.reasoning_begins = starts_in_reasoning(self.reasoning_parser,
@@ -635,7 +646,8 @@ class ChatHandler(_Handler):
         if reasoning:
             if delta.get("content") == "" and "tool_calls" not in delta:
                 del delta["content"]
-            delta = {"reasoning_content": reasoning, **delta}
+            # vLLM's field and its older name, which clients (LiteLLM...) still read
+            delta = {"reasoning": reasoning, "reasoning_content": reasoning, **delta}
         return {"index": comp.index, "delta": delta, "logprobs": self._logprobs(ids, lps),
                 "finish_reason": self._finish_reason(comp.finish_reason, made_calls),
                 "stop_reason": comp.stop_reason}
@@ -654,7 +666,7 @@ class ChatHandler(_Handler):
             content = None  # all thought, no answer (yet)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning is not None and self.req.include_reasoning:
-            message["reasoning_content"] = reasoning
+            message["reasoning"] = message["reasoning_content"] = reasoning  # as deltas
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
         return message, self._finish_reason(comp.finish_reason, bool(calls))

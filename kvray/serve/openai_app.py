@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvray
 from kvray.config import LoRAConfig, ServerConfig
 from kvray.errors import InvalidRequestError, KVRayError
+from kvray.inputs import detect_content_format
 from kvray.outputs import RequestOutput
 from kvray.serve.completions import ChatHandler, CompletionHandler
 from kvray.serve.http import APIError, api_error_from, error_response
@@ -54,6 +55,7 @@ from kvray.serve.protocol import (
     check_template_kwargs,
     conversation_of,
     now,
+    template_tools,
 )
 from kvray.serve.responses import ResponsesHandler, ResponsesRequest
 
@@ -198,6 +200,7 @@ class OpenAIServer:
             sampling_defaults = getattr(engine, "sampling_defaults", None) or {}
         # unset request fields take these (vLLM's --generation-config auto)
         self.sampling_defaults = dict(sampling_defaults)
+        self._model_content_format: str | None = None  # the model template's, once read
         self.metrics = ServerMetrics(model_name)
         self.draining = False
         self._abort: asyncio.Future | None = None  # set by abort_all: ends every stream
@@ -386,10 +389,12 @@ class OpenAIServer:
         self._check_model(req.model)
         if req.messages is not None:
             check_messages(req.messages, self.limits)
-            conv = conversation_of(req.messages)
+            template = self.request_template(req.chat_template)
+            conv = conversation_of(req.messages, self.content_format(template))
             ids = await self.off_loop(self.chat_prompt_ids, conv, req.add_generation_prompt,
-                                      None, check_template_kwargs(req.chat_template_kwargs),
-                                      req.continue_final_message)
+                                      template_tools(req.tools),
+                                      check_template_kwargs(req.chat_template_kwargs),
+                                      req.continue_final_message, template)
         elif req.prompt is not None:
             self.check_prompt_text(req.prompt, "prompt")
             ids = (await self.off_loop(lambda: self.tokenizer(
@@ -414,24 +419,52 @@ class OpenAIServer:
             raise APIError(400, f"{param}: {len(text)} characters; at most "
                            f"{self.limits.max_prompt_chars} allowed", "BadRequestError", param)
 
+    def request_template(self, template: str | None) -> str | None:
+        """A request's own ``chat_template``: a 400 unless the server trusts request
+        templates (vLLM's rule: a template is code the server runs)."""
+        if template is None:
+            return None
+        if not self.limits.trust_request_chat_template:
+            raise APIError(400, "chat_template: a request's own chat template is refused; "
+                           "the server runs with trust_request_chat_template off",
+                           "BadRequestError", "chat_template")
+        return template
+
+    def content_format(self, template: str | None = None) -> str:
+        """How message content reaches ``template`` (the model's when None): the server's
+        ``chat_template_content_format``, or for ``auto`` what the template reads."""
+        fmt = self.limits.chat_template_content_format
+        if fmt != "auto":
+            return fmt
+        if template is None:
+            if self._model_content_format is None:
+                own = getattr(self.tokenizer, "chat_template", None)
+                texts = own.values() if isinstance(own, dict) else [own]
+                self._model_content_format = "openai" if any(
+                    detect_content_format(t) == "openai" for t in texts) else "string"
+            return self._model_content_format
+        return detect_content_format(template)
+
     def chat_prompt_ids(self, conv: list[dict], add_generation_prompt: bool,
                         tools: list[dict] | None = None,
                         template_kwargs: dict[str, Any] | None = None,
-                        continue_final_message: bool = False) -> list[int]:
+                        continue_final_message: bool = False,
+                        chat_template: str | None = None) -> list[int]:
         """Token ids of a conversation (and the tools offered, if any) through the chat
-        template, with the request's ``chat_template_kwargs`` (400 if it has none or
-        rejects the messages); ``continue_final_message`` leaves the last (assistant)
-        message open."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        template (the request's own ``chat_template`` if it brought one), with the
+        request's ``chat_template_kwargs`` (400 if it has none or rejects the messages);
+        ``continue_final_message`` leaves the last (assistant) message open."""
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            "BadRequestError", "messages")
         import jinja2
 
+        own = {"chat_template": chat_template} if chat_template is not None else {}
         try:
             return list(self.tokenizer.apply_chat_template(
                 conv, tools=tools or None, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tokenize=True,
-                return_dict=True, **(template_kwargs or {}))["input_ids"])
+                return_dict=True, **own, **(template_kwargs or {}))["input_ids"])
         except jinja2.TemplateError as err:  # the template rejects these messages
             raise APIError(400, f"the chat template rejected the messages: {err.message}",
                            "BadRequestError", "messages") from None

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvray.config import ServerConfig
 from kvray.errors import InvalidRequestError
-from kvray.inputs import TEXT_PART_KEYS, join_text_parts, truncate_prompt
+from kvray.inputs import TEXT_PART_KEYS, message_content, truncate_prompt
 from kvray.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from kvray.serve.tools import required_schema
 
@@ -397,6 +397,8 @@ class ChatCompletionRequest(_Sampling, _OpenEnd):
     # vLLM's: the reply starts with the last message's text when that is the assistant's
     # (with continue_final_message, the whole turn comes back)
     echo: bool = False
+    # vLLM's: a template for this request (the server must trust request templates)
+    chat_template: str | None = None
 
     def tool_mode(self) -> tuple[str, str | None]:
         """(``none`` | ``auto`` | ``required`` | ``named``, the named function's name)."""
@@ -415,7 +417,7 @@ class ChatCompletionRequest(_Sampling, _OpenEnd):
 
     def tool_dicts(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them."""
-        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+        return template_tools(self.tools)
 
     def structured(self) -> StructuredOutputsParams | None:
         """A constraint from response_format and friends, or the one tool_choice implies
@@ -441,10 +443,9 @@ class ChatCompletionRequest(_Sampling, _OpenEnd):
     def template_kwargs(self) -> dict[str, Any]:
         return check_template_kwargs(self.chat_template_kwargs)
 
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them: text content parts joined; any
-        other part (image, audio, file) is a 400, as this server runs text models."""
-        return conversation_of(self.messages)
+    def conversation(self, content_format: str = "string") -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (:func:`conversation_of`)."""
+        return conversation_of(self.messages, content_format)
 
     def check_limits(self, limits: ServerConfig, num_prompts: int) -> None:
         super().check_limits(limits, num_prompts)
@@ -456,13 +457,17 @@ class ChatCompletionRequest(_Sampling, _OpenEnd):
         self.template_kwargs()
 
 
-def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def conversation_of(messages: list[ChatMessage], content_format: str = "string"
+                    ) -> list[dict[str, Any]]:
+    """The messages as vLLM hands them to a chat template: content as the template's
+    ``content_format`` takes it (``string``: text parts joined; ``openai``: a list of text
+    parts; any other part, image or audio, is a 400: this server runs text models), earlier
+    tool calls with their arguments as objects, and an assistant's earlier reasoning under
+    both of vLLM's names (interleaved-thinking templates render it)."""
     out = []
     for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            content = join_text_parts(content, f"messages.{i}.content")
-        entry: dict[str, Any] = {"role": m.role, "content": content or ""}
+        content = message_content(m.content, content_format, f"messages.{i}.content")
+        entry: dict[str, Any] = {"role": m.role, "content": content}
         if m.tool_calls:
             entry["tool_calls"] = [_template_call(c, f"messages.{i}.tool_calls.{j}")
                                    for j, c in enumerate(m.tool_calls)]
@@ -470,7 +475,24 @@ def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             entry["name"] = m.name
+        extra = m.model_extra or {}
+        reasoning = extra.get("reasoning", extra.get("reasoning_content"))
+        if m.role == "assistant" and isinstance(reasoning, str):
+            entry["reasoning"] = entry["reasoning_content"] = reasoning
         out.append(entry)
+    return out
+
+
+def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]]:
+    """Tools as vLLM hands them to a chat template: each function's ``description`` and
+    ``parameters`` always present (null when unset; templates that ``tojson`` a tool render
+    them), ``strict`` only when the request set it."""
+    out = []
+    for tool in tools or []:
+        fn = tool.function.model_dump()
+        if "strict" not in tool.function.model_fields_set:
+            fn.pop("strict")
+        out.append({"type": tool.type, "function": fn})
     return out
 
 
@@ -541,6 +563,8 @@ class TokenizeRequest(_Request, _OpenEnd):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # rendered by the template, as chat's are
+    chat_template: str | None = None
     return_token_strs: bool = False  # vLLM's: each id's token string, in token_strs
 
 
