@@ -8,7 +8,11 @@ import json
 
 import pytest
 
-from kvray.engine.generation_config import generation_defaults, generation_eos_ids
+from kvray.engine.generation_config import (
+    generation_defaults,
+    generation_eos_ids,
+    generation_max_tokens_cap,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -75,3 +79,13 @@ def test_eos_ids_are_read_whatever_the_sampling_source_says(tmp_path):
         (tmp_path / "generation_config.json").write_text(bad)
         assert generation_eos_ids("auto", tmp_path) in ((), (4,))
     assert generation_eos_ids("auto", tmp_path / "missing") == ()
+
+
+def test_max_new_tokens_caps_requests_only_when_the_server_config_sets_it():
+    """vLLM's serving cap: an override's max_new_tokens, or a named folder's; the model's
+    own file (auto) only fills requests that leave max_tokens unset."""
+    defaults = {"max_tokens": 64}
+    assert generation_max_tokens_cap("auto", None, defaults) is None
+    assert generation_max_tokens_cap("vllm", None, {}) is None
+    assert generation_max_tokens_cap("auto", {"max_new_tokens": 8}, defaults) == 8
+    assert generation_max_tokens_cap("/some/folder", None, defaults) == 64

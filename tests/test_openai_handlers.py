@@ -131,7 +131,8 @@ def test_each_finished_request_logs_one_line_unless_log_requests_is_off(
 def test_unset_sampling_fields_take_the_models_generation_config(tiny_async_llm, tmp_path):
     """A generation_config.json with temperature 0 and max_new_tokens 5: a chat request
     that sets neither is greedy and 5 tokens long (the explicit greedy request's text); a
-    request's own values still win."""
+    request's own temperature still wins, but not more tokens than a generation config the
+    server was pointed at allows (vLLM's cap; the model's own file only sets a default)."""
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"temperature": 0.0, "max_new_tokens": 5}))
     engine = tiny_async_llm(max_model_len=256, num_gpu_blocks_override=256,
@@ -147,7 +148,10 @@ def test_unset_sampling_fields_take_the_models_generation_config(tiny_async_llm,
         == explicit["choices"][0]["message"]
     longer = http.post("/v1/chat/completions", json={**body, "max_tokens": 9,
                                                       "ignore_eos": True}).json()
-    assert longer["usage"]["completion_tokens"] == 9
+    assert longer["usage"]["completion_tokens"] == 5
+    hot = http.post("/v1/chat/completions", json={**body, "temperature": 1.0, "seed": 3,
+                                                   "max_tokens": 3, "ignore_eos": True}).json()
+    assert hot["usage"]["completion_tokens"] == 3
 
 
 def test_the_openai_client_retrieves_the_served_model_and_gets_a_404_for_others(client):

@@ -94,3 +94,14 @@ def generation_eos_ids(source: str, model_path: str | Path) -> tuple[int, ...]:
     if not isinstance(ids, list):
         return ()
     return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
+
+
+def generation_max_tokens_cap(source: str, overrides: dict[str, Any] | None,
+                              defaults: dict[str, Any]) -> int | None:
+    """The most tokens a served request may generate whatever it asks, as vLLM's server
+    caps it: ``max_new_tokens`` of ``override_generation_config``, or of a generation
+    config folder named by ``source``; the model's own file (``auto``) only sets the
+    default of requests that leave ``max_tokens`` unset."""
+    if source not in ("auto", "vllm"):
+        return defaults.get("max_tokens")
+    return (overrides or {}).get("max_new_tokens")

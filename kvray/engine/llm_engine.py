@@ -18,7 +18,11 @@ from kvray.actors.executor import Executor, initialize_kv_cache, make_executor
 from kvray.actors.weights_store import local_model_path
 from kvray.config import EngineConfig
 from kvray.engine.detokenizer import IncrementalDetokenizer
-from kvray.engine.generation_config import generation_defaults, generation_eos_ids
+from kvray.engine.generation_config import (
+    generation_defaults,
+    generation_eos_ids,
+    generation_max_tokens_cap,
+)
 from kvray.engine.request_state import RequestState, SequenceState
 from kvray.engine.stats import EngineStats
 from kvray.errors import EngineUnavailableError, InvalidRequestError
@@ -81,6 +85,10 @@ class LLMEngine:
         # what a request's unset sampling parameters default to (the model's own)
         self.sampling_defaults = generation_defaults(
             config.model.generation_config, local_path, config.model.override_generation_config)
+        # served requests generate at most this many tokens, whatever they ask (vLLM's)
+        self.max_tokens_cap = generation_max_tokens_cap(
+            config.model.generation_config, config.model.override_generation_config,
+            self.sampling_defaults)
         self.stats = EngineStats()
         # A copy taken by the engine's own thread after each update, for readers on other
         # threads: they never see a half-updated set of gauges (running but no blocks).

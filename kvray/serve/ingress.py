@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from ray import serve
 
 from kvray.config import EngineConfig
+from kvray.engine.generation_config import generation_max_tokens_cap
 from kvray.serve.lifecycle import ReplicaLifecycle, replica_name, start_engine
 from kvray.serve.options import ServeOptions
 from kvray.serve.stats_board import report_stats
@@ -63,7 +64,11 @@ class OpenAIIngress(ReplicaLifecycle):
                                    model_head=info.get("head", "lm"),
                                    model_labels=info.get("labels"),
                                    eos_token_ids=info.get("eos_token_ids"),
-                                   sampling_defaults=info.get("sampling_defaults"))
+                                   sampling_defaults=info.get("sampling_defaults"),
+                                   max_tokens_cap=generation_max_tokens_cap(
+                                       config.model.generation_config,
+                                       config.model.override_generation_config,
+                                       info.get("sampling_defaults") or {}))
         self._refresher = asyncio.create_task(client.stats.run())
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -175,7 +175,8 @@ class OpenAIServer:
                  lora: LoRAConfig | None = None, model_head: str = "lm",
                  eos_token_ids: tuple[int, ...] | None = None,
                  sampling_defaults: dict[str, Any] | None = None,
-                 model_labels: list[str] | None = None) -> None:
+                 model_labels: list[str] | None = None,
+                 max_tokens_cap: int | None = None) -> None:
         self.client, self.model_name = client, model_name
         # lm | embed | classify (ModelSpec.head): /score and /rerank use the classification
         # head of a classify model, else embeddings' cosine similarity
@@ -200,6 +201,9 @@ class OpenAIServer:
             sampling_defaults = getattr(engine, "sampling_defaults", None) or {}
         # unset request fields take these (vLLM's --generation-config auto)
         self.sampling_defaults = dict(sampling_defaults)
+        if max_tokens_cap is None:  # max_new_tokens the server's config imposes, if any
+            max_tokens_cap = getattr(engine, "max_tokens_cap", None)
+        self.max_tokens_cap = max_tokens_cap
         self._model_content_format: str | None = None  # the model template's, once read
         self.metrics = ServerMetrics(model_name)
         self.draining = False
@@ -277,7 +281,8 @@ class OpenAIServer:
     def resolve_max_tokens(self, requested: int | None, prompt_len: int,
                            prompt_field: str = "prompt") -> int:
         """``max_tokens`` for a prompt: as requested, or all the room left in the context
-        (at most the model's default, if its generation config has one); an APIError (400)
+        (at most the model's default, if its generation config has one), within the
+        server's ``max_new_tokens`` cap if its config sets one; an APIError (400)
         when the prompt leaves no room (naming ``prompt_field``) or prompt + max_tokens
         exceeds the context length, in vLLM's (and OpenAI's) words, which clients match to
         trim a conversation."""
@@ -295,7 +300,7 @@ class OpenAIServer:
                            f"has {prompt_len} input tokens ({requested} > "
                            f"{self.max_model_len} - {prompt_len}).", "BadRequestError",
                            "max_tokens")
-        return requested
+        return min(requested, self.max_tokens_cap or requested)
 
     # ---- routes -------------------------------------------------------------------------
     def _install_routes(self) -> None:
