@@ -171,6 +171,20 @@ def test_the_single_replica_front_ends_refuse_several_replicas_before_starting_a
     assert "invalid choice" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--pipeline-parallel-size", "4"], "pipeline_parallel_size (4) exceeds the model's 3"),
+    (["--tensor-parallel-size", "3"], "tensor_parallel_size (3) must be a multiple of "
+                                      "num_key_value_heads (2)"),
+    (["--tensor-parallel-size", "8"], "num_attention_heads (4) is not divisible"),
+])
+def test_serve_refuses_a_layout_the_model_cannot_split_before_starting_a_cluster(
+        tiny_model_dir, capsys, flags, message):
+    """Regression: the workers found it, after a cluster reserved and started tp x pp of
+    them (50 stages: two minutes, then Serve's 'failed to update the deployments')."""
+    rc = main(["serve", str(tiny_model_dir("llama_gqa")), *flags])
+    assert rc == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("port", ["0", "65536", "99999", "-1"])
 def test_a_port_outside_1_to_65535_is_a_usage_error_naming_it(capsys, port):
     """Regression: 99999 reached the socket bind and died with an OverflowError."""

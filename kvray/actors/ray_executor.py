@@ -19,6 +19,7 @@ from typing import Any
 from kvray.actors.placement import worker_bundles
 from kvray.actors.worker import Worker, free_port
 from kvray.config import EngineConfig
+from kvray.models.loader import check_parallel_layout
 from kvray.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ class RayExecutor:
         self.timeout_s = par.worker_timeout_s
         self.startup_timeout_s = max(STARTUP_TIMEOUT_S, self.timeout_s)
         self.tp, self.pp = par.tensor_parallel_size, par.pipeline_parallel_size
+        check_parallel_layout(model_path, self.tp, self.pp, par.enable_expert_parallel)
         ensure_ray(num_cpus=max(self.tp * self.pp + 2, 4))
         bundles = worker_bundles(config, _cluster_has_gpus())
         first_bundle = self._reserve_placement(bundles, par.placement_strategy)

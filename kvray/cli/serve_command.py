@@ -94,6 +94,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ingress == "process" and config.autoscaling.enabled:
         raise ConfigError(f"--max-replicas {config.autoscaling.max_replicas}: --ingress "
                           "process serves one replica; use --ingress serve to autoscale")
+    from kvray.models.loader import check_parallel_layout
+
+    par = config.parallel  # before a cluster reserves tp x pp workers for nothing
+    check_parallel_layout(model_path, par.tensor_parallel_size, par.pipeline_parallel_size,
+                          par.enable_expert_parallel)
     if args.ingress == "process":
         return _serve_in_process(args, config, model_path, name, api_key)
     return _serve_on_ray_serve(args, config, model_path, name, api_key)

@@ -30,7 +30,7 @@ from kvray.models.quantized import (
     quantize_online,
 )
 from kvray.models.spec import ModelSpec
-from kvray.parallel import ParallelContext
+from kvray.parallel import ParallelContext, pp_layer_range
 from kvray.quant.tensor import QuantTensor
 from kvray.tokenizer import check_model_path, load_tokenizer, transformers_errors
 
@@ -418,6 +418,36 @@ def resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
                          f"(max_position_embeddings {spec.max_position_embeddings} and its "
                          f"rope scaling); use a value <= {limit}")
     return requested
+
+
+def check_parallel_layout(model_path: str | Path, tp: int, pp: int,
+                          expert_parallel: bool = False) -> None:
+    """ValueError naming the setting when ``tp`` x ``pp`` cannot split the model at
+    ``model_path`` (the splits each worker makes of its shard), read from its config alone:
+    found before a cluster reserves and starts tp x pp workers for nothing."""
+    spec = ModelSpec.from_hf_config(open_checkpoint(model_path).hf_config)
+    pp_layer_range(spec.num_layers, 0, pp)
+    if tp == 1:
+        return
+    sizes = [("num_attention_heads", spec.num_heads), ("intermediate_size",
+             spec.intermediate_size if any(not spec.is_moe_layer(i)
+                                           for i in range(spec.num_layers)) else 0),
+             ("shared_expert_intermediate_size", spec.shared_expert_intermediate_size)]
+    if spec.num_kv_heads >= tp:
+        sizes.append(("num_key_value_heads", spec.num_kv_heads))
+    elif tp % spec.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of "
+                         f"num_key_value_heads ({spec.num_kv_heads}) when it exceeds it")
+    for what, size in sizes:
+        if size % tp:
+            raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size ({tp})")
+    if spec.num_experts and expert_parallel and spec.num_experts % tp:
+        raise ValueError(f"enable_expert_parallel: {spec.num_experts} experts do not split "
+                         f"evenly over tensor_parallel_size = {tp}")
+    if spec.num_experts and not expert_parallel and spec.moe_intermediate_size % tp:
+        raise ValueError(f"the experts' intermediate size {spec.moe_intermediate_size} does "
+                         f"not split evenly over tensor_parallel_size = {tp} (or set "
+                         "enable_expert_parallel)")
 
 
 def load_model(model_path: str | Path, dtype: str, ctx: ParallelContext | None = None,
