@@ -94,3 +94,15 @@ def test_gemma_spec_reads_its_switches():
     assert spec.attn_logit_softcap is None  # transformers' Gemma 3 never applies it
     assert spec.layer_windows == (16, 16, 16, 16, 16, None)  # 5 sliding, then 1 global
     assert spec.layer_rope(0) == (10000.0, None) and spec.layer_rope(5)[0] == 1000000.0
+
+
+@pytest.mark.parametrize("config_cls", ["LlamaConfig", "MistralConfig", "Qwen2Config",
+                                        "Qwen3Config"])
+def test_a_config_without_architectures_is_its_familys_language_model(config_cls):
+    """Regression: a config naming no architectures resolved to the family's classifier
+    (a later entry of the same model_type), and loading asked for a score head."""
+    config = getattr(transformers, config_cls)(vocab_size=64, hidden_size=32,
+                                               num_attention_heads=2, num_hidden_layers=2)
+    config.architectures = None
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.architecture.endswith("ForCausalLM") and spec.head == "lm"

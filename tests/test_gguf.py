@@ -142,6 +142,9 @@ def test_gguf_tokenizer_matches_the_original(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("drop,value,message", [
     ("llama.block_count", None, "'llama.block_count' is missing"),
     ("llama.attention.head_count", [4, 4], "expected one int"),
+    # regression: a ZeroDivisionError
+    ("llama.attention.head_count", 0, "'llama.attention.head_count' = 0: must be at least 1"),
+    ("llama.attention.head_count_kv", 0, "head_count_kv' = 0: must be at least 1"),
 ])
 def test_gguf_with_missing_or_per_layer_metadata_names_the_key(tmp_path, drop, value,
                                                                message):
@@ -174,6 +177,26 @@ def test_gguf_rope_rules_kvray_cannot_apply_are_errors_naming_the_key(tmp_path, 
         GGUFCheckpoint(_bare_llama_gguf(tmp_path / "rope.gguf", {**_BARE_KEYS, **rope}))
 
 
+def test_gguf_tensor_types_are_read_or_refused_up_front_naming_the_tensor(tmp_path):
+    """F64 tensors are read as numbers; a type nothing can dequantize (I32) is refused when
+    the file opens, naming the tensor (regression: gguf's bare NotImplementedError from
+    deep inside loading, without the name)."""
+    import gguf
+
+    from kvray.models.gguf_loader import GGUFCheckpoint
+    from kvray.models.spec import UnsupportedModelError
+
+    values = np.linspace(-1, 1, 32 * 32).reshape(32, 32)
+    ckpt = GGUFCheckpoint(_bare_llama_gguf(tmp_path / "f64.gguf", {
+        **_BARE_KEYS, "blk.0.attn_q.weight": (values, gguf.GGMLQuantizationType.F64)}))
+    weights = dict(ckpt.iter_weights())
+    assert weights["model.layers.0.self_attn.q_proj.weight"].shape == (32, 32)
+    with pytest.raises(UnsupportedModelError, match="'blk.0.attn_q.weight' is stored as I32"):
+        GGUFCheckpoint(_bare_llama_gguf(tmp_path / "i32.gguf", {
+            **_BARE_KEYS, "blk.0.attn_q.weight": (np.zeros((32, 32), np.int32),
+                                                  gguf.GGMLQuantizationType.I32)}))
+
+
 # the few keys a llama GGUF needs to be read (a 2-layer, 32-wide stub, no weights)
 _BARE_KEYS = {"llama.block_count": 2, "llama.embedding_length": 32,
               "llama.feed_forward_length": 64, "llama.attention.head_count": 4}
@@ -186,7 +209,9 @@ def _bare_llama_gguf(path, entries: dict):
 
     w = gguf.GGUFWriter(str(path), "llama")
     for key, v in entries.items():
-        if key.endswith(".weight"):
+        if key.endswith(".weight") and isinstance(v, tuple):  # (values, GGML type)
+            w.add_tensor(key, v[0], raw_dtype=v[1])
+        elif key.endswith(".weight"):
             w.add_tensor(key, v)
         elif isinstance(v, list):
             w.add_array(key, v)

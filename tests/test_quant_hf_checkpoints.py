@@ -210,7 +210,9 @@ def test_a_quantization_config_in_an_older_side_file_is_read(fmt, side_file, set
 def test_a_kv_cache_only_compressed_tensors_checkpoint_loads_its_dense_weights(
         tiny_model_dir, tmp_path):
     """llm-compressor's KV-cache-only output: dense weights, a kv_cache_scheme and a
-    k_scale / v_scale per attention layer (kvray scales its KV cache per token itself)."""
+    k_scale / v_scale per attention layer (kvray scales its KV cache per token itself);
+    with attention quantization also q_scale (and Quark's prob_scale), which vLLM loads
+    (regression: "unexpected tensors")."""
     import json
 
     from safetensors.torch import save_file
@@ -225,5 +227,6 @@ def test_a_kv_cache_only_compressed_tensors_checkpoint_loads_its_dense_weights(
         "quantization_status": "compressed"}
     (path / "config.json").write_text(json.dumps(config))
     save_file({f"model.layers.{i}.self_attn.{s}": torch.tensor(0.02) for i in range(3)
-               for s in ("k_scale", "v_scale")}, str(path / "scales.safetensors"))
+               for s in ("k_scale", "v_scale", "q_scale", "prob_scale")},
+              str(path / "scales.safetensors"))
     _assert_loads_as(path, src)

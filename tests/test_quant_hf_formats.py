@@ -274,6 +274,17 @@ def test_a_module_missing_a_tensor_is_an_error_naming_it():
         convert_one(tensors, quantization_config("awq", group=32))
 
 
+@pytest.mark.parametrize("fmt,key", [("awq", "qweight"), ("awq", "qzeros"),
+                                     ("gptq", "qweight"), ("gptq", "qzeros")])
+def test_packed_codes_in_another_dtype_are_an_error_not_a_misread(fmt, key):
+    """Regression: a float32 qweight (a converter that cast every tensor) had its bytes
+    read as codes, weights off by up to 0.19."""
+    tensors, _ = quantize_linear(random_weight(64, 128), fmt, group=32)
+    tensors[key] = tensors[key].float()
+    with pytest.raises(QuantizedCheckpointError, match="not int32 words"):
+        convert_one(tensors, quantization_config(fmt, group=32))
+
+
 def test_act_order_g_idx_without_desc_act_in_the_config_is_an_error():
     tensors, _ = quantize_linear(random_weight(64, 128), "gptq", group=32, desc_act=True)
     with pytest.raises(QuantizedCheckpointError, match="desc_act"):

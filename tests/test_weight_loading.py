@@ -222,3 +222,22 @@ def test_a_truncated_safetensors_or_gguf_file_is_an_error_naming_it(tiny_model_d
         gguf_path.write_bytes(data[:size])
         with pytest.raises(UnsupportedModelError, match="m.gguf is not a readable GGUF file"):
             load_model(gguf_path, "float32")
+
+
+@pytest.mark.parametrize("key,value,tensor", [
+    ("intermediate_size", 96, "down_proj"),  # the tensors are 128 wide
+    ("num_key_value_heads", 1, "k_proj"),  # the tensors hold 2 heads
+    ("num_attention_heads", 2, "[qo]_proj"),  # 4 heads of 16 (head_dim given)
+])
+def test_tensors_larger_than_the_config_says_are_refused_not_cut_to_fit(
+        tiny_model_dir, tmp_path, key, value, tensor):
+    """Regression: each linear's loader narrowed the checkpoint's tensor to its own size
+    and served truncated weights (transformers refuses such a checkpoint)."""
+    src = tiny_model_dir("llama_gqa")
+    dst = _copy_model(src, tmp_path / "m", lambda tensors: None)
+    config = json.loads((dst / "config.json").read_text())
+    config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    config[key] = value
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightLoadError, match=tensor):
+        load_model(dst, "float32")

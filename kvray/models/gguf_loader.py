@@ -99,6 +99,15 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 _REQUIRED = object()
 
 
+def _positive(reader: Any, key: str, default: Any = _REQUIRED) -> int:
+    """A count that must be at least 1 (a head count, a width); UnsupportedModelError
+    naming the key otherwise."""
+    value = _number(reader, key, int, default)
+    if value < 1:
+        raise UnsupportedModelError(f"GGUF metadata '{key}' = {value}: must be at least 1")
+    return value
+
+
 def _number(reader: Any, key: str, cast: type, default: Any = _REQUIRED) -> Any:
     """A numeric metadata value as ``cast``; UnsupportedModelError naming the key when it
     is missing (and required) or not one number (e.g. a per-layer array)."""
@@ -136,6 +145,29 @@ def _is_experts(gguf_name: str) -> bool:
     return bool(m) and m.group(2) in _EXPERT_NAMES
 
 
+def _readable(qtype: Any) -> bool:
+    """Whether a GGML tensor type can be read as numbers (:func:`_dequantize`)."""
+    import gguf
+
+    traits = getattr(gguf.quants, "_type_traits", None)
+    plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+             gguf.GGMLQuantizationType.F64)
+    return qtype in plain or traits is None or qtype in traits
+
+
+def _dequantize(t: Any) -> np.ndarray:
+    """A GGUF tensor's values as float32 (flat, in the file's order)."""
+    import gguf
+
+    if t.tensor_type == gguf.GGMLQuantizationType.F64:
+        return np.asarray(t.data).view(np.float64).astype(np.float32).ravel()
+    try:
+        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+    except NotImplementedError:
+        raise UnsupportedModelError(f"GGUF tensor '{t.name}' is stored as "
+                                    f"{t.tensor_type.name}, which kvray cannot read") from None
+
+
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Invert llama.cpp's rotary row interleaving of a Q or K projection."""
     head_dim = w.shape[0] // n_head
@@ -167,6 +199,12 @@ class GGUFCheckpoint:
             raise UnsupportedModelError(
                 f"GGUF architecture '{arch}' is not supported; supported: {', '.join(_ARCHS)}")
         self.arch = arch
+        for t in self.reader.tensors:  # found here, not halfway through loading
+            if not _readable(t.tensor_type):
+                raise UnsupportedModelError(
+                    f"GGUF tensor '{t.name}' is stored as {t.tensor_type.name}, which kvray "
+                    "cannot read (it reads F32, F16, BF16, F64 and the quantized types "
+                    "llama.cpp's gguf package dequantizes)")
         names = {t.name for t in self.reader.tensors}
         self.hf_config = self._build_config(names)
 
@@ -181,8 +219,8 @@ class GGUFCheckpoint:
         embd = next((t for t in r.tensors if t.name == "token_embd.weight"), None)
         if embd is None:
             raise UnsupportedModelError("GGUF without a 'token_embd.weight' tensor")
-        n_head = _number(r, f"{a}.attention.head_count", int)
-        hidden = _number(r, f"{a}.embedding_length", int)
+        n_head = _positive(r, f"{a}.attention.head_count")
+        hidden = _positive(r, f"{a}.embedding_length")
         head_dim = _number(r, f"{a}.attention.key_length", int, hidden // n_head)
         rot_dim = _number(r, f"{a}.rope.dimension_count", int, head_dim)
         kwargs = dict(
@@ -190,9 +228,9 @@ class GGUFCheckpoint:
             vocab_size=int(embd.shape[1]),
             hidden_size=hidden,
             intermediate_size=_number(r, f"{a}.feed_forward_length", int),
-            num_hidden_layers=_number(r, f"{a}.block_count", int),
+            num_hidden_layers=_positive(r, f"{a}.block_count"),
             num_attention_heads=n_head,
-            num_key_value_heads=_number(r, f"{a}.attention.head_count_kv", int, n_head),
+            num_key_value_heads=_positive(r, f"{a}.attention.head_count_kv", n_head),
             head_dim=head_dim,
             rms_norm_eps=_number(r, f"{a}.attention.layer_norm_rms_epsilon", float, 1e-6),
             max_position_embeddings=_number(r, f"{a}.context_length", int, 2048),
@@ -278,10 +316,9 @@ class GGUFCheckpoint:
         return rule
 
     def _rope_factors(self, name: str, rot_dim: int) -> list[float]:
-        import gguf
 
         t = next(t for t in self.reader.tensors if t.name == name)
-        values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).ravel()
+        values = _dequantize(t).ravel()
         if values.size != rot_dim // 2:
             raise UnsupportedModelError(f"GGUF tensor '{name}' holds {values.size} factors "
                                         f"for a rotary dim of {rot_dim} (need {rot_dim // 2})")
@@ -330,7 +367,6 @@ class GGUFCheckpoint:
                      ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
         """Yield (Hugging Face name, tensor) for every tensor: a QuantTensor where the
         block format has a kvray kind (and ``keep_quantized``), else fp32, dequantized."""
-        import gguf
 
         from kvray.quant.gguf_blocks import to_quant_tensor
 
@@ -345,7 +381,7 @@ class GGUFCheckpoint:
             name = _hf_name(t.name, self.arch)
             shape = tuple(reversed(t.shape.tolist()))
             if name.endswith("shared_expert_gate.weight"):  # one row; llama.cpp keeps it 1-D
-                data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+                data = _dequantize(t)
                 yield name, torch.from_numpy(np.array(data.reshape(1, -1), copy=True))
                 continue
             qt = (to_quant_tensor(t.data, t.tensor_type, shape)
@@ -357,8 +393,7 @@ class GGUFCheckpoint:
                     qt = qt.permute_rows(_row_order(shape[0], cfg.num_key_value_heads))
                 yield name, qt
                 continue
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
-            data = np.asarray(data, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+            data = _dequantize(t).reshape(tuple(reversed(t.shape.tolist())))
             if self.arch in _GEMMA and name.endswith("norm.weight"):
                 data = data - 1.0  # stored as Gemma's 1 + w
             if permute and ".q_proj." in name:
@@ -370,7 +405,6 @@ class GGUFCheckpoint:
     def _experts(self, t: Any, keep_quantized: bool
                  ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
         """A stacked expert tensor [experts, rows, K] as one tensor per expert."""
-        import gguf
 
         from kvray.quant.gguf_blocks import to_quant_tensor
 
@@ -382,7 +416,7 @@ class GGUFCheckpoint:
                 for e in range(experts):
                     yield _hf_name(t.name, self.arch, e), qt.narrow(0, e * rows, rows)
                 return
-        data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        data = _dequantize(t)
         data = data.reshape(experts, rows, k)
         for e in range(experts):
             yield _hf_name(t.name, self.arch, e), torch.from_numpy(np.array(data[e], copy=True))

@@ -28,6 +28,16 @@ def _check_shape(param: nn.Parameter, shard: torch.Tensor, what: str) -> None:
         )
 
 
+def _check_full(loaded: torch.Tensor | QuantTensor, dim: int, expected: int,
+                what: str) -> None:
+    """A checkpoint tensor's whole ``dim`` (before this rank takes its slice) is what the
+    config says: a larger one would otherwise be cut to fit, silently."""
+    if loaded.shape[dim] != expected:
+        raise ValueError(f"{what}: the checkpoint's tensor has shape "
+                         f"{tuple(loaded.shape)}, the model's config makes dimension {dim} "
+                         f"{expected}")
+
+
 def _split(size: int, parts: int, what: str) -> int:
     if size % parts:
         raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size ({parts})")
@@ -294,6 +304,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         size = param.shape[0]
+        _check_full(loaded, 0, size * self.ctx.tp_size, "column-parallel weight")
         shard = loaded.narrow(0, self.ctx.tp_rank * size, size)
         _check_shape(param, shard, "column-parallel weight")
         self._place(param, 0, shard, "column-parallel weight")
@@ -323,6 +334,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         assert isinstance(shard_id, int)
         size = self.out_local[shard_id]
         offset = sum(self.out_local[:shard_id])
+        _check_full(loaded, 0, size * self.ctx.tp_size, f"merged projection {shard_id}")
         if param.dim() == 1:  # a bias: its slice of the fused output
             param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.ctx.tp_rank * size,
                                                                    size))
@@ -352,6 +364,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                                  f"num_key_value_heads ({num_kv_heads}) when it exceeds it")
             self.num_kv_heads = 1
             self.kv_head_start = ctx.tp_rank * num_kv_heads // tp
+        self.total_heads = {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
         out = (num_heads + 2 * self.num_kv_heads * tp) * head_dim
         super().__init__(ctx, hidden_size, out, bias, dtype)
 
@@ -370,6 +383,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
             size, start = self.kv_size, self.kv_head_start * self.head_dim
+        _check_full(loaded, 0, self.total_heads[shard_id] * self.head_dim, f"{shard_id}_proj")
         shard = loaded.narrow(0, start, size)
         if param.dim() == 1:  # a bias
             param.data.narrow(0, offset, size).copy_(shard)
@@ -399,6 +413,7 @@ class RowParallelLinear(LinearBase):
             shard = loaded
         else:
             size = param.shape[1]
+            _check_full(loaded, 1, size * self.ctx.tp_size, "row-parallel weight")
             try:
                 shard = loaded.narrow(1, self.ctx.tp_rank * size, size)
             except ValueError as err:  # a quantized tensor split off its blocks

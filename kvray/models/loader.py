@@ -282,7 +282,7 @@ def _expected_keys(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter
 
 # activation / KV-cache scales of a quantized checkpoint: kvray computes its own per token
 _SCALE_LEAVES = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point",
-                 ".k_scale", ".v_scale", ".kv_scale")
+                 ".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale")
 
 
 def _adds_nothing(name: str, tensor: torch.Tensor | QuantTensor, spec: ModelSpec) -> bool:

@@ -211,7 +211,9 @@ def _architecture(config: Any) -> str:
     for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
             return arch
-    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+    # a config without architectures is its family's language model (transformers'
+    # AutoModelForCausalLM), never one of the pooling heads listed after it
+    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items() if k.endswith("ForCausalLM")}
     by_type["gemma3_text"] = "Gemma3ForCausalLM"  # Gemma3TextConfig's model_type
     model_type = getattr(config, "model_type", None)
     if not archs and model_type in by_type:

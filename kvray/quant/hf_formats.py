@@ -250,7 +250,8 @@ def _ct_group_scheme(name: str, group: Mapping[str, Any], fmt: str | None) -> Qu
 
 # ---- per-module tensors -> QuantTensor ---------------------------------------------------
 
-_DROPPED = ("input_scale", "input_zero_point", "output_scale", "k_scale", "v_scale")
+_DROPPED = ("input_scale", "input_zero_point", "output_scale", "k_scale", "v_scale", "q_scale",
+            "prob_scale")  # activation / attention scales: kvray computes its own
 
 
 def convert_prequantized(weights: Iterator[tuple[str, torch.Tensor]], scheme: QuantScheme,
@@ -343,10 +344,19 @@ def _trivial_groups(k: int, group: int) -> torch.Tensor:
 
 # ---- the converters ----------------------------------------------------------------------
 
+def _check_words(words: torch.Tensor) -> None:
+    """Packed codes come in int32 words (AWQ, GPTQ, compressed-tensors all write them so);
+    any other dtype's bytes would be read as codes, silently wrong."""
+    if words.dtype != torch.int32:
+        raise ValueError(f"packed codes are {words.dtype}, not int32 words: the tensor was "
+                         "not written by a packer of this format")
+
+
 def _unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 words [R, W] -> uint8 codes [R, W * 32 / bits]; code i of a word sits at its
     bits [i * bits, (i + 1) * bits). Reads the words' bytes (little-endian), so a 7B model's
     codes unpack in seconds rather than minutes."""
+    _check_words(words)
     # [R, 4 W]: byte j holds codes 2j and 2j + 1 (flatten: a size-1 dim may keep any stride)
     b = words.contiguous().flatten().view(torch.uint8).view(words.shape[0], -1)
     if bits == 8:
@@ -359,6 +369,7 @@ def _unpack_t(words: torch.Tensor, bits: int, positions: Sequence[int] | None = 
     """int32 words [R, W] packed along W -> uint8 codes transposed, [W * 32 / bits, R]: row
     ``j * pack + c`` holds, for each r, the code at position ``positions[c]`` of word
     ``[r, j]`` (AWQ's interleaved order; sequential by default)."""
+    _check_words(words)
     pack = 32 // bits
     positions = positions or range(pack)
     b = words.T.contiguous().flatten().view(torch.uint8).view(words.shape[1], -1, 4)
