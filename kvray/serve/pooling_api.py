@@ -147,7 +147,7 @@ class PoolingHandler:
                            "conversation's special tokens; it cannot be true with messages",
                            "BadRequestError", "add_special_tokens")
         check_messages(req.messages, self.server.limits)
-        conv = conversation_of(req.messages)
+        conv = conversation_of(req.messages, self.server.content_format())
         ids = await self.server.off_loop(
             self.server.chat_prompt_ids, conv, req.add_generation_prompt, None,
             check_template_kwargs(req.chat_template_kwargs), req.continue_final_message)
