@@ -285,6 +285,14 @@ def test_packed_codes_in_another_dtype_are_an_error_not_a_misread(fmt, key):
         convert_one(tensors, quantization_config(fmt, group=32))
 
 
+def test_a_g_idx_of_another_group_size_names_the_group_size_not_act_order():
+    tensors, _ = quantize_linear(random_weight(64, 128), "gptq", group=32, desc_act=False)
+    tensors = {"g_idx": tensors.pop("g_idx"), **tensors}  # read before the scales
+    with pytest.raises(QuantizedCheckpointError, match="groups the input columns by 32 but "
+                                                       "quantization_config says group_size 64"):
+        convert_one(tensors, quantization_config("gptq", group=64, desc_act=False))
+
+
 def test_act_order_g_idx_without_desc_act_in_the_config_is_an_error():
     tensors, _ = quantize_linear(random_weight(64, 128), "gptq", group=32, desc_act=True)
     with pytest.raises(QuantizedCheckpointError, match="desc_act"):

@@ -332,10 +332,17 @@ def _check_redundant(name: str, leaf: str, tensor: torch.Tensor, scheme: QuantSc
                                            "config says symmetric")
         return
     k = tensor.numel()
-    if not torch.equal(tensor.to(torch.int64), _trivial_groups(k, scheme.group_size)):
+    groups = tensor.to(torch.int64)
+    if torch.equal(groups, _trivial_groups(k, scheme.group_size)):
+        return
+    if bool(torch.all(groups[1:] >= groups[:-1])):  # in order: groups of another size
+        sizes = torch.bincount(groups)
         raise QuantizedCheckpointError(
-            f"'{name}' reorders the input columns (act order) but quantization_config "
-            "does not say so (desc_act / actorder)")
+            f"'{name}' groups the input columns by {int(sizes.max())} but quantization_config "
+            f"says group_size {scheme.group_size}")
+    raise QuantizedCheckpointError(
+        f"'{name}' reorders the input columns (act order) but quantization_config "
+        "does not say so (desc_act / actorder)")
 
 
 def _trivial_groups(k: int, group: int) -> torch.Tensor:
