@@ -425,6 +425,24 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
     assert chunks[-1]["usage"]["completion_tokens"] == 5 and not chunks[-1]["choices"]
 
 
+def test_continuous_usage_counts_the_choice_a_chunk_carries(client):
+    """vLLM's: each chunk's usage is its prompt's tokens and its own choice's so far
+    (regression: the running total of every prompt and choice)."""
+    body = {"model": "m", "prompt": ["Hi", "Hello there friend"], "n": 2, "max_tokens": 4,
+            "temperature": 1.0, "seed": 1, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    lengths = [client.post("/tokenize", json={"model": "m", "prompt": p}).json()["count"]
+               for p in body["prompt"]]
+    seen: dict[int, list[int]] = {}
+    for chunk in _events(client.post("/v1/completions", json=body)):
+        if chunk["choices"]:
+            index = chunk["choices"][0]["index"]
+            assert chunk["usage"]["prompt_tokens"] == lengths[index // 2]
+            seen.setdefault(index, []).append(chunk["usage"]["completion_tokens"])
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert all(counts == sorted(counts) and counts[-1] == 4 for counts in seen.values())
+
+
 def test_min_tokens_holds_back_stop_strings(client):
     """Regression: a stop string in the first tokens ended the output before min_tokens
     (stop token ids were held back, stop strings not)."""
@@ -664,3 +682,37 @@ def test_tool_choice_none_keeps_the_tools_in_the_prompt_unless_the_server_exclud
     assert with_tools > without
     assert prompt_tokens(trusting, tool_choice="none") == with_tools
     assert prompt_tokens(excluding, tool_choice="none") == without
+
+
+def test_return_token_ids_gives_prompt_and_output_ids_whole_and_streamed(client):
+    """vLLM's return_token_ids (RL and agent clients read them): per choice the output ids
+    (streamed: each chunk's new ones) and the prompt's (completions: per choice, with its
+    first chunk; chat: top level, with the role chunk)."""
+    base = {"model": "m", "max_tokens": 6, "temperature": 1.0, "seed": 5, "n": 2,
+            "ignore_eos": True, "return_token_ids": True}
+    tokens = client.post("/tokenize", json={"model": "m", "prompt": "Hello"}).json()["tokens"]
+    whole = client.post("/v1/completions", json={**base, "prompt": "Hello"}).json()
+    for c in whole["choices"]:
+        assert c["prompt_token_ids"] == tokens and len(c["token_ids"]) == 6
+    chunks = _events(client.post("/v1/completions", json={**base, "prompt": "Hello",
+                                                         "stream": True}))
+    for c in whole["choices"]:
+        mine = [ch["choices"][0] for ch in chunks if ch["choices"][0]["index"] == c["index"]]
+        assert mine[0]["prompt_token_ids"] == tokens
+        assert all("prompt_token_ids" not in m for m in mine[1:])
+        assert sum((m["token_ids"] for m in mine), []) == c["token_ids"]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.post("/v1/chat/completions", json={**base, "messages": messages}).json()
+    prompt = client.post("/tokenize", json={"model": "m", "messages": messages}).json()
+    assert chat["prompt_token_ids"] == prompt["tokens"]
+    assert all(len(c["token_ids"]) == 6 for c in chat["choices"])
+    chunks = _events(client.post("/v1/chat/completions", json={**base, "messages": messages,
+                                                              "stream": True}))
+    assert all(ch["prompt_token_ids"] == prompt["tokens"] for ch in chunks[:2])
+    for c in chat["choices"]:
+        ids = [i for ch in chunks[2:] for x in ch["choices"] if x["index"] == c["index"]
+               for i in x["token_ids"]]
+        assert ids == c["token_ids"]
+    plain = client.post("/v1/completions", json={**base, "prompt": "Hello",
+                                                 "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0]

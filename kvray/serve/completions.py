@@ -92,6 +92,7 @@ class _Pending:
     logprobs: Logprobs = None
     text_offset: int = 0
     started: bool = False
+    sent_ids: bool = False  # a chunk of this choice carried its token ids already
 
     def take(self, comp: CompletionOutput) -> tuple[list[int], Logprobs]:
         """Add ``comp``'s new tokens; return all pending ones and forget them."""
@@ -119,6 +120,7 @@ class _Handler:
         self.start = time.monotonic()
         self.totals: dict[int, RequestOutput] = {}  # prompt index -> deltas folded so far
         self.pending: dict[tuple[int, int], _Pending] = {}  # (prompt, choice) -> unsent
+        self.prompt_token_ids: dict[int, list[int]] = {}  # prompt index -> as it ran
 
     def _params(self, prompt_len: int):
         try:
@@ -201,6 +203,11 @@ class _Handler:
             choice = self.choice(i, comp, text, ids, lps, pend.text_offset)
             if echoed:
                 _prepend_logprobs(choice, echoed)
+            if self.req.return_token_ids:
+                if not pend.sent_ids:
+                    choice.update(self.first_choice_ids(i))
+                choice["token_ids"] = ids
+                pend.sent_ids = True
             chunks.append(self.envelope(self.chunk_name, [choice]))
             offsets = (choice["logprobs"] or {}).get("text_offset")
             if offsets:  # tokens whose text is still held back count all the same
@@ -211,6 +218,21 @@ class _Handler:
         """With ``echo`` and ``logprobs``: the echoed prompt's tokens as completions'
         logprobs fields (False while its prompt logprobs have not all arrived); else None."""
         return None
+
+    def choice_usage(self, i: int, index: int) -> dict[str, int]:
+        """vLLM's continuous usage: prompt ``i``'s tokens and those of the choice a chunk
+        carries (``index``, numbered across prompts as the response numbers them) so far."""
+        total = self.totals[i]
+        prompt = len(total.prompt_token_ids or ())
+        completion = sum(len(c.token_ids) for c in total.outputs
+                         if c.index == index % self.req.n)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def first_choice_ids(self, i: int) -> dict[str, Any]:
+        """With ``return_token_ids``, what a choice's first chunk carries besides its
+        token ids (completions: its prompt's ids; chat puts them in the role chunk)."""
+        return {}
 
     def usage(self, outs: list[RequestOutput]) -> dict:
         """OpenAI's usage of the folded outputs; ``prompt_tokens_details.cached_tokens``
@@ -246,6 +268,7 @@ class _Handler:
             kept = self.req.truncated(ids, self.server.max_model_len)
             text, ids = (text, ids) if kept is ids else (None, kept)
             params = self._params(len(ids))
+            self.prompt_token_ids[i] = ids
             engine_prompt = {"prompt_token_ids": ids, "prompt": text}
             if self.lora is not None:  # the engine checks it exists (404 if not)
                 engine_prompt["lora_name"] = self.lora
@@ -300,7 +323,7 @@ class _Handler:
                     break
                 for chunk in self.delta_chunks(i, out):
                     if running_usage:
-                        chunk["usage"] = self.usage(list(self.totals.values()))
+                        chunk["usage"] = self.choice_usage(i, chunk["choices"][0]["index"])
                     yield chunk
             if opts is not None and opts.include_usage:
                 totals = [self.totals[i] for i in sorted(self.totals)]
@@ -484,10 +507,16 @@ class CompletionHandler(_Handler):
                 if echoed:
                     _prepend_logprobs(choices[-1], echoed)
                 choices[-1]["prompt_logprobs"] = prompt_lps
+                if self.req.return_token_ids:
+                    choices[-1].update(prompt_token_ids=list(out.prompt_token_ids or ()),
+                                       token_ids=list(c.token_ids))
         return self.envelope(self.object_name, choices, usage=self.usage(finals))
 
     def first_chunks(self) -> list[dict]:
         return []
+
+    def first_choice_ids(self, i: int) -> dict[str, Any]:
+        return {"prompt_token_ids": list(self.prompt_token_ids.get(i, ()))}
 
 
 def _within(lp: float, k: int) -> bool:
@@ -688,16 +717,22 @@ class ChatHandler(_Handler):
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(c.token_ids, c.logprobs),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
+            if self.req.return_token_ids:
+                choices[-1]["token_ids"] = list(c.token_ids)
         extra = {}
         if self.req.prompt_logprobs is not None:
             extra["prompt_logprobs"] = self.prompt_logprobs(finals[0])
+        if self.req.return_token_ids:
+            extra["prompt_token_ids"] = list(finals[0].prompt_token_ids or ())
         return self.envelope(self.object_name, choices, usage=self.usage(finals), **extra)
 
     def first_chunks(self) -> list[dict]:
         echoed = self.echoed_text()
+        extra = {"prompt_token_ids": list(self.prompt_token_ids.get(0, ()))} \
+            if self.req.return_token_ids else {}
         return [self.envelope(self.chunk_name, [{
             "index": i, "delta": {"role": "assistant", "content": echoed}, "logprobs": None,
-            "finish_reason": None}]) for i in range(self.req.n)]
+            "finish_reason": None}], **extra) for i in range(self.req.n)]
 
 
 def _merge_deltas(parts: list[dict]) -> dict:

@@ -133,6 +133,9 @@ class _Sampling(_Request):
     prompt_logprobs: int | None = None
     # logprobs name tokens "token_id:<id>" instead of by their text
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: each choice's output token ids (and the prompt's) in the response; streamed,
+    # the prompt's with a choice's first chunk and each chunk's new ids with it
+    return_token_ids: bool | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
