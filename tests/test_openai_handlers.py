@@ -716,3 +716,20 @@ def test_return_token_ids_gives_prompt_and_output_ids_whole_and_streamed(client)
     plain = client.post("/v1/completions", json={**base, "prompt": "Hello",
                                                  "return_token_ids": False}).json()
     assert "token_ids" not in plain["choices"][0]
+
+
+def test_a_failure_formatting_a_streamed_chunk_ends_the_stream_with_an_error_event(
+        client, monkeypatch):
+    """Regression: an exception while turning an output into chunks escaped the SSE
+    generator: the client got a cut chunked body, no error event and no [DONE]."""
+    from kvray.serve.completions import CompletionHandler
+
+    def broken(self, i, out):
+        raise RuntimeError("formatting failed")
+
+    monkeypatch.setattr(CompletionHandler, "delta_chunks", broken)
+    resp = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 3,
+                                                "stream": True})
+    events = _events(resp)  # ends with [DONE]
+    assert events[-1]["error"]["code"] == 500
+    assert "formatting failed" not in resp.text  # internal details stay in the log

@@ -15,7 +15,7 @@ from kvray import LLM, SamplingParams
 from kvray.actors.sampling_batch import sampling_batch
 from kvray.kernels.sampling import SamplingBatch, SpecSpan, sample_speculative
 from kvray.scheduler.ngram import NgramProposer
-from tests.helpers.tiny_models import VOCAB_SIZE, load_hf, transformers_greedy
+from tests.helpers.tiny_models import VOCAB_SIZE, load_hf, make_tiny_model, transformers_greedy
 
 pytestmark = pytest.mark.parity
 
@@ -340,4 +340,36 @@ def test_stop_strings_under_ngram_speculation_end_where_plain_decoding_ends(tiny
             llm.shutdown()
     assert drafts > 0, "the n-gram drafts were never accepted: the test proves nothing"
     assert sum(r[2] == "stop" for r in runs["plain"]) >= len(stops)
+    assert runs["ngram"] == runs["plain"]
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_the_output_as_plain_decoding_does(
+        tmp_path):
+    """Regression: a stop token (or the length) accepted in the middle of a speculative
+    step ended the sequence, but the engine applied every token the step sampled: the
+    text before it came twice (' The The'), and logprobs and the cumulative logprob counted
+    the drafts after it. Ids, text, logprobs and finish now equal plain decoding's. The
+    prompt's repeats make the n-gram proposer draft the stop token and what follows it."""
+    path = str(make_tiny_model("llama_gqa", tmp_path / "m", seed=1))
+    prompt = [249, 188, 303, 116, 263, 76, 149, 76] * 3 + [333, 130, 243, 333, 130, 243, 333,
+                                                           359, 243, 333]
+    params = [SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[243], logprobs=0),
+              SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)]
+    runs = {}
+    for name, spec in (("plain", None), ("ngram", {
+            "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})):
+        llm = LLM(path, dtype="float32", max_model_len=256, speculative_config=spec)
+        try:
+            outs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params,
+                                use_tqdm=False)
+            runs[name] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+                           len(c.logprobs), round(c.cumulative_logprob, 3))
+                          for o in outs for c in o.outputs]
+            drafts = llm.llm_engine.stats.spec_decode_num_accepted_tokens
+        finally:
+            llm.shutdown()
+    assert drafts > 0, "the n-gram drafts were never accepted: the test proves nothing"
+    assert runs["plain"][0][0] == [359, 243]  # the stop token, drafted with more after it
+    assert all(r[4] == len(r[0]) for r in runs["ngram"])
     assert runs["ngram"] == runs["plain"]

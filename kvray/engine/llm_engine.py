@@ -557,7 +557,6 @@ class LLMEngine:
     def _apply_tokens(self, updated: list[Request], result: ModelRunnerOutput) -> set[str]:
         lp_by_req = dict(zip(result.req_ids, result.logprobs, strict=True))
         slp_by_req = dict(zip(result.req_ids, result.sampled_logprobs, strict=True))
-        index_of = {r: i for i, r in enumerate(result.req_ids)}
         touched = set()
         for req in updated:
             entry = self._child_to_parent.get(req.request_id)
@@ -565,12 +564,15 @@ class LLMEngine:
                 continue
             parent_id, index = entry
             seq = self._parents[parent_id].seqs[index]
-            num_new = len(result.sampled_token_ids[index_of[req.request_id]])
-            sampled_lps = slp_by_req[req.request_id]
+            # what the scheduler took of the step's tokens: a stop (or the length) inside
+            # a speculative step's accepted drafts leaves the rest out
+            num_new = req.num_new_tokens
+            sampled_lps = slp_by_req[req.request_id][:num_new]
+            step_lps = (lp_by_req[req.request_id] or [])[:num_new]
             seq.cumulative_logprob += sum(sampled_lps)
-            if seq.logprobs is not None and lp_by_req[req.request_id]:
-                self._name_logprobs(lp_by_req[req.request_id])
-                seq.logprobs.extend(lp_by_req[req.request_id])
+            if seq.logprobs is not None and step_lps:
+                self._name_logprobs(step_lps)
+                seq.logprobs.extend(step_lps)
             self.stats.generation_tokens_total += num_new
             try:
                 unused = self._detokenize(seq, req, num_new)
@@ -580,7 +582,7 @@ class LLMEngine:
             if unused:  # accepted tokens after a stop string's last: not part of the output
                 del req.output_token_ids[-unused:]
                 seq.cumulative_logprob -= sum(sampled_lps[-unused:])
-                if seq.logprobs is not None and lp_by_req[req.request_id]:
+                if seq.logprobs is not None and step_lps:
                     del seq.logprobs[-unused:]
                 self.stats.generation_tokens_total -= unused
             touched.add(parent_id)

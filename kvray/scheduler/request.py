@@ -48,6 +48,9 @@ class Request:
         self.max_tokens = max_tokens  # resolved: params.max_tokens or what fits max_model_len
         self.seed = seed  # sampling generator seed (params.seed + index among n siblings)
         self.output_token_ids: list[int] = []
+        # tokens the last step added: fewer than it sampled when a stop or the length
+        # ended the request inside a step's accepted drafts
+        self.num_new_tokens = 0
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first admission (-1 = not yet)
         self.num_preemptions = 0

@@ -560,10 +560,12 @@ class Scheduler:
                 continue
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
+            req.num_new_tokens = 0
             for token in tokens:
                 req.output_token_ids.append(token)
+                req.num_new_tokens += 1
                 if self._check_stop(req, token):
-                    break
+                    break  # the drafts accepted after it are not output
             updated.append(req)
             if not req.is_finished:
                 req.spec_token_ids = self.speculation.drafts_for(

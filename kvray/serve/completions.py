@@ -317,11 +317,15 @@ class _Handler:
                 if out is None:
                     done += 1
                     continue
-                if isinstance(out, Exception):  # headers are sent: end the stream with it
-                    api = api_error_from(out)
+                try:
+                    if isinstance(out, Exception):
+                        raise out
+                    chunks = self.delta_chunks(i, out)
+                except Exception as err:  # headers are sent: end the stream with it
+                    api = api_error_from(err)
                     yield error_body(api.message, api.err_type, api.status, api.param)
                     break
-                for chunk in self.delta_chunks(i, out):
+                for chunk in chunks:
                     if running_usage:
                         chunk["usage"] = self.choice_usage(i, chunk["choices"][0]["index"])
                     yield chunk
