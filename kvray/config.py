@@ -88,14 +88,25 @@ def _is_template_text(value: str) -> bool:
     return "{" in value or "\n" in value
 
 
-def _unescaped(text: str) -> str:
+def _unescaped(text: str, jinja2: Any) -> str:
     """A one-line template's backslash escapes (``\\n``, ``\\t``, ``\\u00e9``...)
     decoded, as vLLM reads an inline ``--chat-template``: a command line cannot hold the
-    newlines the template needs. Text whose escapes do not decode stays as it is."""
+    newlines the template needs. Text whose escapes do not decode, or whose decoding Jinja
+    cannot parse while the text itself parses (its own string escapes), stays as it is."""
     try:
-        return codecs.decode(text.encode("latin-1", "backslashreplace"), "unicode_escape")
+        decoded = codecs.decode(text.encode("latin-1", "backslashreplace"), "unicode_escape")
     except UnicodeDecodeError:
         return text
+    from kvray.inputs import template_environment
+
+    env = template_environment()
+    for candidate in (decoded, text):
+        try:
+            env.parse(candidate)
+            return candidate
+        except jinja2.TemplateSyntaxError:
+            continue
+    return decoded
 
 
 def read_chat_template(value: str) -> str:
@@ -106,7 +117,7 @@ def read_chat_template(value: str) -> str:
 
     path = Path(value).expanduser()
     if _is_template_text(value) and "\n" not in value and "\\" in value:
-        value = _unescaped(value)
+        value = _unescaped(value, jinja2)
     if not _is_template_text(value):
         try:
             value = path.read_text()
@@ -115,8 +126,10 @@ def read_chat_template(value: str) -> str:
             raise ValueError(f"chat_template = {shown!r}: cannot read it as a template "
                              f"file ({err.__class__.__name__}); give a file or the Jinja text "
                              "itself") from None
+    from kvray.inputs import template_environment
+
     try:
-        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(value)
+        template_environment().parse(value)
     except jinja2.TemplateSyntaxError as err:
         raise ValueError(f"chat_template: not a valid Jinja template (line {err.lineno}: "
                          f"{err.message})") from None

@@ -70,6 +70,25 @@ def message_content(content: Any, fmt: str, where: str) -> Any:
     return "" if content is None else content
 
 
+def template_environment() -> Any:
+    """A Jinja environment that parses what Hugging Face chat templates may hold: loop
+    controls and the ``{% generation %}`` block (assistant masks) — for reading a template's
+    syntax, not for rendering it (the tokenizer renders)."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class _Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _Generation])
+
+
 def detect_content_format(template: str | None) -> str:
     """``openai`` when a chat template loops over a message's content (Gemma 3, Llama 4,
     Mistral Small 3.1, Qwen2-VL: they render a list of parts), else ``string`` — vLLM's
@@ -81,7 +100,7 @@ def detect_content_format(template: str | None) -> str:
     from jinja2 import nodes
 
     try:
-        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        tree = template_environment().parse(template)
     except jinja2.TemplateError:
         return "string"
 

@@ -78,6 +78,13 @@ def test_a_one_line_chat_template_has_its_escapes_decoded_as_vllm_does():
         "{% for m in messages %}{{ m['content'] }}\n{% endfor %}\tend é"
     lines = "{% for m in messages %}\n{{ m['content'] ~ '\\n' }}{% endfor %}"
     assert load_config(chat_template=lines).model.chat_template == lines
+    # Jinja's own escapes, which decoding would break, stay as they are
+    own = r"{{ messages[0]['content'] | replace('\\', '/') }}"
+    assert load_config(chat_template=own).model.chat_template == own
+    # HF's {% generation %} block (assistant masks) is a template too
+    marked = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}" \
+             "{% endfor %}"
+    assert load_config(chat_template=marked).model.chat_template == marked
 
 
 @pytest.mark.parametrize(("value", "message"), [

@@ -279,7 +279,9 @@ def test_default_sampling_params_come_from_the_generation_config(model_dir, tmp_
 
 def test_eos_ids_of_the_generation_config_end_a_sequence(model_dir, tmp_path):
     """Regression: generation_config.json's eos_token_id list (an instruct model's
-    end-of-turn token) was ignored and generation ran to max_tokens (vLLM stops)."""
+    end-of-turn token) was ignored and generation ran to max_tokens (vLLM stops, with the
+    id as stop_reason: it joins the request's stop ids; under ignore_eos min_tokens still
+    bans it)."""
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 40]}')
     llm = LLM(str(model_dir), dtype="float32", block_size=4, num_gpu_blocks_override=32,
               generation_config=str(tmp_path))
@@ -290,10 +292,14 @@ def test_eos_ids_of_the_generation_config_end_a_sequence(model_dir, tmp_path):
         ignored = llm.generate({"prompt_token_ids": [5, 6]},
                                SamplingParams(**params, ignore_eos=True),
                                use_tqdm=False)[0].outputs[0]
+        held = llm.generate({"prompt_token_ids": [5, 6]},
+                            SamplingParams(**params, ignore_eos=True, min_tokens=2),
+                            use_tqdm=False)[0].outputs[0]
     finally:
         llm.shutdown()
-    assert (out.token_ids, out.finish_reason) == ([40], "stop")
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([40], "stop", 40)
     assert (ignored.token_ids, ignored.finish_reason) == ([40] * 4, "length")
+    assert 40 not in held.token_ids[:2] and held.token_ids[2:] == [40, 40]
 
 
 def test_a_stop_string_met_only_when_the_last_partial_character_is_flushed_reports_stop(llm):

@@ -441,6 +441,10 @@ def test_continuous_usage_counts_the_choice_a_chunk_carries(client):
             seen.setdefault(index, []).append(chunk["usage"]["completion_tokens"])
     assert sorted(seen) == [0, 1, 2, 3]
     assert all(counts == sorted(counts) and counts[-1] == 4 for counts in seen.values())
+    chat = _events(client.post("/v1/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+        "stream": True, "stream_options": body["stream_options"]}))
+    assert chat[0]["usage"]["completion_tokens"] == 0 < chat[0]["usage"]["prompt_tokens"]
 
 
 def test_min_tokens_holds_back_stop_strings(client):
@@ -716,6 +720,11 @@ def test_return_token_ids_gives_prompt_and_output_ids_whole_and_streamed(client)
     plain = client.post("/v1/completions", json={**base, "prompt": "Hello",
                                                  "return_token_ids": False}).json()
     assert "token_ids" not in plain["choices"][0]
+    beams = client.post("/v1/completions", json={**base, "prompt": "Hello", "seed": None,
+                                                 "temperature": 0,
+                                                 "use_beam_search": True}).json()
+    assert all(c["prompt_token_ids"] == tokens and len(c["token_ids"]) == 6
+               for c in beams["choices"])
 
 
 def test_a_failure_formatting_a_streamed_chunk_ends_the_stream_with_an_error_event(

@@ -14,6 +14,7 @@ import os
 import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from kvray.actors.placement import worker_bundles
@@ -160,7 +161,8 @@ class RayExecutor:
         self.timeout_s = par.worker_timeout_s
         self.startup_timeout_s = max(STARTUP_TIMEOUT_S, self.timeout_s)
         self.tp, self.pp = par.tensor_parallel_size, par.pipeline_parallel_size
-        check_parallel_layout(model_path, self.tp, self.pp, par.enable_expert_parallel)
+        if Path(model_path).exists():  # (share_weights: maybe only on another node)
+            check_parallel_layout(model_path, self.tp, self.pp, par.enable_expert_parallel)
         ensure_ray(num_cpus=max(self.tp * self.pp + 2, 4))
         bundles = worker_bundles(config, _cluster_has_gpus())
         first_bundle = self._reserve_placement(bundles, par.placement_strategy)

@@ -39,7 +39,8 @@ def proxy_location(host: str) -> str:
 
 
 def last_exception_line(text: str) -> str | None:
-    """The ``SomeError: message`` line a traceback ends with (its innermost cause)."""
+    """The ``SomeError: message`` line a traceback ends with: the exception raised (a
+    chained traceback prints its causes first)."""
     found = None
     for line in text.splitlines():
         head = line.strip().split(":", 1)[0]

@@ -108,12 +108,17 @@ class LLMEngine:
         self._last_collect = 0.0  # when the previous step's result came back
         self._expert_tokens_read = 0.0  # when the expert token counts were last read
         self._build_executor()
-        eos = set(self.spec.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        eos.update(i for i in generation_eos_ids(config.model.generation_config, local_path)
-                   if i < self.spec.vocab_size)
-        self.eos_token_ids = tuple(sorted(eos))
+        # The tokenizer's EOS ends a sequence as EOS (stop_reason None); the other ids
+        # config.json and generation_config.json name end it as stop tokens do (their id
+        # is the stop_reason), as vLLM adds them to each request's stop ids.
+        primary = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None \
+            else set(self.spec.eos_token_ids)
+        named = set(self.spec.eos_token_ids) | set(generation_eos_ids(
+            config.model.generation_config, local_path))
+        self._request_eos = tuple(sorted(primary))
+        self._eos_stops = tuple(sorted(i for i in named - primary if i < self.spec.vocab_size))
+        # every id that ends a sequence (beam search, grammars' end)
+        self.eos_token_ids = tuple(sorted(primary | set(self._eos_stops)))
         self.pooling = model_pooling(local_path, classify=self.spec.head == "classify")
 
     def _startup_report(self, workers_s: float, kv_s: float, total_s: float) -> dict:
@@ -256,7 +261,7 @@ class LLMEngine:
         self._check_token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         self._check_token_ids(params.allowed_token_ids or [], "allowed_token_ids",
                               "allowed_token_ids")
-        params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids,
+        params = dataclasses.replace(params, **self._end_ids(params),
                                      bad_words_token_ids=self._bad_words_ids(params))
         if params.pooling is not None:
             params = self._pooling_params(params)
@@ -363,6 +368,16 @@ class LLMEngine:
         resolved = self.loras.resolve(lora_request)
         self.loras.payload(resolved.lora_int_id)
         return resolved
+
+    def _end_ids(self, params: SamplingParams) -> dict[str, Any]:
+        """A request's EOS and stop ids: the model's other end ids join its stop ids (so
+        ``stop_reason`` names them), or under ``ignore_eos`` its EOS ids (so
+        ``min_tokens`` still bans them, as vLLM's ``_all_stop_token_ids``)."""
+        if params.ignore_eos:
+            return {"eos_token_ids": self._request_eos + self._eos_stops}
+        extra = [t for t in self._eos_stops if t not in params.stop_token_ids]
+        return {"eos_token_ids": self._request_eos,
+                "stop_token_ids": list(params.stop_token_ids) + extra}
 
     def _grammar_compiler(self) -> GrammarCompiler:
         """Compiles constraints at admission to reject invalid ones (workers in other

@@ -310,6 +310,10 @@ class _Handler:
         running_usage = opts is not None and opts.include_usage and opts.continuous_usage_stats
         try:
             for chunk in self.first_chunks():
+                if running_usage:  # nothing generated yet: the prompt alone (vLLM's)
+                    prompt = len(self.prompt_token_ids.get(0, ()))
+                    chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": 0,
+                                      "total_tokens": prompt}
                 yield chunk
             done = 0
             while done < len(tasks):
@@ -380,6 +384,9 @@ class CompletionHandler(_Handler):
                 choices.append({"index": i * req.n + j, "text": prefix + (seq.text or ""),
                                 "logprobs": None, "finish_reason": seq.finish_reason,
                                 "stop_reason": None})
+                if req.return_token_ids:
+                    choices[-1].update(prompt_token_ids=list(result.prompt_token_ids),
+                                       token_ids=list(seq.token_ids))
         prompt_tokens = sum(len(r.prompt_token_ids) for r in results)
         completion = sum(len(s.token_ids) for r in results for s in r.sequences[:req.n])
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,

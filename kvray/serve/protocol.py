@@ -479,7 +479,7 @@ def conversation_of(messages: list[ChatMessage], content_format: str = "string"
         if m.name is not None:
             entry["name"] = m.name
         extra = m.model_extra or {}
-        reasoning = extra.get("reasoning", extra.get("reasoning_content"))
+        reasoning = extra.get("reasoning") or extra.get("reasoning_content")
         if m.role == "assistant" and isinstance(reasoning, str):
             entry["reasoning"] = entry["reasoning_content"] = reasoning
         out.append(entry)
