@@ -232,7 +232,7 @@ def test_unparsable_serve_command_is_reported(tmp_path):
         "--port 8000", "--port eighty")
     problems = check_cluster_config(_write(tmp_path, config))
     assert len(problems) == 1 and "does not parse as kvray serve" in problems[0]
-    assert "invalid _positive_int value: 'eighty'" in problems[0]
+    assert "argument --port: invalid" in problems[0] and "'eighty'" in problems[0]
 
 
 def test_invalid_kvray_model_config_is_reported(tmp_path):

@@ -486,4 +486,4 @@ def test_unplaceable_layout_fails_with_the_missing_resources(cluster, models, mo
 
     monkeypatch.setattr(ray_executor, "PLACEMENT_TIMEOUT_S", 2.0)
     with pytest.raises(ray_executor.PlacementError, match="cannot place 16 workers"):
-        LLM(str(models["gqa4"]), tensor_parallel_size=4, pipeline_parallel_size=4, **COMMON)
+        LLM(str(models["gqa4"]), tensor_parallel_size=8, pipeline_parallel_size=2, **COMMON)
