@@ -316,7 +316,6 @@ class GGUFCheckpoint:
         return rule
 
     def _rope_factors(self, name: str, rot_dim: int) -> list[float]:
-
         t = next(t for t in self.reader.tensors if t.name == name)
         values = _dequantize(t).ravel()
         if values.size != rot_dim // 2:
