@@ -31,7 +31,15 @@ def join_text_parts(content: list[Any], where: str) -> str:
     the one string chat templates take, one part per line (vLLM's joining, so a prompt's
     tokens are the same on both servers); any other part is an InvalidRequestError (a
     ValueError) naming ``where`` (e.g. ``messages.0.content``) and the part."""
-    texts = []
+    return "\n".join(part["text"] for part in text_parts(content, where))
+
+
+def text_parts(content: list[Any], where: str) -> list[dict[str, str]]:
+    """A message's text parts as ``[{"type": "text", "text": ...}]`` (what templates that
+    iterate over a message's parts read: Responses parts and refusals become text parts,
+    as vLLM wraps them); any other part is an InvalidRequestError naming ``where`` and
+    the part."""
+    parts = []
     for j, part in enumerate(content):
         at = f"{where}.{j}"
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
@@ -43,17 +51,8 @@ def join_text_parts(content: list[Any], where: str) -> str:
         if not isinstance(part.get(key), str):
             raise InvalidRequestError(f"{at}.{key}: a {kind} part needs a string {key!r}",
                                       f"{at}.{key}")
-        texts.append(part[key])
-    return "\n".join(texts)
-
-
-def text_parts(content: list[Any], where: str) -> list[dict[str, str]]:
-    """A message's text parts as ``[{"type": "text", "text": ...}]`` (what templates that
-    iterate over a message's parts read: Responses parts and refusals become text parts,
-    as vLLM wraps them); any other part is an InvalidRequestError as in
-    :func:`join_text_parts`."""
-    join_text_parts(content, where)  # checks every part
-    return [{"type": "text", "text": part[TEXT_PART_KEYS[part["type"]]]} for part in content]
+        parts.append({"type": "text", "text": part[key]})
+    return parts
 
 
 def message_content(content: Any, fmt: str, where: str) -> Any:
@@ -89,11 +88,15 @@ def template_environment() -> Any:
     return jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _Generation])
 
 
-def detect_content_format(template: str | None) -> str:
+def detect_content_format(template: str | dict[str, str] | None) -> str:
     """``openai`` when a chat template loops over a message's content (Gemma 3, Llama 4,
     Mistral Small 3.1, Qwen2-VL: they render a list of parts), else ``string`` — vLLM's
     ``auto`` rule. The loop may run over ``x.content`` / ``x['content']`` (behind filters)
-    or over a variable set from one."""
+    or over a variable set from one. A tokenizer's named templates (a dict): ``openai``
+    when any of them loops."""
+    if isinstance(template, dict):
+        return "openai" if any(detect_content_format(t) == "openai"
+                               for t in template.values()) else "string"
     if not template:
         return "string"
     import jinja2

@@ -435,9 +435,7 @@ class LLM:
         prompts = []
         fmt = chat_template_content_format
         if fmt == "auto":  # vLLM's: parts for a template that loops over them
-            own = template or tok.chat_template
-            fmt = "openai" if any(detect_content_format(t) == "openai" for t in (
-                own.values() if isinstance(own, dict) else [own])) else "string"
+            fmt = detect_content_format(template or tok.chat_template)
         for conv in convs:
             conv = _template_messages(conv, fmt)
             extra = dict(chat_template_kwargs or {})

@@ -38,10 +38,23 @@ def _check_full(loaded: torch.Tensor | QuantTensor, dim: int, expected: int,
                          f"{expected}")
 
 
-def _split(size: int, parts: int, what: str) -> int:
+def split_evenly(size: int, parts: int, what: str) -> int:
+    """Each TP rank's share of ``size``; ValueError naming ``what`` when it does not split."""
     if size % parts:
         raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size ({parts})")
     return size // parts
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
+    """KV heads each TP rank holds: its share, or one (replicated: each rank keeps the one
+    its query heads need) when there are fewer KV heads than ranks; ValueError naming the
+    settings when neither works."""
+    if num_kv_heads >= tp:
+        return split_evenly(num_kv_heads, tp, "num_key_value_heads")
+    if tp % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of "
+                         f"num_key_value_heads ({num_kv_heads}) when it exceeds it")
+    return 1
 
 
 SmallMKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -300,7 +313,8 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, ctx: ParallelContext, in_features: int, out_features: int,
                  bias: bool, dtype: torch.dtype) -> None:
         self.ctx = ctx
-        super().__init__(in_features, _split(out_features, ctx.tp_size, "output size"), bias, dtype)
+        super().__init__(in_features, split_evenly(out_features, ctx.tp_size, "output size"),
+                         bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         size = param.shape[0]
@@ -327,7 +341,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, ctx: ParallelContext, in_features: int, out_sizes: Sequence[int],
                  bias: bool, dtype: torch.dtype, size_name: str = "output size") -> None:
-        self.out_local = [_split(s, ctx.tp_size, size_name) for s in out_sizes]
+        self.out_local = [split_evenly(s, ctx.tp_size, size_name) for s in out_sizes]
         super().__init__(ctx, in_features, sum(out_sizes), bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -354,16 +368,10 @@ class QKVParallelLinear(ColumnParallelLinear):
                  num_heads: int, num_kv_heads: int, bias: bool, dtype: torch.dtype) -> None:
         tp = ctx.tp_size
         self.head_dim = head_dim
-        self.num_heads = _split(num_heads, tp, "num_attention_heads")
-        if num_kv_heads >= tp:
-            self.num_kv_heads = _split(num_kv_heads, tp, "num_key_value_heads")
-            self.kv_head_start = ctx.tp_rank * self.num_kv_heads
-        else:
-            if tp % num_kv_heads:
-                raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of "
-                                 f"num_key_value_heads ({num_kv_heads}) when it exceeds it")
-            self.num_kv_heads = 1
-            self.kv_head_start = ctx.tp_rank * num_kv_heads // tp
+        self.num_heads = split_evenly(num_heads, tp, "num_attention_heads")
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp)
+        self.kv_head_start = ctx.tp_rank * self.num_kv_heads if num_kv_heads >= tp \
+            else ctx.tp_rank * num_kv_heads // tp
         self.total_heads = {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
         out = (num_heads + 2 * self.num_kv_heads * tp) * head_dim
         super().__init__(ctx, hidden_size, out, bias, dtype)
@@ -406,7 +414,8 @@ class RowParallelLinear(LinearBase):
     def __init__(self, ctx: ParallelContext, in_features: int, out_features: int,
                  bias: bool, dtype: torch.dtype, size_name: str = "input size") -> None:
         self.ctx = ctx
-        super().__init__(_split(in_features, ctx.tp_size, size_name), out_features, bias, dtype)
+        super().__init__(split_evenly(in_features, ctx.tp_size, size_name), out_features, bias,
+                         dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # the bias is not split; it is added once, after the reduce

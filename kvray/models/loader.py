@@ -21,8 +21,9 @@ from safetensors import safe_open
 from kvray.hardware import machine_dtype
 from kvray.models.expert_placement import plan_placement
 from kvray.models.expert_stats import expert_report
+from kvray.models.layers import kv_heads_per_rank, split_evenly
 from kvray.models.llama import STACKED_PARAMS, LlamaForCausalLM
-from kvray.models.moe import MoEExperts
+from kvray.models.moe import MoEExperts, check_expert_split
 from kvray.models.quantized import (
     CHECKPOINT_METHODS,
     QUANTIZATION_METHODS,
@@ -429,25 +430,13 @@ def check_parallel_layout(model_path: str | Path, tp: int, pp: int,
     pp_layer_range(spec.num_layers, 0, pp)
     if tp == 1:
         return
-    sizes = [("num_attention_heads", spec.num_heads), ("intermediate_size",
-             spec.intermediate_size if any(not spec.is_moe_layer(i)
-                                           for i in range(spec.num_layers)) else 0),
-             ("shared_expert_intermediate_size", spec.shared_expert_intermediate_size)]
-    if spec.num_kv_heads >= tp:
-        sizes.append(("num_key_value_heads", spec.num_kv_heads))
-    elif tp % spec.num_kv_heads:
-        raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of "
-                         f"num_key_value_heads ({spec.num_kv_heads}) when it exceeds it")
-    for what, size in sizes:
-        if size % tp:
-            raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size ({tp})")
-    if spec.num_experts and expert_parallel and spec.num_experts % tp:
-        raise ValueError(f"enable_expert_parallel: {spec.num_experts} experts do not split "
-                         f"evenly over tensor_parallel_size = {tp}")
-    if spec.num_experts and not expert_parallel and spec.moe_intermediate_size % tp:
-        raise ValueError(f"the experts' intermediate size {spec.moe_intermediate_size} does "
-                         f"not split evenly over tensor_parallel_size = {tp} (or set "
-                         "enable_expert_parallel)")
+    kv_heads_per_rank(spec.num_kv_heads, tp)
+    split_evenly(spec.num_heads, tp, "num_attention_heads")
+    if any(not spec.is_moe_layer(i) for i in range(spec.num_layers)):
+        split_evenly(spec.intermediate_size, tp, "intermediate_size")
+    split_evenly(spec.shared_expert_intermediate_size, tp, "shared_expert_intermediate_size")
+    if spec.num_experts:
+        check_expert_split(spec.num_experts, spec.moe_intermediate_size, tp, expert_parallel)
 
 
 def load_model(model_path: str | Path, dtype: str, ctx: ParallelContext | None = None,

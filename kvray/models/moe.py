@@ -44,6 +44,19 @@ if TYPE_CHECKING:
 EXPERT_PARTS = ("gate", "up", "down")
 
 
+def check_expert_split(num_experts: int, inter: int, tp: int, expert_parallel: bool) -> None:
+    """ValueError naming the setting when ``tp`` ranks cannot share the experts: whole
+    experts under expert parallelism, else each expert's ``inter`` rows."""
+    if tp == 1:
+        return
+    if expert_parallel and num_experts % tp:
+        raise ValueError(f"enable_expert_parallel: {num_experts} experts do not split "
+                         f"evenly over tensor_parallel_size = {tp}")
+    if not expert_parallel and inter % tp:
+        raise ValueError(f"the experts' intermediate size {inter} does not split evenly "
+                         f"over tensor_parallel_size = {tp} (or set enable_expert_parallel)")
+
+
 class MoEExperts(nn.Module):
     """This rank's experts, stacked: ``w13_weight`` [experts, 2 * inter, hidden] (gate rows
     then up rows) and ``w2_weight`` [experts, hidden, inter]; ``inter`` is the rank's slice
@@ -79,20 +92,14 @@ class MoEExperts(nn.Module):
         self.num_experts = num_experts
         self.layer_idx = layer_idx
         self.expert_parallel = ctx.expert_parallel and ctx.tp_size > 1
+        check_expert_split(num_experts, inter, ctx.tp_size, ctx.expert_parallel)
         if self.expert_parallel:
-            if num_experts % ctx.tp_size:
-                raise ValueError(f"enable_expert_parallel: {num_experts} experts do not split "
-                                 f"evenly over tensor_parallel_size = {ctx.tp_size}")
             # every rank's experts of this layer; this rank holds placement[tp_rank]
             self.placement = ctx.expert_placement[layer_idx] if ctx.expert_placement \
                 else contiguous_experts(num_experts, ctx.tp_size)
             self.held = list(self.placement[ctx.tp_rank])
             self.inter, self.inter_start = inter, 0
         else:
-            if inter % ctx.tp_size:
-                raise ValueError(f"the experts' intermediate size {inter} does not split evenly "
-                                 f"over tensor_parallel_size = {ctx.tp_size} (or set "
-                                 "enable_expert_parallel)")
             self.placement = None  # every rank holds a slice of every expert
             self.held = list(range(num_experts))
             self.inter = inter // ctx.tp_size

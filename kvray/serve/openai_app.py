@@ -443,10 +443,8 @@ class OpenAIServer:
             return fmt
         if template is None:
             if self._model_content_format is None:
-                own = getattr(self.tokenizer, "chat_template", None)
-                texts = own.values() if isinstance(own, dict) else [own]
-                self._model_content_format = "openai" if any(
-                    detect_content_format(t) == "openai" for t in texts) else "string"
+                self._model_content_format = detect_content_format(
+                    getattr(self.tokenizer, "chat_template", None))
             return self._model_content_format
         return detect_content_format(template)
 
