@@ -37,7 +37,10 @@ if [ ! -f "$VENV/.kvray-complete" ]; then
     touch "$VENV/.kvray-complete"
 fi
 
-MODEL_DIR="$("$PYTHON" -c 'from kvray.models.default_model import default_model_dir; print(default_model_dir())')"
+# optimum exports from Hugging Face weights: `kvray setup` keeps only the GGUF unless asked
+MODEL_DIR="$("$PYTHON" -c 'from kvray.models.default_model import default_model_dir, setup_default_model
+setup_default_model(dense_weights=True, log=lambda *a, **k: None)
+print(default_model_dir())')"
 for fmt in "${FORMATS[@]}"; do
     out="$PEER_DIR/openvino/$(basename "$MODEL_DIR")-$fmt"
     if [ ! -f "$out/.kvray-complete" ]; then

@@ -3,17 +3,17 @@
 Every linear of one decode step of the built-in model (SmolLM2-135M: hidden 576,
 intermediate 1536, 9 heads x 64, 3 KV heads, 30 layers; random codes of its shapes, each
 layer's weights distinct so that a step streams them from memory as a real one does) at
-M = 1, 4, 8, 16, 32 rows and a prefill chunk of 256, for Q4_1 (U4, groups of 32, fp16 scales and
-mins) and Q8_0 (S8, groups of 32, fp16 scales), and with ``--formats`` the other GGUF
-layouts: Q4_0 (U4, code offset 8), Q5_0 (U5, offset 16), Q4_K (U4, two-level u8 x fp16
-scales and mins), Q5_K (the same in U5), Q6_K (U6, groups of 16, offset 32, two-level i8 x
-fp16), Q3_K (3-bit codes in U4, groups of 16, offset 4, two-level i8 x fp16), Q2_K (2-bit
-codes in U4, groups of 16, two-level u8 x fp16 scales and mins). For each: the
-time of the step's linears, the GB/s of the bytes actually read (codes, scales, mins), that
-as a % of the read bandwidth measured in the same run (``torch.sum`` over 512 MiB with the
-same threads), and the step time over the read floor (bytes / bandwidth); at M = 256
-GFLOP/s against the fp32 path (``cpu_ops.linear_packed`` on packed fp32 weights of the same
-shapes). Formats and paths
+M = 1, 4, 8, 16, 32 rows and a prefill chunk of 256, for Q4_1 (U4, groups of 32, fp16
+scales and mins) and Q8_0 (S8, groups of 32, fp16 scales), and with ``--formats`` int8
+(S8, one fp32 scale per row: ``quantization: int8``) and the other GGUF layouts: Q4_0 (U4,
+code offset 8), Q5_0 (U5, offset 16), Q4_K (U4, two-level u8 x fp16 scales and mins), Q5_K
+(the same in U5), Q6_K (U6, groups of 16, offset 32, two-level i8 x fp16), Q3_K (3-bit
+codes in U4, groups of 16, offset 4, two-level i8 x fp16), Q2_K (2-bit codes in U4, groups
+of 16, two-level u8 x fp16 scales and mins). For each: the time of the step's linears, the
+GB/s of the bytes actually read (codes, scales, mins), that as a % of the read bandwidth
+measured in the same run (``torch.sum`` over 512 MiB with the same threads), and the step
+time over the read floor (bytes / bandwidth); at M = 256 GFLOP/s against the fp32 path
+(``cpu_ops.linear_packed`` on packed fp32 weights of the same shapes). Formats and paths
 are timed alternating in one process (median of the rounds).
 
     python benchmarks/quant_kernels.py [--rounds 7] [--threads N] [--formats Q4_1,Q8_0,...]
@@ -78,9 +78,12 @@ def _quantized(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantTensor:
     elif fmt == "Q8_0":
         codes = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
         seg = QuantSegment(QuantKind.S8, 32, codes, scales)
+    elif fmt == "int8":  # `quantization: int8`: S8, one fp32 scale per row
+        codes = torch.randint(-127, 128, (n, k), generator=gen).to(torch.int8)
+        seg = QuantSegment(QuantKind.S8, k, codes, torch.rand(n, 1, generator=gen) * 0.01)
     else:
-        raise SystemExit(f"--formats: unknown format {fmt!r} (Q4_1, Q8_0, Q4_0, Q5_0, Q4_K, "
-                         "Q5_K, Q6_K, Q3_K, Q2_K)")
+        raise SystemExit(f"--formats: unknown format {fmt!r} (Q4_1, Q8_0, int8, Q4_0, Q5_0, "
+                         "Q4_K, Q5_K, Q6_K, Q3_K, Q2_K)")
     return QuantTensor((n, k), (seg,))
 
 
@@ -106,7 +109,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--formats", default="Q4_1,Q8_0",
-                        help="comma-separated: Q4_1, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K, "
+                        help="comma-separated: Q4_1, Q8_0, int8, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K, "
                         "Q3_K, Q2_K")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.unit
 
 # (kind, group, scale dtype, mins, zero): the layouts GGUF, AWQ/GPTQ and int8 checkpoints
 # become; uint8 / int8 scales are two-level (times an fp16 per super-group of 256 columns)
+# name: (kind, group (0: the whole padded row), scale dtype, mins, code offset)
 LAYOUTS = {
     "u4_g32_fp16_mins": (QuantKind.U4, 32, torch.float16, True, 0),    # Q4_1
     "u4_g32_fp16_zero": (QuantKind.U4, 32, torch.float16, False, 8),   # Q4_0
@@ -39,6 +40,8 @@ LAYOUTS = {
     "s8_g16_fp32": (QuantKind.S8, 16, torch.float32, False, 0),
     "s8_g64_fp32": (QuantKind.S8, 64, torch.float32, False, 0),
     "s8_g32_s8": (QuantKind.S8, 32, torch.int8, False, 0),
+    "s8_row_fp32": (QuantKind.S8, 0, torch.float32, False, 0),          # int8: one per row
+    "s8_g32_fp16_mins": (QuantKind.S8, 32, torch.float16, True, 0),
 }
 BITS = {QuantKind.U4: 4, QuantKind.U5: 5, QuantKind.U6: 6}
 
@@ -54,6 +57,7 @@ def _segment(kind: QuantKind, rows: int, k_padded: int, group: int, scale_dtype:
              with_mins: bool, zero: int, gen: torch.Generator) -> QuantSegment:
     """Random codes; scales giving outputs of a sane size; two-level ones as the K-quants
     store them (6-bit values times an fp16 per 256 columns)."""
+    group = group or k_padded
     ng = k_padded // group
     codes = _codes(kind, rows, k_padded, gen)
     size = 0.01 / 2 ** (BITS.get(kind, 8) - 4)  # a step for codes of this width
@@ -118,7 +122,8 @@ def test_linear_q_is_within_the_activation_quantization_bound(ops, k, n, m):
     gen = torch.Generator().manual_seed(k * 1000 + n + m)
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen) if m % 2 else None
-    fitting = [name for name, (_, group, *_) in LAYOUTS.items() if round_up(k, 32) % group == 0]
+    fitting = [name for name, (_, group, *_) in LAYOUTS.items()
+               if round_up(k, 32) % (group or 32) == 0]
     cases = [[name] for name in fitting] + [fitting]
     for i, layouts in enumerate(cases):
         qt = _matrix(layouts, n, k, seed=i)
@@ -133,7 +138,7 @@ def test_linear_q_is_within_the_activation_quantization_bound(ops, k, n, m):
         assert float(bound.sum() / magnitude.sum()) < 0.03, layouts
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 13, 40, 300])
+@pytest.mark.parametrize("m", [1, 3, 4, 13, 21, 40, 300])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_linear_q_is_exact_on_whole_numbers_its_int8_grid_holds(ops, m, layout):
     """Activations that are whole numbers with a 127 in every block of 32 (so the int8 step
@@ -153,11 +158,11 @@ def test_linear_q_is_exact_on_whole_numbers_its_int8_grid_holds(ops, m, layout):
                   * (signs if scale_dtype == torch.int8 else 1)).to(scale_dtype)
         pow2_super = (2.0 ** torch.randint(-2, 0, seg.super_scales.shape, generator=gen)).half()
         half = None if mins is None else torch.full_like(seg.super_mins, 0.5)
-        seg = QuantSegment(kind, group, seg.codes, scales,
+        seg = QuantSegment(kind, seg.group, seg.codes, scales,
                            None if mins is None else mins.abs().to(scale_dtype), zero,
                            seg.super_group, pow2_super, half)
     else:
-        seg = QuantSegment(kind, group, seg.codes, pow2.to(scale_dtype),
+        seg = QuantSegment(kind, seg.group, seg.codes, pow2.to(scale_dtype),
                            None if mins is None else (mins / 2).to(scale_dtype), zero)
     qt = QuantTensor((n, k), (seg,))
     bias = torch.randint(-8, 8, (n,), generator=gen).float()
@@ -305,7 +310,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, layout):
     together = ops.linear_q(x, blob, bias)
     for m in (0, 1, 63, 64, 299):
         assert torch.equal(ops.linear_q(x[m:m + 1].clone(), blob, bias)[0], together[m]), m
-    for rows in (slice(0, 3), slice(5, 12), slice(3, 19), slice(3, 20), slice(0, 70)):
+    for rows in (slice(0, 3), slice(5, 12), slice(3, 19), slice(3, 20), slice(0, 70),
+                 slice(7, 28)):
         assert torch.equal(ops.linear_q(x[rows].clone(), blob, bias), together[rows]), rows
 
 

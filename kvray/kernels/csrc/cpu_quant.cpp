@@ -12,15 +12,16 @@
 // does. Per tile and block, each x row's 4 codes at a time are broadcast against the tile's
 // 32-byte parts (AVX2 maddubs: unsigned U4 codes x signed activations; S8 through the sign
 // trick, maddubs(|w|, sign(x, w)); with AVX-512 VNNI or AVX-VNNI one dpbusd per part
-// instead, 1.35-1.5x faster from 4 rows on, S8 as (x + 128) x w less 128 x sum(w) and with
+// instead, 1.35-1.5x faster from 4 rows on, S8 as (w + 128) x x less 128 x sum(x) and with
 // AVX-512 two parts per dpbusd), the products summed exactly in int16 / int32 to
 // one int per weight row (lane), converted once and accumulated with the multiplier s * dx:
 // one fma per block for 8 weight rows, no horizontal sums. Mins add m[n, g] times the sum of
 // quantized x over group g. A tile's parts are unpacked once for up to 4 x rows, the tiles
 // of an L2-sized stretch taken by every pass of 4 x rows (prefill, big decode batches);
 // with 512-bit VNNI and 16 or more x rows, two tiles at a time in 16-lane vectors
-// (TwoTiles: no per-row shuffle of x, half the float work per weight row), and where the
-// CPU has AMX-INT8 on its tile unit instead (quant_amx.h; the same bits).
+// (TwoTiles: no per-row shuffle of x, half the float work per weight row; S8 against 8 x
+// rows a pass, interleaved per block: dot_pair_s8x8), and where the CPU has AMX-INT8 on
+// its tile unit instead (quant_amx.h; the same bits).
 // At a few rows a call is bound by reading its weight: each thread streams its own run of
 // tiles (parallel_streams) and fetches the codes 4 KiB ahead of the block in hand.
 // The error against x's exact products is at most sum over blocks of dx / 2 * sum |w|
@@ -235,9 +236,11 @@ struct QuantizedX {
   std::vector<int8_t> q;   // [M, Kp] codes
   std::vector<float> d;    // [M, nb] block scales dx
   std::vector<float> s16;  // [M, Kp / 16] sums of quantized x per 16 columns (mins' terms)
+  std::vector<int32_t> c16;  // [M, Kp / 16] -128 x the sums of the codes per 16 (S8 pairs)
 };
 
-void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, float* d, float* s16) {
+void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, float* d, float* s16,
+                  int32_t* c16) {
   for (int64_t k0 = 0; k0 < Kp; k0 += kBlock) {
     alignas(32) float tmp[kBlock];
     const float* src = x + k0;
@@ -290,6 +293,7 @@ void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, float* d, fl
     // twice the size (s * q is not centred): measured on the built-in Q4_1 model, decode KL
     // divergence 0.0089 with exact sums against llama.cpp's 0.0026.
     s16[k0 / 16] = dx * sums[0], s16[k0 / 16 + 1] = dx * sums[1];
+    c16[k0 / 16] = -128 * sums[0], c16[k0 / 16 + 1] = -128 * sums[1];
   }
 }
 
@@ -297,11 +301,12 @@ QuantizedX quantize_x(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t
   QuantizedX qx;
   qx.Kp = Kp, qx.nb = Kp / kBlock;
   qx.q.resize(M * Kp), qx.d.resize(M * qx.nb), qx.s16.resize(M * Kp / 16);
+  qx.c16.resize(M * Kp / 16);
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)),
                    [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       quantize_row(x + m * ldx, K, Kp, qx.q.data() + m * Kp, qx.d.data() + m * qx.nb,
-                   qx.s16.data() + m * Kp / 16);
+                   qx.s16.data() + m * Kp / 16, qx.c16.data() + m * Kp / 16);
   });
   return qx;
 }
@@ -397,10 +402,34 @@ struct ProductJob {
 
 }  // namespace
 
+// x's rows in groups of 8 interleaved per block (XView::q8), for the S8 pair kernel.
+struct InterleavedX {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> c;
+};
+
+InterleavedX interleave_x(const QuantizedX& qx, int64_t M) {
+  constexpr int64_t kRowsX = 8;
+  const int64_t groups = M / kRowsX, nb = qx.nb, n16 = qx.Kp / 16;
+  InterleavedX ix;
+  ix.q.resize(groups * nb * kRowsX * kBlock);
+  ix.d.resize(groups * nb * kRowsX), ix.c.resize(groups * nb * kRowsX);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t r = 0; r < kRowsX; ++r) {
+        const int64_t m = g * kRowsX + r, i = (g * nb + b) * kRowsX + r;
+        std::memcpy(ix.q.data() + i * kBlock, qx.q.data() + m * qx.Kp + b * kBlock, kBlock);
+        ix.d[i] = qx.d[m * nb + b];
+        ix.c[i] = qx.c16[m * n16 + 2 * b] + qx.c16[m * n16 + 2 * b + 1];
+      }
+  return ix;
+}
+
 struct QuantProduct::State {
   Blob b;
   QuantizedX qx;
-  std::vector<uint8_t> qu;  // x + 128 for the S8 segments' VNNI kernel
+  InterleavedX ix;  // where an S8 segment runs the 8-row pair kernel
   std::vector<std::vector<float>> sums;
   std::vector<ProductJob> jobs;
   int64_t M = 0, tiles = 0;
@@ -421,13 +450,12 @@ QuantProduct::QuantProduct(const at::Tensor& blob, const float* x, int64_t ldx, 
   // the tile unit reads x in whole A tiles of 16 rows: zero rows up to a multiple of 16
   const int64_t rows = st.amx ? (M + 15) / 16 * 16 : M;
   st.qx.q.resize(rows * b.Kp), st.qx.d.resize(rows * st.qx.nb), st.qx.s16.resize(rows * b.Kp / 16);
-#ifdef KVRAY_VNNI
+  st.qx.c16.resize(rows * b.Kp / 16);
+#ifdef KVRAY_VNNI512
   for (const Segment& s : b.segs)
-    if (s.kind == kS8 && st.qu.empty() && !st.amx) {
-      st.qu.resize(st.qx.q.size());
-      for (size_t i = 0; i < st.qu.size(); ++i)
-        st.qu[i] = static_cast<uint8_t>(st.qx.q[i]) ^ 0x80;
-    }
+    if (s.kind == kS8 && s.group % kBlock == 0 && s.mins == nullptr && !st.amx &&
+        M >= kPairRows && st.ix.q.empty())
+      st.ix = interleave_x(st.qx, M);
 #endif
   st.sums.resize(b.segs.size());
   for (size_t i = 0; i < b.segs.size(); ++i) {
@@ -438,8 +466,11 @@ QuantProduct::QuantProduct(const at::Tensor& blob, const float* x, int64_t ldx, 
                        kTile * b.row_bytes(s), kTile * b.groups(s) * s.scale_bytes(),
                        kTile * b.supers(s) * 2, s.group, s.super_group, s.rows, s.zero,
                        s.scale_type == kSubS8};
-    const XView xv{st.qx.q.data(), st.qu.empty() ? nullptr : st.qu.data(), st.qx.d.data(),
-                   offset ? st.sums[i].data() : nullptr, st.qx.Kp, st.qx.nb, b.groups(s)};
+    const bool x8 = !st.ix.q.empty();
+    const XView xv{st.qx.q.data(), st.qx.d.data(), offset ? st.sums[i].data() : nullptr,
+                   st.qx.c16.data(), x8 ? st.ix.q.data() : nullptr,
+                   x8 ? st.ix.d.data() : nullptr, x8 ? st.ix.c.data() : nullptr,
+                   st.qx.Kp, st.qx.nb, b.groups(s)};
     st.jobs.push_back({view, xv, pick_kernel(s, st.amx), st.tiles, Blob::tiles(s), s.row0});
     st.tiles += Blob::tiles(s);
   }

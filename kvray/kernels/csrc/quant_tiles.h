@@ -29,13 +29,21 @@ struct SegView {
 // x rows m0.. of the quantized activations.
 struct XView {
   const int8_t* q;    // [., Kp] codes
-  const uint8_t* qu;  // [., Kp] codes + 128 (the S8 kernel's unsigned operand; VNNI only)
   const float* d;     // [., nb] block scales dx
   const float* gs;    // [., ng] sums of quantized x per group of this segment's size (mins)
+  const int32_t* c;   // [., Kp / 16] -128 x the sums of the codes per 16 (S8 with VNNI)
+  // Rows 8 g .. 8 g + 7 interleaved per block for the S8 pair kernel (dot_pair_s8x8), null
+  // where it does not run: row r's codes of block b at q8[((g nb + b) 8 + r) 32], its dx
+  // and its block's start (c) at d8 / c8[(g nb + b) 8 + r]. One pointer and constant
+  // offsets serve the 8 rows (8 row pointers spill the general registers).
+  const int8_t* q8;
+  const float* d8;
+  const int32_t* c8;
   int64_t Kp, nb, ng;
+  // rows from m; the interleaved ones stay with the call's first row (m = 0)
   XView at(int64_t m) const {
-    return {q + m * Kp, qu ? qu + m * Kp : nullptr, d + m * nb, gs ? gs + m * ng : nullptr,
-            Kp, nb, ng};
+    return {q + m * Kp, d + m * nb, gs ? gs + m * ng : nullptr, c + m * (Kp / 16),
+            nullptr, nullptr, nullptr, Kp, nb, ng};
   }
 };
 
@@ -134,14 +142,45 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
+#ifdef KVRAY_VNNI
+// S8 with VNNI: dpbusd multiplies unsigned by signed bytes, so the codes are flipped to
+// unsigned (w ^ 0x80 = w + 128) against x's signed codes, which adds 128 x the sum of x's
+// codes over the parts; each row's sums start without it (x.c: -128 x x's sums per 16
+// codes), the same exact sums in int32. One xor per part, shared by the x rows, and x's
+// 4 codes a broadcast operand of the dpbusd itself.
+// The start of an x row's sums over parts [P0, P1) of block b (parts 0-3: codes 0-15).
+template <int P0, int P1>
+inline int32_t s8_start(const XView& x, int m, int64_t b) {
+  const int32_t* c = x.c + m * (x.Kp / 16) + 2 * b;
+  return (P0 < 4 ? c[0] : 0) + (P1 > 4 ? c[1] : 0);
+}
+// acc + dot4(u, the 4 signed bytes at p in every lane), read by the dpbusd's own broadcast
+// where EVEX has one: GCC emits a separate vpbroadcastd for a set1 operand (measured 1.18x
+// slower at 256 rows on an EPYC Zen 4).
+inline __m256i dot4_bcast(__m256i acc, __m256i u, const void* p) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*static_cast<const int32_t*>(p)));
+  return acc;
+#else
+  return dot4(acc, u, x4(static_cast<const int8_t*>(p)));
+#endif
+}
+#endif
 #ifdef KVRAY_VNNI512
+inline __m512i dot4_bcast(__m512i acc, __m512i u, const void* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0"
+      : "+v"(acc)
+      : "v"(u), "m"(*static_cast<const int32_t*>(p)));
+  return acc;
+}
+
 // The 8 weight rows' sums of a 512-bit accumulator: lanes 0-7 (even parts) + 8-15 (odd).
 inline __m256i fold(__m512i v) {
   return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
 
 // x codes for a pair of S8 parts: lanes 0-7 bytes 0-3 of p, lanes 8-15 bytes 4-7.
-inline __m512i x4_pair(const uint8_t* p) {
+inline __m512i x4_pair(const int8_t* p) {
   const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   return _mm512_permutexvar_epi32(
       idx, _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -174,49 +213,49 @@ inline void part_sums(const uint8_t* block, const XView& x, int64_t b, __m256i (
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) sum[m] = _mm256_add_epi32(sum[m], other[m]);
   } else {
-    // dpbusd multiplies unsigned by signed bytes: x + 128 (x.qu) against the signed codes,
-    // less 128 x the codes' sums, one dpbusd per part shared by every x row (the same exact
-    // sums as |w| x sign(x, w), without a sign per row)
+    // the codes flipped against x's signed codes (s8_start)
 #ifdef KVRAY_VNNI512
     // two parts per dpbusd, one per 256-bit half, folded at the end (measured 1.1-1.3x
     // faster than 256 bits from 16 rows on an EPYC Zen 5; the nibble kinds, whose unpacking
-    // doubles with the width, were slower)
-    __m512i acc[MR], other[MR], corr = _mm512_setzero_si512();
-    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    // doubles with the width, were slower); the start in the low half only
+    __m512i acc[MR], other[MR];
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
 #pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m) acc[m] = other[m] = _mm512_setzero_si512();
+    for (int m = 0; m < MR; ++m) {
+      acc[m] = _mm512_zextsi256_si512(_mm256_set1_epi32(s8_start<P0, P1>(x, m, b)));
+      other[m] = _mm512_setzero_si512();
+    }
 #pragma GCC unroll 4
     for (int p = P0; p < P1; p += 2) {
-      const __m512i w = _mm512_loadu_si512(block + 32 * p);
-      corr = _mm512_dpbusd_epi32(corr, bias, w);
+      const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(block + 32 * p), flip);
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {
         __m512i& s = (p - P0) % 4 ? other[m] : acc[m];
-        s = _mm512_dpbusd_epi32(s, x4_pair(x.qu + m * x.Kp + kBlock * b + 4 * p), w);
+        s = _mm512_dpbusd_epi32(s, w, x4_pair(x.q + m * x.Kp + kBlock * b + 4 * p));
       }
     }
 #pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m)
-      sum[m] = fold(_mm512_sub_epi32(_mm512_add_epi32(acc[m], other[m]), corr));
+    for (int m = 0; m < MR; ++m) sum[m] = fold(_mm512_add_epi32(acc[m], other[m]));
 #else
-    __m256i other[MR], corr = _mm256_setzero_si256();
-    const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+    __m256i other[MR];
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
 #pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m) sum[m] = other[m] = _mm256_setzero_si256();
+    for (int m = 0; m < MR; ++m) {
+      sum[m] = _mm256_set1_epi32(s8_start<P0, P1>(x, m, b));
+      other[m] = _mm256_setzero_si256();
+    }
 #pragma GCC unroll 8
     for (int p = P0; p < P1; ++p) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * p));
-      corr = dot4(corr, bias, w);
+      const __m256i w = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * p)), flip);
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {
-        const uint8_t* xu = x.qu + m * x.Kp + kBlock * b + 4 * p;
         __m256i& s = (p - P0) % 2 ? other[m] : sum[m];
-        s = dot4(s, x4(reinterpret_cast<const int8_t*>(xu)), w);
+        s = dot4_bcast(s, w, x.q + m * x.Kp + kBlock * b + 4 * p);
       }
     }
 #pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m)
-      sum[m] = _mm256_sub_epi32(_mm256_add_epi32(sum[m], other[m]), corr);
+    for (int m = 0; m < MR; ++m) sum[m] = _mm256_add_epi32(sum[m], other[m]);
 #endif
   }
 #else
@@ -308,8 +347,8 @@ struct OneTile {
 // Two tiles at once (16 weight rows, one per 32-bit lane of a 512-bit vector): a part's 32
 // bytes of tile t and of tile t + 1 joined in one vector, against 4 x codes broadcast to
 // every lane. Per x row that is one dpbusd per 16 rows and part with no shuffle of x (the
-// S8 pairs of parts above permute x's codes per row and part); the joins and the S8
-// correction are shared by the MR x rows (TwoTiles, below).
+// S8 pairs of parts above permute x's codes per row and part); the joins and the S8 flip
+// are shared by the MR x rows (TwoTiles, below).
 inline __m512i join(__m256i lo, __m256i hi) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
@@ -370,21 +409,21 @@ inline void part_sums16(const uint8_t* a, const uint8_t* b, const XView& x, int6
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) sum[m] = _mm512_add_epi32(sum[m], other[m]);
   } else {
-    __m512i corr = _mm512_setzero_si512();
-    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    // the codes flipped against x's signed codes (s8_start)
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) sum[m] = _mm512_set1_epi32(s8_start<P0, P1>(x, m, blk));
 #pragma GCC unroll 8
     for (int p = P0; p < P1; ++p) {
-      const __m512i w = load_pair(a + 32 * p, b + 32 * p);
-      corr = _mm512_dpbusd_epi32(corr, bias, w);
+      const __m512i w = _mm512_xor_si512(load_pair(a + 32 * p, b + 32 * p), flip);
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         __m512i& s = (p - P0) % 2 ? other[m] : sum[m];
-        s = _mm512_dpbusd_epi32(s, x16(x.qu + m * x.Kp + kBlock * blk + 4 * p), w);
+        s = dot4_bcast(s, w, x.q + m * x.Kp + kBlock * blk + 4 * p);
       }
     }
 #pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m)
-      sum[m] = _mm512_sub_epi32(_mm512_add_epi32(sum[m], other[m]), corr);
+    for (int m = 0; m < MR; ++m) sum[m] = _mm512_add_epi32(sum[m], other[m]);
   }
 }
 
@@ -516,6 +555,62 @@ void dot_tile(const SegView& s, const XView& x, int64_t t, float* y, int64_t ldy
   for (int m = 0; m < MR; ++m) store_row<L>(y + m * ldy + r0, acc[m], bv, bias, r0, valid);
 }
 
+#ifdef KVRAY_VNNI512
+// Tiles t and t + 1 of an S8 segment (no offset, groups of whole blocks) against the 8 x
+// rows of interleaved group g8 (XView::q8): dot_tile's TwoTiles work for 8 rows at once, a
+// part's load, join and flip shared by all of them, and the same operations per row and lane
+// (the same bits). On an EPYC Zen 4 (benchmarks/quant_kernels.py shapes, 16-256 rows) with
+// the flip, against 4 rows a pass with x + 128 and the correction dpbusd: Q8_0 1.12-1.17x,
+// int8 (one scale per row) 1.23-1.26x faster.
+template <int Form>
+void dot_pair_s8x8(const SegView& s, const XView& x, int64_t g8, int64_t t, float* y,
+                   int64_t ldy, const float* bias) {
+  using L = TwoTiles;
+  using F = L::F;
+  constexpr int kRowsX = 8;
+  constexpr int64_t kBlockBytes = kTile * kBlock, kRows = 2 * kTile;
+  const int64_t base = g8 * x.nb * kRowsX;  // the group's first (block, row) entry
+  const int8_t* xq = x.q8 + base * kBlock;
+  const float* xd = x.d8 + base;
+  const int32_t* xc = x.c8 + base;
+  const uint8_t* ca = s.codes + t * s.tile_bytes;
+  const uint8_t* cb = ca + s.tile_bytes;
+  GroupLanes<Form> scales[2] = {tile_lanes<Form>(s, s.scales, s.super_scales, t),
+                                tile_lanes<Form>(s, s.scales, s.super_scales, t + 1)};
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  F acc[kRowsX];
+#pragma GCC unroll 8
+  for (int m = 0; m < kRowsX; ++m) acc[m] = L::zero();
+  const int64_t per_group = s.group / kBlock;
+  for (int64_t b = 0; b < x.nb;) {
+    const F sv = L::next(scales);
+    for (const int64_t end = b + per_group; b < end; ++b) {
+      const uint8_t* wa = ca + b * kBlockBytes;
+      const uint8_t* wb = cb + b * kBlockBytes;
+      prefetch_ahead<kBlockBytes>(wa);
+      prefetch_ahead<kBlockBytes>(wb);
+      const int8_t* q = xq + b * kRowsX * kBlock;
+      __m512i sum[kRowsX];
+#pragma GCC unroll 8
+      for (int m = 0; m < kRowsX; ++m) sum[m] = _mm512_set1_epi32(xc[b * kRowsX + m]);
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        const __m512i w = _mm512_xor_si512(load_pair(wa + 32 * p, wb + 32 * p), flip);
+#pragma GCC unroll 8
+        for (int m = 0; m < kRowsX; ++m) sum[m] = dot4_bcast(sum[m], w, q + m * kBlock + 4 * p);
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < kRowsX; ++m)
+        acc[m] = L::fmadd(L::cvt(sum[m]), L::mul(sv, L::set1(xd[b * kRowsX + m])), acc[m]);
+    }
+  }
+  const int64_t r0 = t * kTile, valid = std::min<int64_t>(kRows, s.rows - r0);
+  const F bv = bias != nullptr && valid == kRows ? L::loadu(bias + r0) : L::zero();
+#pragma GCC unroll 8
+  for (int m = 0; m < kRowsX; ++m) store_row<L>(y + m * ldy + r0, acc[m], bv, bias, r0, valid);
+}
+#endif
+
 // From how many x rows in a call tiles are taken two at a time (512-bit VNNI). On an EPYC
 // Zen 4 (benchmarks/quant_kernels.py, Q4_1 / Q8_0 shapes of the built-in model, two runs)
 // against a tile at a time: 1.06-1.12x faster at 16 rows, 1.18-1.27x at 32, 1.21-1.31x at
@@ -552,6 +647,16 @@ void dot_tiles(const SegView& s, const XView& x, int64_t M, int64_t t0, int64_t 
   for (int64_t a = t0; a < t1; a += stretch) {
     const int64_t e = std::min(t1, a + stretch);
     int64_t m = 0;
+#ifdef KVRAY_VNNI512
+    if constexpr (KD == kS8 && !G16 && !Offset)
+      if (pairs && x.q8)
+        for (; m + 8 <= M; m += 8) {
+          int64_t t = a;
+          for (; t + 2 <= e; t += 2) dot_pair_s8x8<Form>(s, x, m / 8, t, y + m * ldy, ldy, bias);
+          for (int64_t h = m; h < m + 8; h += 4)  // an odd last tile
+            tile_run<4, KD, G16, Form, Offset>(s, x.at(h), t, e, y + h * ldy, ldy, bias, pairs);
+        }
+#endif
     for (; m + 4 <= M; m += 4)
       tile_run<4, KD, G16, Form, Offset>(s, x.at(m), a, e, y + m * ldy, ldy, bias, pairs);
     float* ym = y + m * ldy;
