@@ -477,7 +477,7 @@ QuantProduct::QuantProduct(const at::Tensor& blob, const float* x, int64_t ldx, 
 #ifdef KVRAY_VNNI512
   for (const Segment& s : b.segs)
     if (s.kind == kS8 && s.group % kBlock == 0 && s.mins == nullptr && !st.amx &&
-        M >= kPairRows && st.ix.q.empty())
+        M >= kPairRowsS8 && st.ix.q.empty())
       st.ix = interleave_x(st.qx, M);
 #endif
   st.sums.resize(b.segs.size());

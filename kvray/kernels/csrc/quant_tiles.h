@@ -617,6 +617,10 @@ void dot_pair_s8x8(const SegView& s, const XView& x, int64_t g8, int64_t t, floa
 // 256; at 8 rows 0.89-1.12x, at 1-4 slower (reading the weight bounds those calls, and one
 // tile's stream at a time reads faster).
 constexpr int64_t kPairRows = 16;
+// S8 (no offset) from 8 x rows: dot_pair_s8x8 reads each pair of tiles once for 8 rows,
+// the rest of the call's rows then take two tiles at a time too (those tiles are in L2):
+// 1.12-1.35x faster than a tile at a time at 8-15 rows on an EPYC Zen 4.
+constexpr int64_t kPairRowsS8 = 8;
 
 // Tiles [a, e) against MR rows of x: two at a time where the CPU has 512-bit VNNI and the
 // call has kPairRows rows or more.
@@ -643,13 +647,13 @@ void dot_tiles(const SegView& s, const XView& x, int64_t M, int64_t t0, int64_t 
   for (int64_t i = 0; i < head; i += 64)
     _mm_prefetch(reinterpret_cast<const char*>(first + i), _MM_HINT_T0);
   const int64_t stretch = std::max<int64_t>(2, 65536 / s.tile_bytes / 2 * 2);
-  const bool pairs = M >= kPairRows;
+  const bool pairs = M >= kPairRows || x.q8 != nullptr;
   for (int64_t a = t0; a < t1; a += stretch) {
     const int64_t e = std::min(t1, a + stretch);
     int64_t m = 0;
 #ifdef KVRAY_VNNI512
     if constexpr (KD == kS8 && !G16 && !Offset)
-      if (pairs && x.q8)
+      if (x.q8)
         for (; m + 8 <= M; m += 8) {
           int64_t t = a;
           for (; t + 2 <= e; t += 2) dot_pair_s8x8<Form>(s, x, m / 8, t, y + m * ldy, ldy, bias);
