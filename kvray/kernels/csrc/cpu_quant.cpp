@@ -474,12 +474,18 @@ QuantProduct::QuantProduct(const at::Tensor& blob, const float* x, int64_t ldx, 
   // the tile unit reads x in whole A tiles of 16 rows: zero rows up to a multiple of 16
   const int64_t rows = st.amx ? (M + 15) / 16 * 16 : M;
   st.qx = quantize_x(x, ldx, M, rows, b.K, b.Kp);
+  // the segments that run the 8-row S8 pair kernel (S8 with no mins, whole-block groups)
+  auto pairs_s8x8 = [&](const Segment& s) {
 #ifdef KVRAY_VNNI512
-  for (const Segment& s : b.segs)
-    if (s.kind == kS8 && s.group % kBlock == 0 && s.mins == nullptr && !st.amx &&
-        M >= kPairRowsS8 && st.ix.q.empty())
-      st.ix = interleave_x(st.qx, M);
+    return s.kind == kS8 && s.group % kBlock == 0 && s.mins == nullptr && !st.amx &&
+           M >= kPairRowsS8;
+#else
+    (void)s;
+    return false;
 #endif
+  };
+  for (const Segment& s : b.segs)
+    if (pairs_s8x8(s) && st.ix.q.empty()) st.ix = interleave_x(st.qx, M);
   st.sums.resize(b.segs.size());
   for (size_t i = 0; i < b.segs.size(); ++i) {
     const Segment& s = b.segs[i];
@@ -489,7 +495,7 @@ QuantProduct::QuantProduct(const at::Tensor& blob, const float* x, int64_t ldx, 
                        kTile * b.row_bytes(s), kTile * b.groups(s) * s.scale_bytes(),
                        kTile * b.supers(s) * 2, s.group, s.super_group, s.rows, s.zero,
                        s.scale_type == kSubS8};
-    const bool x8 = !st.ix.q.empty();
+    const bool x8 = pairs_s8x8(s);
     const XView xv{st.qx.q.data(), st.qx.d.data(), offset ? st.sums[i].data() : nullptr,
                    st.qx.c16.data(), x8 ? st.ix.q.data() : nullptr,
                    x8 ? st.ix.d.data() : nullptr, x8 ? st.ix.c.data() : nullptr,
