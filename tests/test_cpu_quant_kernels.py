@@ -19,9 +19,9 @@ from kvray.quant.tensor import QuantKind, QuantSegment, QuantTensor, pack_u4, ro
 
 pytestmark = pytest.mark.unit
 
-# (kind, group, scale dtype, mins, zero): the layouts GGUF, AWQ/GPTQ and int8 checkpoints
-# become; uint8 / int8 scales are two-level (times an fp16 per super-group of 256 columns)
-# name: (kind, group (0: the whole padded row), scale dtype, mins, code offset)
+# (kind, group (0: the whole padded row), scale dtype, mins, zero): the layouts GGUF,
+# AWQ/GPTQ and int8 checkpoints become; uint8 / int8 scales are two-level (times an fp16 per
+# super-group of 256 columns)
 LAYOUTS = {
     "u4_g32_fp16_mins": (QuantKind.U4, 32, torch.float16, True, 0),    # Q4_1
     "u4_g32_fp16_zero": (QuantKind.U4, 32, torch.float16, False, 8),   # Q4_0
