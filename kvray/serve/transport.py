@@ -38,6 +38,28 @@ CARRIER_RETRIES = 3  # tries to open a carrier on the replica that admitted a re
 LORA_NAMES_TTL_S = 1.0  # an ingress' copy of the adapters served is read again after this
 
 
+async def first_item(call: Any) -> Any:
+    """The first item of a streaming Serve ``call``; cancelled before it came, the call is
+    cancelled once it has.
+
+    Serve can lose a cancel that lands while it assigns the call to a replica: the
+    router's result is dropped as cancelled while the replica already runs the call,
+    which then runs to its end unseen (a request that decodes to max_tokens for a
+    client long gone). So the first item is awaited shielded, and only a call that
+    has reached its replica is cancelled, where ``cancel`` stops it."""
+    first = asyncio.ensure_future(call.__anext__())
+    try:
+        return await asyncio.shield(first)
+    except asyncio.CancelledError:
+        def cancel_when_placed(done: asyncio.Future) -> None:
+            if not done.cancelled():
+                done.exception()  # retrieved: an admission error has no reader now
+            call.cancel()
+
+        first.add_done_callback(cancel_when_placed)
+        raise
+
+
 class OutputChannel:
     """One ingress' outputs on a model replica, gathered between two carrier items."""
 
@@ -247,7 +269,7 @@ class ServeClient:
         replica = watcher = None
         finished = False
         try:
-            replica = await call.__anext__()  # admitted; admission errors raise here
+            replica = await first_item(call)  # admitted; admission errors raise here
             self._on_replica.setdefault(replica, set()).add(request_id)
             if replica not in self._carriers:
                 self._start_carrier(replica)
@@ -269,8 +291,8 @@ class ServeClient:
                 self._on_replica.get(replica, set()).discard(request_id)
             if watcher is not None:
                 watcher.cancel()
-            if not finished:  # the client went away (or an error): abort it there too
-                call.cancel()
+            if not finished and replica is not None:  # the client went away (or an
+                call.cancel()  # error): abort it there too (before: first_item's part)
 
     @staticmethod
     async def _watch(call: Any, q: asyncio.Queue) -> None:
@@ -335,11 +357,16 @@ class ServeClient:
     async def _generate_streamed(self, request_id: str, prompt: Any, params: SamplingParams,
                                  priority: int = 0) -> AsyncIterator[RequestOutput]:
         gen = self._options(prompt).generate.remote(request_id, prompt, params, priority)
-        finished = False
+        finished = started = False
         try:
-            async for out in gen:
+            out = await first_item(gen)
+            started = True
+            while True:
                 finished = out.finished
                 yield out
+                out = await gen.__anext__()
+        except StopAsyncIteration:
+            return
         finally:
-            if not finished:  # the client went away: cancel, which aborts the request
-                gen.cancel()
+            if not finished and started:  # the client went away: cancel, which aborts
+                gen.cancel()  # the request (before its first output: first_item's part)
