@@ -19,7 +19,9 @@ decode step. With ``--int8``: kvray with
 ``quantization: int8`` (every linear and every expert held as int8, read by the CPU int8
 kernels) against its fp32 run: batch-1 step and batch-N output tokens/s.
 
-    python benchmarks/moe.py [--tokens 48] [--batch 32] [--tp] [--int8]
+With ``--layers N``: both shapes N layers deep instead of 4.
+
+    python benchmarks/moe.py [--tokens 48] [--batch 32] [--tp] [--int8] [--layers N]
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ SHAPES = {
 }
 
 
-def make_model(name: str, root: Path) -> Path:
+def make_model(name: str, root: Path, layers: int | None = None) -> Path:
     cls, kwargs = SHAPES[name]
+    if layers is not None:
+        kwargs = {**kwargs, "num_hidden_layers": layers}
     config = getattr(transformers, cls)(vocab_size=VOCAB, max_position_embeddings=2048,
                                         tie_word_embeddings=False, **kwargs)
     torch.manual_seed(0)
@@ -152,6 +156,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tp", action="store_true", help="also TP = 2 sliced vs expert-parallel")
     ap.add_argument("--int8", action="store_true", help="also quantization: int8 vs fp32")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers of both shapes (default 4): deeper models spread "
+                         "the step's fixed host work (~0.5 ms) over more weights, as real "
+                         "MoE models' 24-48 layers do")
     args = ap.parse_args()
     print(describe())
     print(f"torch threads: {torch.get_num_threads()}; fp32 weights and activations", flush=True)
@@ -160,7 +168,7 @@ def main() -> None:
     rows, floors, int8_rows = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for name in SHAPES:
-            path = make_model(name, Path(tmp))
+            path = make_model(name, Path(tmp), args.layers)
             config = transformers.AutoConfig.from_pretrained(str(path))
             step = step_time_batch1(path, args.tokens)
             probes.append(cache_probe())
