@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -191,6 +192,31 @@ def test_a_port_outside_1_to_65535_is_a_usage_error_naming_it(capsys, port):
     with pytest.raises(SystemExit):
         main(["serve", "--port", port])
     assert "--port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ingress", ["serve", "process"])
+def test_serve_on_a_port_in_use_is_an_error_naming_it_before_anything_starts(
+        tiny_model_dir, capsys, ingress):
+    """Regression: Serve's proxy binds with SO_REUSEPORT, so a second `kvray serve` on a
+    port in use started quietly and took part of the first server's connections."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc = main(["serve", str(tiny_model_dir("llama_gqa")), "--host", "127.0.0.1",
+                   "--port", str(port), "--ingress", ingress])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"--port {port}" in err and "already in use" in err
+
+
+def test_a_free_port_passes_the_check():
+    from kvray.cli.serve_command import check_port_free
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    check_port_free("127.0.0.1", port)  # no error: nothing listens there
 
 
 def test_a_replica_start_failure_is_reported_by_its_own_exception_line():

@@ -4,8 +4,10 @@ with a separate ingress, Ray Serve with the ingress in the replica, or in this p
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -104,6 +106,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return _serve_on_ray_serve(args, config, model_path, name, api_key)
 
 
+def check_port_free(host: str, port: int) -> None:
+    """ConfigError naming ``--port`` when ``host:port`` is already taken. Serve's proxy
+    binds with SO_REUSEPORT, so a second server on a port in use started without an error
+    and took half of the first one's connections; uvicorn (``--ingress process``) fails
+    only after the model has loaded."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise ConfigError(f"--port {port}: {host}:{port} is already in use (another "
+                                  "server?); stop it or choose another port") from None
+            # anything else (an address not on this machine, say) is the server's to report
+
+
 def _serve_on_ray_serve(args: argparse.Namespace, config: EngineConfig, model_path: Path,
                         name: str, api_key: str | None) -> int:
     """``--ingress serve`` / ``replica``: the Serve app on a Ray cluster (joined with
@@ -116,6 +135,8 @@ def _serve_on_ray_serve(args: argparse.Namespace, config: EngineConfig, model_pa
     options = ServeOptions(num_replicas=args.num_replicas, api_key=api_key,
                            ingress="replica" if args.ingress == "replica" else "separate")
     check_replicas(config, options)  # before a cluster starts
+    if not _joins_a_cluster(args):  # a cluster's own Serve may hold the port: it reuses it
+        check_port_free(args.host, args.port)
     scaling = config.autoscaling
     most = scaling.max_replicas if scaling.enabled else args.num_replicas
     replicas = (f"{scaling.min_replicas}-{scaling.max_replicas} replicas, autoscaled"
@@ -140,6 +161,7 @@ def _serve_in_process(args: argparse.Namespace, config: EngineConfig, model_path
     from kvray.actors.ray_executor import ensure_ray, stop_ray
     from kvray.serve.process import serve_in_process
 
+    check_port_free(args.host, args.port)  # before the model loads
     config = config.model_copy(update={"model": config.model.model_copy(
         update={"model": str(model_path)})})
     world = config.parallel.world_size
