@@ -109,7 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def check_port_free(host: str, port: int) -> None:
     """ConfigError naming ``--port`` when ``host:port`` is already taken. Serve's proxy
     binds with SO_REUSEPORT, so a second server on a port in use started without an error
-    and took half of the first one's connections; uvicorn (``--ingress process``) fails
+    and took part of the first one's connections; uvicorn (``--ingress process``) fails
     only after the model has loaded."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
