@@ -33,18 +33,23 @@ class _Call:
         self.cancels.append(self.placed.is_set())
 
 
+async def _leave_then_place(call: _Call) -> None:
+    """The client goes away while Serve is assigning ``call``; later the call is placed."""
+    waiter = asyncio.ensure_future(first_item(call))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert call.cancels == []  # not while it may be mid-assignment
+    call.placed.set()
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
 def test_a_call_cancelled_before_its_first_item_is_cancelled_once_placed():
     async def scenario() -> list[bool]:
         call = _Call()
-        waiter = asyncio.ensure_future(first_item(call))
-        await asyncio.sleep(0)
-        waiter.cancel()  # the client went away while Serve was assigning the call
-        with pytest.raises(asyncio.CancelledError):
-            await waiter
-        assert call.cancels == []  # not while it may be mid-assignment
-        call.placed.set()
-        for _ in range(3):
-            await asyncio.sleep(0)
+        await _leave_then_place(call)
         return call.cancels
 
     assert asyncio.run(scenario()) == [True]
@@ -55,14 +60,7 @@ def test_a_failed_admission_after_the_client_left_is_retrieved_and_cancelled():
         errors: list[dict] = []
         asyncio.get_running_loop().set_exception_handler(lambda _, ctx: errors.append(ctx))
         call = _Call(fail=True)
-        waiter = asyncio.ensure_future(first_item(call))
-        await asyncio.sleep(0)
-        waiter.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiter
-        call.placed.set()
-        for _ in range(3):
-            await asyncio.sleep(0)
+        await _leave_then_place(call)
         gc.collect()  # an unretrieved task exception is reported when the task is freed
         await asyncio.sleep(0)
         return call.cancels, errors
