@@ -317,6 +317,43 @@ def test_more_scale_groups_than_the_group_size_gives_are_an_error_not_a_misread(
         convert_one(tensors, quantization_config("gptq", bits=4, group=128, sym=True))
 
 
+@pytest.mark.parametrize("shape", [(64, 160), (64, 96), (48, 128)])
+def test_a_weight_shape_the_packed_codes_do_not_cover_is_an_error_naming_it(shape):
+    """Regression: a weight_shape wider than weight_packed loaded without a word (the
+    codes decided the width), so a file contradicting itself was never flagged."""
+    tensors, _ = quantize_linear(random_weight(64, 128), "ct-int", bits=4, group=32)
+    tensors["weight_shape"] = torch.tensor(shape)
+    with pytest.raises(QuantizedCheckpointError, match=r"down_proj .*weight_shape "
+                                                       rf"\[{shape[0]}, {shape[1]}\]"):
+        convert_one(tensors, quantization_config("ct-int", bits=4, group=32))
+
+
+def test_an_fp8_weight_in_another_dtype_is_named_with_its_dtype_not_as_missing():
+    tensors, _ = quantize_linear(random_weight(64, 128), "ct-fp8", strategy="channel")
+    tensors["weight"] = tensors["weight"].to(torch.float16)
+    with pytest.raises(QuantizedCheckpointError, match=r"down_proj\.weight' is float16, not "
+                                                       "the format's quantized dtype"):
+        convert_one(tensors, quantization_config("ct-fp8", strategy="channel"))
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "fp8"])
+def test_a_quantization_config_over_dense_weights_only_is_an_error(fmt):
+    """vLLM refuses such a checkpoint too; loading it dense would hide a broken export."""
+    scheme = checkpoint_quantization({"quantization_config": quantization_config(fmt)})
+    stream = [("model.layers.0.mlp.down_proj.weight", torch.randn(64, 128)),
+              ("model.norm.weight", torch.ones(64))]
+    with pytest.raises(QuantizedCheckpointError, match="holds no quantized module"):
+        list(convert_prequantized(iter(stream), scheme))
+
+
+def test_a_g_idx_naming_groups_the_scales_do_not_have_is_an_error_naming_g_idx():
+    tensors, _ = quantize_linear(random_weight(64, 128), "gptq", group=32, desc_act=True)
+    tensors["g_idx"] = tensors["g_idx"] * 3
+    with pytest.raises(QuantizedCheckpointError, match="g_idx names groups 0..9 but the "
+                                                       "scales have 4"):
+        convert_one(tensors, quantization_config("gptq", group=32, desc_act=True))
+
+
 def test_compressed_tensors_int8_with_one_scale_per_tensor_dequantizes_bit_exactly():
     rng = np.random.default_rng(5)
     q = rng.integers(-128, 128, (64, 96)).astype(np.int8)

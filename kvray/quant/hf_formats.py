@@ -263,10 +263,14 @@ def convert_prequantized(weights: Iterator[tuple[str, torch.Tensor]], scheme: Qu
     them per token. Raises QuantizedCheckpointError naming a module's missing tensor when
     the checkpoint ends before it is complete."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    dense_weights: dict[str, torch.dtype] = {}  # modules whose weight passed through dense
+    converted = 0
     for name, tensor in weights:
         prefix, _, leaf = name.rpartition(".")
         role = _role(leaf, tensor, scheme)
         if role == "pass":
+            if leaf == "weight":
+                dense_weights[prefix] = tensor.dtype
             yield name, tensor
             continue
         if role == "check":
@@ -279,16 +283,28 @@ def convert_prequantized(weights: Iterator[tuple[str, torch.Tensor]], scheme: Qu
         if _required(scheme) <= parts.keys():
             del pending[prefix]
             try:
-                yield f"{prefix}.weight", _CONVERTERS[scheme.method, scheme.fmt](parts, scheme)
+                quantized = _CONVERTERS[scheme.method, scheme.fmt](parts, scheme)
             except (ValueError, RuntimeError) as err:
                 raise QuantizedCheckpointError(f"{prefix} ({scheme.source}): {err}") from None
+            converted += 1
+            yield f"{prefix}.weight", quantized
     if pending:
         prefix, parts = next(iter(pending.items()))
         missing = sorted(_required(scheme) - parts.keys())
+        more = f"; {len(pending) - 1} more modules incomplete" if len(pending) > 1 else ""
+        if missing[0] == "weight" and prefix in dense_weights:  # there, in the wrong dtype
+            raise QuantizedCheckpointError(
+                f"{scheme.source} checkpoint: '{prefix}.weight' is "
+                f"{str(dense_weights[prefix]).removeprefix('torch.')}, not the format's "
+                f"quantized dtype, but the module has {', '.join(sorted(parts))}{more}")
         raise QuantizedCheckpointError(
             f"{scheme.source} checkpoint: tensor '{prefix}.{missing[0]}' is missing (the "
-            f"module has {', '.join(sorted(parts))})"
-            + (f"; {len(pending) - 1} more modules incomplete" if len(pending) > 1 else ""))
+            f"module has {', '.join(sorted(parts))}){more}")
+    if not converted:  # vLLM refuses such a checkpoint too: its config contradicts it
+        raise QuantizedCheckpointError(
+            f"{scheme.source} checkpoint holds no quantized module: every weight is dense. "
+            "Remove its quantization_config (or its quantize_config.json / "
+            "quant_config.json) to load it as a dense checkpoint")
 
 
 def _required(scheme: QuantScheme) -> frozenset[str]:
@@ -408,7 +424,12 @@ def _convert_ct_int(parts: dict[str, torch.Tensor], scheme: QuantScheme) -> Quan
     half = 1 << (scheme.bits - 1)
     if scheme.fmt == "pack-quantized":
         n, k = (int(v) for v in parts["weight_shape"])
-        codes = _unpack(parts["weight_packed"], scheme.bits)[:, :k]  # unsigned: q + half
+        codes = _unpack(parts["weight_packed"], scheme.bits)  # unsigned: q + half
+        if codes.shape[0] != n or not k <= codes.shape[1] < k + 32 // scheme.bits:
+            raise ValueError(f"weight_shape [{n}, {k}] does not match weight_packed "
+                             f"{tuple(parts['weight_packed'].shape)} ({codes.shape[1]} "
+                             f"codes of {scheme.bits} bits a row)")
+        codes = codes[:, :k]
     else:
         codes = parts["weight"].view(torch.uint8) ^ 0x80  # int8 q -> q + 128
         n, k = codes.shape
@@ -441,9 +462,12 @@ def _int_tensor(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         perm = torch.argsort(g_idx.to(torch.int64), stable=True)
         codes, col_group = codes[:, perm], g_idx.to(torch.int64)[perm]
     groups = 1 if scheme.group_size <= 0 else -(-k // scheme.group_size)
-    if scales.shape[1] != groups or int(col_group[-1]) >= groups:
+    if scales.shape[1] != groups:
         raise ValueError(f"{scales.shape[1]} groups of scales for {k} columns in groups of "
                          f"{scheme.group_size if scheme.group_size > 0 else k}")
+    if int(col_group[0]) < 0 or int(col_group[-1]) >= groups:
+        raise ValueError(f"g_idx names groups {int(col_group[0])}..{int(col_group[-1])} "
+                         f"but the scales have {groups}")
     group, chunk_group = _group_layout(col_group, k, scheme.group_size)
     s = scales.to(torch.float32)[:, chunk_group]
     z = zeros[:, chunk_group].to(torch.float32)
