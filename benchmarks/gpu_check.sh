@@ -4,17 +4,18 @@
 #      lacks them, and put the repo root on PYTHONPATH (kvray is not pip-installed);
 #   1. print the environment (GPU, CPU, Python and library versions) and check that
 #      kvray's offline path imports without ray, gguf and fastapi;
-#   2. the GPU tests: pytest tests/test_gpu.py, test_triton_kernels.py, test_triton_ops.py,
-#      test_triton_quant.py, test_triton_fused.py, test_triton_moe.py, test_cuda_graphs.py
+#   2. the GPU tests: pytest tests/test_triton_quant.py, test_gpu.py, test_triton_kernels.py,
+#      test_triton_ops.py, test_triton_fused.py, test_triton_moe.py, test_cuda_graphs.py
 #      (those that exist; KVRAY_GPU_CHECK_TESTS overrides the list), under `timeout`;
-#   3. the benchmark, benchmarks/gpu_bench.py (kvray vs transformers, roofline), under
-#      `timeout`; it writes gpu_bench.md / gpu_bench.json;
-#   4. the quantization benchmark, benchmarks/gpu_quant_bench.py: bf16 / fp8 / int4 (AWQ and
+#   3. the quantization benchmark, benchmarks/gpu_quant_bench.py: bf16 / fp8 / int4 (AWQ and
 #      GPTQ's layout) weights on a 1.1B and an 8B Llama shape, the whole decode step at
 #      batch 1 and 64 (TPOT, tokens/s, % of the roofline of the bytes it reads, the step's
 #      parts, kernels per layer by the profiler), and bf16 / int8 / fp8 KV caches, under
-#      `timeout`; it writes gpu_quant_bench.md / gpu_quant_bench.json.
-# The default timeouts on a GPU (150 + 150 + 270 s) keep the whole check under 10 minutes.
+#      `timeout`; it writes gpu_quant_bench.md / gpu_quant_bench.json;
+#   4. the benchmark, benchmarks/gpu_bench.py (kvray vs transformers, roofline), under
+#      `timeout`; it writes gpu_bench.md / gpu_bench.json.
+# The default timeouts on a GPU (150 + 270 + 150 s) keep the whole check under 10 minutes.
+# A full (GPU) run unsets TRITON_INTERPRET: an exported one would time the interpreter.
 # Every step runs even if an earlier one failed; the exit status is non-zero if any failed.
 # Logs and results go to $OUT (default /tmp/kvray-gpu-check): env.log, pytest.log, bench.log,
 # gpu_bench.md, gpu_bench.json, quant.log, gpu_quant_bench.md, gpu_quant_bench.json,
@@ -42,6 +43,10 @@ for arg in "$@"; do
     esac
 done
 [ "$SMOKE" = 0 ] || [ "$SMOKE" = 1 ] || SMOKE=1
+if [ "$SMOKE" = 0 ] && [ -n "${TRITON_INTERPRET:-}" ]; then
+    echo "TRITON_INTERPRET=$TRITON_INTERPRET unset for a full run (the kernels compile)"
+    unset TRITON_INTERPRET
+fi
 
 OUT=${OUT:-/tmp/kvray-gpu-check}
 mkdir -p "$OUT" || exit 2
@@ -156,8 +161,8 @@ banner "pytest"
 if [ -n "${KVRAY_GPU_CHECK_TESTS:-}" ]; then
     read -r -a CANDIDATES <<< "$KVRAY_GPU_CHECK_TESTS"
 else
-    CANDIDATES=(tests/test_gpu.py tests/test_triton_kernels.py tests/test_triton_ops.py
-                tests/test_triton_quant.py tests/test_triton_fused.py tests/test_triton_moe.py
+    CANDIDATES=(tests/test_triton_quant.py tests/test_gpu.py tests/test_triton_kernels.py
+                tests/test_triton_ops.py tests/test_triton_fused.py tests/test_triton_moe.py
                 tests/test_cuda_graphs.py)
 fi
 TESTS=()
@@ -175,17 +180,7 @@ else
     step_done "pytest" 1
 fi
 
-# ---- 3. benchmark -------------------------------------------------------------------------
-banner "benchmark"
-BENCH_ARGS=(--out "$OUT" --time-budget $(( BENCH_TIMEOUT * 2 / 3 )))
-[ "$SMOKE" = 1 ] && BENCH_ARGS+=(--smoke)
-timeout -k 10 "$BENCH_TIMEOUT" "$PY" benchmarks/gpu_bench.py "${BENCH_ARGS[@]}" \
-    2>&1 | tee "$OUT/bench.log"
-rc=${PIPESTATUS[0]}
-[ "$rc" -eq 124 ] && echo "benchmark: timed out after ${BENCH_TIMEOUT}s" | tee -a "$OUT/bench.log"
-step_done "benchmark" "$rc"
-
-# ---- 4. quantization benchmark ------------------------------------------------------------
+# ---- 3. quantization benchmark (first: the numbers never measured on a GPU yet) ------------
 banner "quantization benchmark"
 if [ "$QUANT_TIMEOUT" -gt 0 ] && [ -e benchmarks/gpu_quant_bench.py ]; then
     QUANT_ARGS=(--out "$OUT" --time-budget $(( QUANT_TIMEOUT * 3 / 4 )))
@@ -199,6 +194,16 @@ if [ "$QUANT_TIMEOUT" -gt 0 ] && [ -e benchmarks/gpu_quant_bench.py ]; then
 else
     echo "quantization benchmark: skipped (KVRAY_GPU_CHECK_QUANT_TIMEOUT=0 or no script)"
 fi
+
+# ---- 4. benchmark -------------------------------------------------------------------------
+banner "benchmark"
+BENCH_ARGS=(--out "$OUT" --time-budget $(( BENCH_TIMEOUT * 2 / 3 )))
+[ "$SMOKE" = 1 ] && BENCH_ARGS+=(--smoke)
+timeout -k 10 "$BENCH_TIMEOUT" "$PY" benchmarks/gpu_bench.py "${BENCH_ARGS[@]}" \
+    2>&1 | tee "$OUT/bench.log"
+rc=${PIPESTATUS[0]}
+[ "$rc" -eq 124 ] && echo "benchmark: timed out after ${BENCH_TIMEOUT}s" | tee -a "$OUT/bench.log"
+step_done "benchmark" "$rc"
 
 # ---- summary ------------------------------------------------------------------------------
 ELAPSED=$(( $(date +%s) - START ))

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from kvray.quant.fp8 import divisor_on_device
+
 SCALE_BYTES = 4  # one fp32 scale per (token, head) row, after its D codes
 
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
@@ -69,7 +71,8 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     x = x.float()
     qmax = QMAX[dtype]
     amax = x.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    # by a device tensor, as the kernels divide (see divisor_on_device)
+    scale = torch.where(amax > 0, amax / divisor_on_device(qmax, amax), torch.ones_like(amax))
     y = x / scale
     if dtype == torch.int8:
         codes = y.round().clamp(-qmax, qmax).to(torch.int8)

@@ -62,6 +62,7 @@ def _decode_one_pass_kernel(q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, out_ptr,
                             DOT_FP32: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    head_cache = cache_ptr + kvh.to(tl.int64) * stride_ch  # past 2^31 bytes: int64
     seq_len = tl.load(seq_lens_ptr + b)
     start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     offs_g = tl.arange(0, GROUP_PAD)
@@ -82,7 +83,7 @@ def _decode_one_pass_kernel(q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, out_ptr,
         phys = tl.load(tables_ptr + b * stride_tb + blk).to(tl.int64)
         pos = blk * BLOCK_SIZE + offs_s
         valid = (pos < seq_len) & (pos >= start)
-        rows = cache_ptr + kvh * stride_ch + phys * stride_cblk + offs_s * stride_cslot
+        rows = head_cache + phys * stride_cblk + offs_s * stride_cslot
         k = load_kv(rows, offs_d, valid, dmask, KV_KIND, HEAD_DIM)
         if USE_DOT:  # the keys in the queries' dtype, as the reference gathers them
             s = tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)), input_precision="ieee")
@@ -117,6 +118,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, part_acc_pt
     h = tl.program_id(1)
     split = tl.program_id(2)
     kvh = h // GROUP
+    head_cache = cache_ptr + kvh.to(tl.int64) * stride_ch  # past 2^31 bytes: int64
     seq_len = tl.load(seq_lens_ptr + b)
     start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     first = start // BLOCK_SIZE
@@ -137,7 +139,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, part_acc_pt
         phys = tl.load(tables_ptr + b * stride_tb + blk).to(tl.int64)
         pos = blk * BLOCK_SIZE + offs_s
         valid = (pos < seq_len) & (pos >= start)
-        rows = cache_ptr + kvh * stride_ch + phys * stride_cblk + offs_s * stride_cslot
+        rows = head_cache + phys * stride_cblk + offs_s * stride_cslot
         k = load_kv(rows, offs_d, valid, dmask, KV_KIND, HEAD_DIM)
         s = _cap(tl.sum(k * q[None, :], axis=1) * scale, softcap, SOFTCAP)
         s = tl.where(valid, s, float("-inf"))
@@ -249,6 +251,7 @@ def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, qstart_ptr, out_
     h = tl.program_id(1)
     tile = tl.program_id(2)
     kvh = h // GROUP
+    head_cache = cache_ptr + kvh.to(tl.int64) * stride_ch  # past 2^31 bytes: int64
     q_start = tl.load(qstart_ptr + b)
     q_len = tl.load(qstart_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
@@ -275,7 +278,7 @@ def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, qstart_ptr, out_
     for blk in range(first, last):
         phys = tl.load(tables_ptr + b * stride_tb + blk).to(tl.int64)
         k_pos = blk * BLOCK_SIZE + offs_s
-        rows = cache_ptr + kvh * stride_ch + phys * stride_cblk + offs_s * stride_cslot
+        rows = head_cache + phys * stride_cblk + offs_s * stride_cslot
         in_seq = k_pos < seq_len
         k = load_kv(rows, offs_d, in_seq, dmask, KV_KIND, HEAD_DIM)
         if USE_DOT:  # tensor cores; fp32 kept exact ("ieee", not tf32)

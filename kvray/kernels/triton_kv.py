@@ -124,8 +124,9 @@ def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh,
     slot = tl.load(slot_ptr + t).to(tl.int64)
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d, mask=dmask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d, mask=dmask)
-    _store_kv_row(cache_ptr + h * stride_ch + slot * stride_cslot, stride_c0, k, v, offs_d,
-                  dmask, HEAD_DIM, KV_KIND, QMAX)
+    head_cache = cache_ptr + h.to(tl.int64) * stride_ch  # past 2^31 bytes: int64
+    _store_kv_row(head_cache + slot * stride_cslot, stride_c0, k, v, offs_d, dmask, HEAD_DIM,
+                  KV_KIND, QMAX)
 
 
 @triton.jit
@@ -217,8 +218,9 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, cach
                           stride_cos, offs_d, dmask, HALF)
         v = tl.load(v_ptr + t * stride_vt + kvh * stride_vh + offs_d, mask=dmask)
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        _store_kv_row(cache_ptr + kvh * stride_ch + slot * stride_cslot, stride_c0, k, v,
-                      offs_d, dmask, HEAD_DIM, KV_KIND, QMAX)
+        head_cache = cache_ptr + kvh.to(tl.int64) * stride_ch  # past 2^31 bytes: int64
+        _store_kv_row(head_cache + slot * stride_cslot, stride_c0, k, v, offs_d, dmask,
+                      HEAD_DIM, KV_KIND, QMAX)
 
 
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

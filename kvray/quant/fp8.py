@@ -64,9 +64,18 @@ def quantize_fp8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     ``x ~= codes * scales``."""
     k = x.shape[1]
     xf = x.to(torch.float32)
-    scales = (xf.abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX).clamp(min=MIN_ACTIVATION_SCALE)
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    scales = (amax / divisor_on_device(FP8_E4M3_MAX, amax)).clamp(min=MIN_ACTIVATION_SCALE)
     codes = (xf / scales).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     if k % BLOCK:
         codes = F.pad(codes.view(torch.uint8), (0, round_up(k, BLOCK) - k)).view(
             torch.float8_e4m3fn)
     return codes, scales
+
+
+def divisor_on_device(value: float, like: torch.Tensor) -> torch.Tensor:
+    """``value`` in a tensor like ``like`` (fp32, filled on its device: no host copy, so
+    CUDA-graph safe), to divide by. On CUDA, PyTorch turns a division by a Python number
+    into a multiplication by its reciprocal (other bits in about half the cases); by a
+    tensor it divides, as the CPU and the Triton kernels (``div_rn``) do, so all round alike."""
+    return torch.full_like(like, value, dtype=torch.float32)
