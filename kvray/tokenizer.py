@@ -31,6 +31,23 @@ def check_model_path(path: str | Path) -> Path:
     return path
 
 
+def open_gguf(path: Path) -> Any:
+    """The ``gguf`` package's reader of the file at ``path``; a ValueError naming the file
+    when kvray cannot read it: not a GGUF, truncated, or big-endian (its blocks' bytes read
+    in this machine's order would be garbage, NaNs at the first step)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, OSError, KeyError) as err:  # truncated or not a GGUF
+        raise ValueError(f"{path.name} is not a readable GGUF file (truncated or corrupt: "
+                         f"{str(err)[:120]})") from None
+    if reader.byte_order != "I":
+        raise ValueError(f"{path.name} is a big-endian GGUF; kvray reads little-endian ones "
+                         f"(llama.cpp's gguf_convert_endian.py {path.name} little converts it)")
+    return reader
+
+
 @contextmanager
 def transformers_errors(where: str | Path) -> Iterator[None]:
     """Turn transformers' own failures reading the model files at ``where`` (a config.json
@@ -52,6 +69,11 @@ def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = N
     ``chat_template`` (the template text) replaces the tokenizer's own. A directory
     transformers cannot read (its config.json fails transformers' own checks, e.g. a rope
     dict missing a key) is a ValueError naming it and why."""
+    if tokenizer_path is None and Path(model_path).suffix == ".gguf":
+        reader = open_gguf(check_model_path(model_path))  # its own errors, not transformers'
+        if "tokenizer.ggml.model" not in reader.fields:
+            raise ValueError(f"{Path(model_path).name} holds no tokenizer (no tokenizer.ggml.* "
+                             "metadata): pass `tokenizer`, a Hugging Face tokenizer directory")
     with transformers_errors(tokenizer_path if tokenizer_path is not None else model_path):
         tokenizer = _load(model_path, tokenizer_path)
     if chat_template is not None:

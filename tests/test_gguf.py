@@ -119,6 +119,21 @@ def test_quantization_gguf_names_a_gguf_file_and_other_format_names_are_errors(
         load_model(gguf_path, "float32", quantization="gptq")
 
 
+def test_int8_over_a_gguf_quantized_throughout_says_it_runs_as_stored(
+        tiny_model_dir, tmp_path, caplog):
+    """Regression: ``quantization: int8`` on a Q8_0 file changed nothing, silently."""
+    q8 = write_gguf(tiny_model_dir("llama_gqa"), tmp_path / "q8.gguf", quant={"*": "Q8_0"})
+    with caplog.at_level("WARNING", logger="kvray"):
+        load_model(q8, "float32", quantization="int8")
+    assert "every linear of" in caplog.text and "already quantized as stored (gguf)" \
+        in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvray"):  # an F32 file: quantized online
+        load_model(write_gguf(tiny_model_dir("llama_gqa"), tmp_path / "f32.gguf"), "float32",
+                   quantization="int8")
+    assert "already quantized" not in caplog.text
+
+
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen2_bias"])
 @torch.inference_mode()
 def test_transformers_reads_our_test_gguf_identically(arch, tiny_model_dir, tmp_path):

@@ -370,6 +370,13 @@ def test_vllm_engine_arguments_that_ask_for_what_kvray_does_are_accepted(model_d
             _vllm_engine_args({key: value})
     with pytest.raises(ConfigError, match="unknown config key"):
         LLM(str(model_dir), not_a_key=1)
+    # a format the model's files are not in: an error, as in vLLM (regression: taken)
+    assert _vllm_engine_args(dict(model="m.gguf", load_format="gguf"))["model"] == "m.gguf"
+    with pytest.raises(ConfigError, match=r"load_format = 'safetensors', but the model "
+                                          r"\(m.gguf\) is a GGUF file"):
+        _vllm_engine_args(dict(model="m.gguf", load_format="safetensors"))
+    with pytest.raises(ConfigError, match="load_format = 'gguf'.* is not a GGUF file"):
+        _vllm_engine_args(dict(model=str(model_dir), load_format="gguf"))
 
 
 def test_sampling_params_refuse_values_of_the_wrong_type():

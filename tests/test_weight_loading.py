@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -222,6 +223,47 @@ def test_a_truncated_safetensors_or_gguf_file_is_an_error_naming_it(tiny_model_d
         gguf_path.write_bytes(data[:size])
         with pytest.raises(UnsupportedModelError, match="m.gguf is not a readable GGUF file"):
             load_model(gguf_path, "float32")
+        # the engine reads the tokenizer first: the same message, not transformers' own
+        with pytest.raises(ValueError, match="m.gguf is not a readable GGUF file"):
+            load_tokenizer(gguf_path)
+
+
+def _stub_gguf(path, endianess=None):
+    """A llama GGUF with one zero tensor and no tokenizer, in ``endianess`` (little)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama", endianess=endianess or gguf.GGUFEndian.LITTLE)
+    w.add_uint32("llama.block_count", 1)
+    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_big_endian_gguf_is_refused_naming_the_conversion(tmp_path):
+    """Regression: gguf's reader opens a big-endian file, but kvray read its tensors' bytes
+    in this machine's order: every output token 0, NaN log-probs."""
+    import gguf
+
+    from kvray.models.gguf_loader import GGUFCheckpoint
+
+    path = _stub_gguf(tmp_path / "big.gguf", gguf.GGUFEndian.BIG)
+    with pytest.raises(UnsupportedModelError, match="big.gguf is a big-endian GGUF.*"
+                                                    "gguf_convert_endian.py big.gguf little"):
+        GGUFCheckpoint(path)
+    with pytest.raises(ValueError, match="big.gguf is a big-endian GGUF"):
+        load_tokenizer(path)
+
+
+def test_a_gguf_without_a_tokenizer_asks_for_one(tiny_model_dir, tmp_path):
+    """Regression: transformers' "Cannot build a tokenizer from a GGUF file stating
+    tokenizer None" did not say what to do."""
+    path = _stub_gguf(tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match="m.gguf holds no tokenizer .*pass `tokenizer`"):
+        load_tokenizer(path)
+    assert load_tokenizer(path, tiny_model_dir("llama_gqa")).encode("hello")
 
 
 @pytest.mark.parametrize("key,value,tensor", [

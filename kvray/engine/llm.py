@@ -83,6 +83,13 @@ def _vllm_engine_args(kwargs: dict[str, Any]) -> dict[str, Any]:
                                   f"{rule}")
         else:
             out[key] = value
+    fmt, model = kwargs.get("load_format"), kwargs.get("model")  # (a YAML's model: unseen)
+    is_gguf = str(model).endswith(".gguf")
+    if isinstance(model, str) and fmt in ("safetensors", "pt", "gguf") \
+            and (fmt == "gguf") != is_gguf:
+        raise ConfigError(f"load_format = {fmt!r}, but the model ({model}) is "
+                          f"{'a GGUF file' if is_gguf else 'not a GGUF file'}; use 'auto' "
+                          "(kvray reads the format from the files)")
     return out
 
 

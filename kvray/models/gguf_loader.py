@@ -35,6 +35,7 @@ import torch
 
 from kvray.models.spec import UnsupportedModelError
 from kvray.quant.tensor import QuantTensor
+from kvray.tokenizer import open_gguf
 
 # GGUF architecture -> (HF architecture, HF config class name, permutes q/k)
 _ARCHS = {
@@ -184,16 +185,13 @@ class GGUFCheckpoint:
     """A GGUF file opened for loading: ``hf_config`` and ``iter_weights()``."""
 
     def __init__(self, path: str | Path) -> None:
-        import gguf
-
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
-        except (ValueError, IndexError, OSError, KeyError) as err:  # truncated or not a GGUF
-            raise UnsupportedModelError(f"{self.path.name} is not a readable GGUF file "
-                                        f"(truncated or corrupt: {str(err)[:120]})") from None
+            self.reader = open_gguf(self.path)
+        except ValueError as err:  # truncated, not a GGUF, big-endian
+            raise UnsupportedModelError(str(err)) from None
         arch = _field(self.reader, "general.architecture")
         if arch not in _ARCHS:
             raise UnsupportedModelError(

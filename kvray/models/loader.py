@@ -466,8 +466,11 @@ def load_model(model_path: str | Path, dtype: str, ctx: ParallelContext | None =
     torch_dtype = resolve_dtype(dtype, spec, device, log=ctx.world_rank == 0)
     model = build_model(spec, ctx, torch_dtype, max_len, device)
     load_weights(model, ckpt.iter_weights(keep_quantized=quantization != "none"))
-    if quantization in ("int8", "fp8"):
-        quantize_online(model, quantization, torch.device(device))
+    if quantization in ("int8", "fp8") and not quantize_online(
+            model, quantization, torch.device(device)) and ctx.world_rank == 0:
+        logger.warning("quantization = %r: every linear of %s is already quantized as "
+                       "stored (%s); it runs as it is", quantization, model_path,
+                       _stored_format(ckpt))
     if spec.num_experts:
         _log_experts(model, spec, ctx)
     return model, spec

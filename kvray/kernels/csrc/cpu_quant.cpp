@@ -27,9 +27,9 @@
 // The error against x's exact products is at most sum over blocks of dx / 2 * sum |w|
 // (tests/test_cpu_quant_kernels.py checks it).
 // A row's result is the same sequence of operations whatever the number of rows in the call
-// (integer sums are exact; the float accumulation runs over the blocks in order), so greedy
-// tokens stay the same whatever else is in the batch, and after a preemption recomputes a
-// request's tokens as a prefill.
+// (integer sums are exact; the float accumulation runs over the blocks in order): the
+// linears add nothing that depends on the rest of the batch (docs/design.md says what else
+// in a step can).
 // Without AVX2 (other CPUs): the dequantized matrix through ATen's matmul.
 #include "ops.h"
 
