@@ -12,7 +12,7 @@ from kvray.engine.reference import generate_by_recompute
 from kvray.kernels.attention import AttentionMetadata
 from kvray.models.loader import load_model
 from kvray.tokenizer import load_tokenizer
-from tests.helpers.tiny_gguf import write_gguf
+from tests.helpers.tiny_gguf import bare_llama_gguf, write_gguf
 from tests.helpers.tiny_models import VOCAB_SIZE, load_hf, make_tiny_model
 
 pytestmark = pytest.mark.parity
@@ -172,7 +172,7 @@ def test_gguf_with_missing_or_per_layer_metadata_names_the_key(tmp_path, drop, v
     if value is not None:
         keys[drop] = value
     with pytest.raises(UnsupportedModelError, match=message):
-        GGUFCheckpoint(_bare_llama_gguf(tmp_path / "bad.gguf", keys))
+        GGUFCheckpoint(bare_llama_gguf(tmp_path / "bad.gguf", keys))
 
 
 @pytest.mark.parametrize("rope,message", [
@@ -189,7 +189,7 @@ def test_gguf_rope_rules_kvray_cannot_apply_are_errors_naming_the_key(tmp_path, 
     from kvray.models.spec import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match=message):
-        GGUFCheckpoint(_bare_llama_gguf(tmp_path / "rope.gguf", {**_BARE_KEYS, **rope}))
+        GGUFCheckpoint(bare_llama_gguf(tmp_path / "rope.gguf", {**_BARE_KEYS, **rope}))
 
 
 def test_gguf_tensor_types_are_read_or_refused_up_front_naming_the_tensor(tmp_path):
@@ -202,12 +202,12 @@ def test_gguf_tensor_types_are_read_or_refused_up_front_naming_the_tensor(tmp_pa
     from kvray.models.spec import UnsupportedModelError
 
     values = np.linspace(-1, 1, 32 * 32).reshape(32, 32)
-    ckpt = GGUFCheckpoint(_bare_llama_gguf(tmp_path / "f64.gguf", {
+    ckpt = GGUFCheckpoint(bare_llama_gguf(tmp_path / "f64.gguf", {
         **_BARE_KEYS, "blk.0.attn_q.weight": (values, gguf.GGMLQuantizationType.F64)}))
     weights = dict(ckpt.iter_weights())
     assert weights["model.layers.0.self_attn.q_proj.weight"].shape == (32, 32)
     with pytest.raises(UnsupportedModelError, match="'blk.0.attn_q.weight' is stored as I32"):
-        GGUFCheckpoint(_bare_llama_gguf(tmp_path / "i32.gguf", {
+        GGUFCheckpoint(bare_llama_gguf(tmp_path / "i32.gguf", {
             **_BARE_KEYS, "blk.0.attn_q.weight": (np.zeros((32, 32), np.int32),
                                                   gguf.GGMLQuantizationType.I32)}))
 
@@ -215,28 +215,3 @@ def test_gguf_tensor_types_are_read_or_refused_up_front_naming_the_tensor(tmp_pa
 # the few keys a llama GGUF needs to be read (a 2-layer, 32-wide stub, no weights)
 _BARE_KEYS = {"llama.block_count": 2, "llama.embedding_length": 32,
               "llama.feed_forward_length": 64, "llama.attention.head_count": 4}
-
-
-def _bare_llama_gguf(path, entries: dict):
-    """A llama GGUF of ``entries`` (ints: uint32 keys, strings: string keys, lists: array
-    keys, arrays named ``*.weight``: tensors) plus a zero embedding."""
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    for key, v in entries.items():
-        if key.endswith(".weight") and isinstance(v, tuple):  # (values, GGML type)
-            w.add_tensor(key, v[0], raw_dtype=v[1])
-        elif key.endswith(".weight"):
-            w.add_tensor(key, v)
-        elif isinstance(v, list):
-            w.add_array(key, v)
-        elif isinstance(v, str):
-            w.add_string(key, v)
-        else:
-            w.add_uint32(key, v)
-    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -13,6 +12,7 @@ from kvray.kernels.attention import AttentionMetadata
 from kvray.models.loader import WeightLoadError, load_model
 from kvray.models.spec import UnsupportedModelError
 from kvray.tokenizer import load_tokenizer
+from tests.helpers.tiny_gguf import bare_llama_gguf
 from tests.helpers.tiny_models import load_hf
 
 pytestmark = pytest.mark.parity
@@ -228,20 +228,6 @@ def test_a_truncated_safetensors_or_gguf_file_is_an_error_naming_it(tiny_model_d
             load_tokenizer(gguf_path)
 
 
-def _stub_gguf(path, endianess=None):
-    """A llama GGUF with one zero tensor and no tokenizer, in ``endianess`` (little)."""
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), "llama", endianess=endianess or gguf.GGUFEndian.LITTLE)
-    w.add_uint32("llama.block_count", 1)
-    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_a_big_endian_gguf_is_refused_naming_the_conversion(tmp_path):
     """Regression: gguf's reader opens a big-endian file, but kvray read its tensors' bytes
     in this machine's order: every output token 0, NaN log-probs."""
@@ -249,7 +235,7 @@ def test_a_big_endian_gguf_is_refused_naming_the_conversion(tmp_path):
 
     from kvray.models.gguf_loader import GGUFCheckpoint
 
-    path = _stub_gguf(tmp_path / "big.gguf", gguf.GGUFEndian.BIG)
+    path = bare_llama_gguf(tmp_path / "big.gguf", {}, gguf.GGUFEndian.BIG)
     with pytest.raises(UnsupportedModelError, match="big.gguf is a big-endian GGUF.*"
                                                     "gguf_convert_endian.py big.gguf little"):
         GGUFCheckpoint(path)
@@ -260,7 +246,7 @@ def test_a_big_endian_gguf_is_refused_naming_the_conversion(tmp_path):
 def test_a_gguf_without_a_tokenizer_asks_for_one(tiny_model_dir, tmp_path):
     """Regression: transformers' "Cannot build a tokenizer from a GGUF file stating
     tokenizer None" did not say what to do."""
-    path = _stub_gguf(tmp_path / "m.gguf")
+    path = bare_llama_gguf(tmp_path / "m.gguf", {})
     with pytest.raises(ValueError, match="m.gguf holds no tokenizer .*pass `tokenizer`"):
         load_tokenizer(path)
     assert load_tokenizer(path, tiny_model_dir("llama_gqa")).encode("hello")

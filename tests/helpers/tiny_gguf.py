@@ -398,3 +398,28 @@ def dequantized_reference(model_dir: str | Path,
             back = gguf.quants.dequantize(data, qtype).reshape(p.shape)
             p.copy_(torch.from_numpy(np.ascontiguousarray(back)))
     return model
+
+
+def bare_llama_gguf(path: str | Path, entries: Mapping,
+                    endianess: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE) -> Path:
+    """A llama GGUF of ``entries`` (ints: uint32 keys, strings: string keys, lists: array
+    keys, arrays named ``*.weight``: tensors) plus a zero embedding, no tokenizer, in
+    ``endianess``."""
+    w = gguf.GGUFWriter(str(path), "llama", endianess=endianess)
+    for key, v in entries.items():
+        if key.endswith(".weight") and isinstance(v, tuple):  # (values, GGML type)
+            w.add_tensor(key, v[0], raw_dtype=v[1])
+        elif key.endswith(".weight"):
+            w.add_tensor(key, v)
+        elif isinstance(v, list):
+            w.add_array(key, v)
+        elif isinstance(v, str):
+            w.add_string(key, v)
+        else:
+            w.add_uint32(key, v)
+    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
