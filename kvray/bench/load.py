@@ -60,7 +60,9 @@ async def run_load(endpoint: Endpoint, requests: list[SampleRequest], request_ra
         raise ValueError(f"--max-concurrency {max_concurrency}: must be >= 1")
     offsets = arrival_times(len(requests), request_rate, burstiness, seed)
     slots = asyncio.Semaphore(max_concurrency or max(len(requests), 1))
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    # a connection per request, as vLLM's benchmark makes: a pooled keep-alive one the
+    # server closed while idle (llama-server's after 5 s) fails the next request sent on it
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
