@@ -242,8 +242,13 @@ def test_request_that_can_never_fit_is_rejected_at_admission():
     s = _sched(num_blocks=4, block_size=4, max_len=256)
     with pytest.raises(RequestTooLongError, match="more KV cache than exists"):
         s.add_request(_req("big", 20))
-    with pytest.raises(RequestTooLongError, match="exceeds max_model_len"):
+    with pytest.raises(RequestTooLongError, match="exceeds max_model_len") as err:
         _sched(max_len=16).add_request(_req("long", 14, max_tokens=4))
+    assert err.value.param == "max_tokens"
+    # a prompt that fills the context: the prompt is what to shorten, not max_tokens
+    with pytest.raises(RequestTooLongError, match="the prompt alone leaves no room") as err:
+        _sched(max_len=16).add_request(_req("full", 16, max_tokens=1))
+    assert err.value.param == "prompt"
     with pytest.raises(RequestTooLongError, match="empty"):
         s.add_request(_req("empty", 0, tokens=[]))
     assert not s.has_unfinished_requests()

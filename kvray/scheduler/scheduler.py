@@ -160,10 +160,14 @@ class Scheduler:
         need = n if pools else n + request.max_tokens
         asked = f"prompt ({n} tokens)" if pools else \
             f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = {need}"
-        param = "prompt" if pools else "max_tokens"  # what a pooling request can shorten
+        # what the caller must shorten: the prompt when it alone leaves no room to generate
+        full = pools or n >= self.max_model_len
+        param = "prompt" if full else "max_tokens"
         if need > self.max_model_len:
-            raise RequestTooLongError(f"{asked} exceeds max_model_len ({self.max_model_len})",
-                                      param)
+            raise RequestTooLongError(
+                f"{asked} exceeds max_model_len ({self.max_model_len})"
+                + ("; the prompt alone leaves no room for an output token"
+                   if full and not pools else ""), param)
         capacity = self.kv.num_blocks * self.block_size - self.lookahead
         if need > capacity:
             raise RequestTooLongError(
