@@ -62,7 +62,7 @@ class Timers:
         for (obj, name), part in zip(
                 ((engine.scheduler, "schedule"), (runner, "_update_states"),
                  (runner, "_prepare_inputs"), (runner, "_forward"),
-                 (runner.model, "compute_logits"), (runner, "_sample")), STEP_PARTS,
+                 (runner.model, "compute_logits"), (runner.sampler, "sample")), STEP_PARTS,
                 strict=True):
             self.wrap(obj, name, part)
 
