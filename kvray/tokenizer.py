@@ -48,6 +48,15 @@ def open_gguf(path: Path) -> Any:
     return reader
 
 
+def _check_gguf_tokenizer(path: Path) -> None:
+    """A ValueError saying why transformers could not read the tokenizer of the GGUF file at
+    ``path``, where kvray can tell: the file is unreadable (:func:`open_gguf`) or holds no
+    tokenizer. Read only after transformers failed: parsing a file's metadata takes seconds."""
+    if path.is_file() and "tokenizer.ggml.model" not in open_gguf(path).fields:
+        raise ValueError(f"{path.name} holds no tokenizer (no tokenizer.ggml.* metadata): "
+                         "pass `tokenizer`, a Hugging Face tokenizer directory")
+
+
 @contextmanager
 def transformers_errors(where: str | Path) -> Iterator[None]:
     """Turn transformers' own failures reading the model files at ``where`` (a config.json
@@ -68,14 +77,15 @@ def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = N
     directory's files, or the tokenizer (with chat template) embedded in a GGUF file.
     ``chat_template`` (the template text) replaces the tokenizer's own. A directory
     transformers cannot read (its config.json fails transformers' own checks, e.g. a rope
-    dict missing a key) is a ValueError naming it and why."""
-    if tokenizer_path is None and Path(model_path).suffix == ".gguf":
-        reader = open_gguf(check_model_path(model_path))  # its own errors, not transformers'
-        if "tokenizer.ggml.model" not in reader.fields:
-            raise ValueError(f"{Path(model_path).name} holds no tokenizer (no tokenizer.ggml.* "
-                             "metadata): pass `tokenizer`, a Hugging Face tokenizer directory")
-    with transformers_errors(tokenizer_path if tokenizer_path is not None else model_path):
-        tokenizer = _load(model_path, tokenizer_path)
+    dict missing a key) is a ValueError naming it and why; so is a GGUF file kvray cannot
+    read (:func:`open_gguf`) or one without a tokenizer."""
+    try:
+        with transformers_errors(tokenizer_path if tokenizer_path is not None else model_path):
+            tokenizer = _load(model_path, tokenizer_path)
+    except (ValueError, OSError):
+        if tokenizer_path is None and Path(model_path).suffix == ".gguf":
+            _check_gguf_tokenizer(Path(model_path))  # kvray's words for why, if it can tell
+        raise
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
