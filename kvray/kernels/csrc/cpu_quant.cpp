@@ -255,6 +255,11 @@ struct QuantizedX {
   Buffer<float> d;      // [rows, nb] block scales dx
   Buffer<float> s16;    // [rows, Kp / 16] sums of quantized x per 16 columns (mins' terms)
   Buffer<int32_t> c16;  // [rows, Kp / 16] -128 x the sums of the codes per 16 (S8, VNNI)
+  // Rows 8 g .. 8 g + 7 of the first M / 8 * 8 again, interleaved per block for the S8
+  // pair kernel (XView::q8), where a segment runs it; else empty.
+  Buffer<int8_t> q8;
+  Buffer<float> d8;
+  Buffer<int32_t> c8;
 };
 
 void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, float* d, float* s16,
@@ -315,11 +320,29 @@ void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, float* d, fl
   }
 }
 
-// x's M rows quantized, then zero rows up to `rows` (the tile unit reads whole A tiles).
+// Group g of 8 quantized rows (all M / 8 * 8 of them) copied interleaved per block.
+void interleave_group(QuantizedX& qx, int64_t g) {
+  constexpr int64_t kRowsX = 8;
+  const int64_t nb = qx.nb, n16 = qx.Kp / 16;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t r = 0; r < kRowsX; ++r) {
+      const int64_t m = g * kRowsX + r, i = (g * nb + b) * kRowsX + r;
+      std::memcpy(qx.q8.data() + i * kBlock, qx.q.data() + m * qx.Kp + b * kBlock, kBlock);
+      qx.d8[i] = qx.d[m * nb + b];
+      qx.c8[i] = qx.c16[m * n16 + 2 * b] + qx.c16[m * n16 + 2 * b + 1];
+    }
+}
+
+// x's M rows quantized, then zero rows up to `rows` (the tile unit reads whole A tiles);
+// with `interleave`, each whole group of 8 rows also in the S8 pair kernel's layout. One
+// parallel pass over groups of 8 rows, each quantized and interleaved while in L1: done
+// serially after the quantization, the copy was ~7 % of the engine thread's time at 16
+// streams on a 2-core Zen 4 (prefill chunks), with the other core spinning.
 QuantizedX quantize_x(const float* x, int64_t ldx, int64_t M, int64_t rows, int64_t K,
-                      int64_t Kp) {
+                      int64_t Kp, bool interleave) {
+  constexpr int64_t kRowsX = 8;
   QuantizedX qx;
-  const int64_t nb = Kp / kBlock, n16 = Kp / 16;
+  const int64_t nb = Kp / kBlock, n16 = Kp / 16, groups = (M + kRowsX - 1) / kRowsX;
   qx.Kp = Kp, qx.nb = nb;
   qx.q = Buffer<int8_t>(rows * Kp), qx.d = Buffer<float>(rows * nb);
   qx.s16 = Buffer<float>(rows * n16), qx.c16 = Buffer<int32_t>(rows * n16);
@@ -327,11 +350,21 @@ QuantizedX quantize_x(const float* x, int64_t ldx, int64_t M, int64_t rows, int6
   std::fill(qx.d.data() + M * nb, qx.d.data() + rows * nb, 0.f);
   std::fill(qx.s16.data() + M * n16, qx.s16.data() + rows * n16, 0.f);
   std::fill(qx.c16.data() + M * n16, qx.c16.data() + rows * n16, 0);
-  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)),
-                   [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      quantize_row(x + m * ldx, K, Kp, qx.q.data() + m * Kp, qx.d.data() + m * qx.nb,
-                   qx.s16.data() + m * Kp / 16, qx.c16.data() + m * Kp / 16);
+  const int64_t whole = interleave ? M / kRowsX : 0;
+  if (whole > 0) {
+    qx.q8 = Buffer<int8_t>(whole * nb * kRowsX * kBlock);
+    qx.d8 = Buffer<float>(whole * nb * kRowsX), qx.c8 = Buffer<int32_t>(whole * nb * kRowsX);
+  }
+  // ~16 KiB of x a task (a decode step's few rows stay on one thread): 1.03-1.05x over
+  // 64 KiB at 16-48 rows on a 2-core Zen 4
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1) / kRowsX);
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t m = g * kRowsX; m < std::min(M, (g + 1) * kRowsX); ++m)
+        quantize_row(x + m * ldx, K, Kp, qx.q.data() + m * Kp, qx.d.data() + m * nb,
+                     qx.s16.data() + m * n16, qx.c16.data() + m * n16);
+      if (g < whole) interleave_group(qx, g);
+    }
   });
   return qx;
 }
@@ -427,34 +460,9 @@ struct ProductJob {
 
 }  // namespace
 
-// x's rows in groups of 8 interleaved per block (XView::q8), for the S8 pair kernel.
-struct InterleavedX {
-  Buffer<int8_t> q;
-  Buffer<float> d;
-  Buffer<int32_t> c;
-};
-
-InterleavedX interleave_x(const QuantizedX& qx, int64_t M) {
-  constexpr int64_t kRowsX = 8;
-  const int64_t groups = M / kRowsX, nb = qx.nb, n16 = qx.Kp / 16;
-  InterleavedX ix;
-  ix.q = Buffer<int8_t>(groups * nb * kRowsX * kBlock);
-  ix.d = Buffer<float>(groups * nb * kRowsX), ix.c = Buffer<int32_t>(groups * nb * kRowsX);
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t b = 0; b < nb; ++b)
-      for (int64_t r = 0; r < kRowsX; ++r) {
-        const int64_t m = g * kRowsX + r, i = (g * nb + b) * kRowsX + r;
-        std::memcpy(ix.q.data() + i * kBlock, qx.q.data() + m * qx.Kp + b * kBlock, kBlock);
-        ix.d[i] = qx.d[m * nb + b];
-        ix.c[i] = qx.c16[m * n16 + 2 * b] + qx.c16[m * n16 + 2 * b + 1];
-      }
-  return ix;
-}
-
 struct QuantProduct::State {
   Blob b;
   QuantizedX qx;
-  InterleavedX ix;  // where an S8 segment runs the 8-row pair kernel
   std::vector<std::vector<float>> sums;
   std::vector<ProductJob> jobs;
   int64_t M = 0, tiles = 0;
@@ -473,7 +481,6 @@ QuantProduct::QuantProduct(const at::Tensor& blob, const float* x, int64_t ldx, 
   st.M = M, st.bias = bias, st.amx = amx_route(M);
   // the tile unit reads x in whole A tiles of 16 rows: zero rows up to a multiple of 16
   const int64_t rows = st.amx ? (M + 15) / 16 * 16 : M;
-  st.qx = quantize_x(x, ldx, M, rows, b.K, b.Kp);
   // the segments that run the 8-row S8 pair kernel (S8 with no mins, whole-block groups)
   auto pairs_s8x8 = [&](const Segment& s) {
 #ifdef KVRAY_VNNI512
@@ -484,8 +491,9 @@ QuantProduct::QuantProduct(const at::Tensor& blob, const float* x, int64_t ldx, 
     return false;
 #endif
   };
-  for (const Segment& s : b.segs)
-    if (pairs_s8x8(s) && st.ix.q.empty()) st.ix = interleave_x(st.qx, M);
+  bool interleave = false;
+  for (const Segment& s : b.segs) interleave = interleave || pairs_s8x8(s);
+  st.qx = quantize_x(x, ldx, M, rows, b.K, b.Kp, interleave);
   st.sums.resize(b.segs.size());
   for (size_t i = 0; i < b.segs.size(); ++i) {
     const Segment& s = b.segs[i];
@@ -497,8 +505,8 @@ QuantProduct::QuantProduct(const at::Tensor& blob, const float* x, int64_t ldx, 
                        s.scale_type == kSubS8};
     const bool x8 = pairs_s8x8(s);
     const XView xv{st.qx.q.data(), st.qx.d.data(), offset ? st.sums[i].data() : nullptr,
-                   st.qx.c16.data(), x8 ? st.ix.q.data() : nullptr,
-                   x8 ? st.ix.d.data() : nullptr, x8 ? st.ix.c.data() : nullptr,
+                   st.qx.c16.data(), x8 ? st.qx.q8.data() : nullptr,
+                   x8 ? st.qx.d8.data() : nullptr, x8 ? st.qx.c8.data() : nullptr,
                    st.qx.Kp, st.qx.nb, b.groups(s)};
     st.jobs.push_back({view, xv, pick_kernel(s, st.amx), st.tiles, Blob::tiles(s), s.row0});
     st.tiles += Blob::tiles(s);
