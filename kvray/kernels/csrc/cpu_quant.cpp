@@ -355,9 +355,10 @@ QuantizedX quantize_x(const float* x, int64_t ldx, int64_t M, int64_t rows, int6
     qx.q8 = Buffer<int8_t>(whole * nb * kRowsX * kBlock);
     qx.d8 = Buffer<float>(whole * nb * kRowsX), qx.c8 = Buffer<int32_t>(whole * nb * kRowsX);
   }
-  // ~16 KiB of x a task (a decode step's few rows stay on one thread): 1.03-1.05x over
-  // 64 KiB at 16-48 rows on a 2-core Zen 4
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1) / kRowsX);
+  // ~64 KiB of x a task: a decode step's rows stay on one thread. 16 KiB was 1.03-1.05x
+  // faster at 16-48 rows alone, but each parallel region is one more place where a thread
+  // that another process preempts holds up the other (the Serve graph on 2 cores)
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1) / kRowsX);
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t m = g * kRowsX; m < std::min(M, (g + 1) * kRowsX); ++m)
