@@ -19,7 +19,7 @@ from kvray.quant.hf_formats import (
     convert_prequantized,
 )
 from kvray.quant.online import quantize_int8
-from kvray.quant.tensor import QuantKind, QuantTensor
+from kvray.quant.tensor import QuantKind, QuantTensor, gather_input
 from tests.helpers.quant_checkpoints import (
     AWQ_ORDER,
     quantization_config,
@@ -162,6 +162,42 @@ def test_gptq_act_order_stores_each_group_contiguously():
     x = torch.randn(3, 256)
     stored = qt.segments[0].dequantize()
     torch.testing.assert_close(x[:, perm] @ stored.T, x @ qt.dequantize().T)
+
+
+@pytest.mark.parametrize("bits,group,sym", [(4, 32, False), (4, 128, True), (8, 64, False),
+                                            (8, 128, True)])
+@pytest.mark.parametrize("tp", [2, 3])
+def test_act_order_weights_split_their_columns_for_tensor_parallelism(cpu_kernels, bits, group,
+                                                                      sym, tp):
+    """A row-parallel layer of an act-order GPTQ checkpoint (its stored columns sorted by
+    group): each rank's columns fall in runs of any size inside the groups. Its shard still
+    holds exactly those columns' weights, quantized, and the kernels' product over them is
+    the dense slice's (the runs' padding reads zeros)."""
+    n, k = 40, 384
+    tensors, _ = quantize_linear(random_weight(n, k, seed=group + bits), "gptq", bits=bits,
+                                 group=group, sym=sym, desc_act=True)
+    qt = convert_one(tensors, quantization_config("gptq", bits=bits, group=group, sym=sym,
+                                                  desc_act=True))
+    assert qt.input_perm is not None
+    dense = qt.dequantize()
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
+    size, padded = k // tp, 0
+    for r in range(tp):
+        cols = slice(r * size, (r + 1) * size)
+        piece = qt.narrow(1, r * size, size)
+        assert piece.shape == (n, size) and piece.kinds == qt.kinds
+        assert piece.stored_k % 32 == 0 and piece.stored_k >= size
+        assert torch.equal(piece.dequantize(), dense[:, cols])
+        want = x[:, cols].double() @ dense[:, cols].double().T
+        stored = torch.cat([s.dequantize() for s in piece.segments]).double()
+        gathered = gather_input(x[:, cols], piece.input_perm)
+        torch.testing.assert_close(gathered.double() @ stored.T, want)
+        got = cpu_kernels.quantized_linear(x[:, cols], to_blob(piece), None, piece.input_perm)
+        # activations quantized per block of 32: a few steps of their int8 grid
+        assert (got.double() - want).abs().max() < 0.02 * want.abs().max()
+        assert torch.equal(from_blob(to_blob(piece)).dequantize(), stored.float())
+        padded += piece.stored_k > size
+    assert padded  # the runs did not all come in whole blocks
 
 
 def test_gptq_symmetric_int8_needs_no_mins():

@@ -306,3 +306,48 @@ def test_act_order_experts_keep_their_column_order_on_the_cpu_kernels():
     assert layer.quant_kind == "blob"
     got = layer(x, weights, experts)
     assert ((got - want).norm() / want.norm()).item() < 0.03
+
+
+@torch.inference_mode()
+def test_act_order_experts_split_over_tensor_parallel_ranks():
+    """Act-order experts sliced over 2 TP ranks (each rank's share of the intermediate
+    columns of down falls in padded runs of the stored order): each rank's blobs give what
+    its dequantized slice gives, and the ranks' partial outputs add up to one rank's."""
+    import dataclasses as dc
+
+    from kvray.models.quantized import install_quantized
+    from kvray.parallel import ParallelContext as Ctx
+
+    hidden, inter = 64, 96
+    g = torch.Generator().manual_seed(11)
+    perm_h, perm_i = torch.randperm(hidden, generator=g), torch.randperm(inter, generator=g)
+    mats = {(e, part): dc.replace(quantize_int8(torch.randn(*shape, generator=g) * 0.2),
+                                  input_perm=perm)
+            for e in range(2)
+            for part, shape, perm in (("gate", (inter, hidden), perm_h),
+                                      ("up", (inter, hidden), perm_h),
+                                      ("down", (hidden, inter), perm_i))}
+    x = torch.randn(5, hidden, generator=g)
+    experts = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]])
+    weights = torch.rand(5, 2, generator=g)
+    plan = choose_kernel_plan("auto", torch.device("cpu"), torch.float32, None, 1)
+
+    def layer_on(ctx: Ctx) -> MoEExperts:
+        layer = MoEExperts(ctx, 2, hidden, inter, torch.float32)
+        for (e, part), qt in mats.items():
+            param = layer.w2_weight if part == "down" else layer.w13_weight
+            param.weight_loader(param, qt, f"{e}.{part}")
+        assert layer.assemble_quantized()
+        return layer
+
+    whole = layer_on(Ctx())(x, weights, experts)
+    total = torch.zeros_like(whole)
+    for rank in range(2):
+        layer = layer_on(Ctx(tp_rank=rank, tp_size=2))
+        want = layer(x, weights, experts)  # the dequantized slice
+        install_quantized(layer, plan)
+        assert layer.quant_kind == "blob"
+        got = layer(x, weights, experts)
+        assert ((got - want).norm() / want.norm()).item() < 0.03
+        total += want
+    torch.testing.assert_close(total, whole, rtol=1e-4, atol=1e-5)

@@ -116,6 +116,17 @@ def test_act_order_weight_reads_activations_in_stored_column_order():
     _check(qt, 5)
 
 
+def test_act_order_tensor_parallel_shard_reads_its_padded_runs():
+    """A row-parallel shard of an act-order weight stores its columns in padded runs; the
+    padding reads a zero column past the activations' (gather_input)."""
+    k = 128
+    perm = torch.randperm(k, generator=_gen(12))
+    full = QuantTensor((9, k), (_u4(9, k, 32, torch.float16, True, seed=13),), input_perm=perm)
+    shard = full.narrow(1, 64, 64)
+    assert shard.stored_k > 64
+    _check(shard, 3)
+
+
 @pytest.mark.parametrize("m", [1, 40])
 def test_tensor_parallel_shard_views_are_read_in_place(m):
     # narrow() gives strided views of codes, scales and mins (a row-parallel shard's columns)

@@ -50,6 +50,8 @@ from pathlib import Path
 
 import torch
 
+from kvray.quant.tensor import gather_input
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -430,7 +432,7 @@ def quantized_linear(x: torch.Tensor, blob: torch.Tensor, bias: torch.Tensor | N
     shape, dtype = x.shape, x.dtype
     x2 = x.reshape(-1, shape[-1])
     if input_perm is not None:
-        x2 = x2.index_select(1, input_perm)
+        x2 = gather_input(x2, input_perm)
     if x2.dtype != torch.float32:
         x2 = x2.float()
     y = linear_q(x2, blob, None if bias is None else bias.float())

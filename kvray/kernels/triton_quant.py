@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kvray.quant.fp8 import Fp8Rows
-from kvray.quant.tensor import QuantKind, QuantSegment, QuantTensor
+from kvray.quant.tensor import QuantKind, QuantSegment, QuantTensor, gather_input
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def linear_quant(x: torch.Tensor | Fp8Rows, qt: QuantTensor, bias: torch.Tensor 
     rows = x if isinstance(x, Fp8Rows) else None
     if rows is None:
         if qt.input_perm is not None:  # act-order: the codes' columns are stored permuted
-            x = x.index_select(1, qt.input_perm.to(x.device))
+            x = gather_input(x, qt.input_perm.to(x.device))
         x = _row_contiguous(x)
     like = rows.codes if rows is not None else x
     m, n = like.shape[0], qt.shape[0]

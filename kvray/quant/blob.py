@@ -68,8 +68,10 @@ _SEGMENT_FORMAT = "<iiiiqqqqqiiqq48x"
 
 
 def to_blob(qt: QuantTensor) -> torch.Tensor:
-    """One uint8 tensor holding the whole matrix ``qt`` (layout: :data:`BLOB_LAYOUT`)."""
-    n, k = qt.shape
+    """One uint8 tensor holding the whole matrix ``qt`` (layout: :data:`BLOB_LAYOUT`); K is
+    the stored columns (an act-order TP shard's padded runs included: the kernels read the
+    activations :func:`~kvray.quant.tensor.gather_input` made)."""
+    n, k = qt.shape[0], qt.stored_k
     table, chunks, offset = [], [], round_up(HEADER_BYTES + SEGMENT_BYTES
                                              * len(qt.segments), ALIGN)
     row0 = 0

@@ -36,6 +36,7 @@ and a row's dot product never needs a horizontal sum. The layout is specified in
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -258,7 +259,9 @@ class QuantTensor:
     shape: tuple[int, int]
     segments: tuple[QuantSegment, ...]
     source: str = ""  # the checkpoint format, for logs ("GGUF Q4_1", "int8", "AWQ")
-    # Columns stored in this order (GPTQ act-order): y = x[:, input_perm] @ stored^T.
+    # Columns stored in this order (GPTQ act-order): y = gather_input(x, input_perm) @
+    # stored^T. Index K (one past x's columns) is a zero column: the padding of a TP shard's
+    # runs of columns (see :meth:`narrow`), so a shard may store more columns than K.
     input_perm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -266,12 +269,21 @@ class QuantTensor:
         if sum(s.rows for s in self.segments) != n:
             raise ValueError(f"segments hold {sum(s.rows for s in self.segments)} rows, not {n}")
         for s in self.segments:
-            if s.k_padded != round_up(k, BLOCK):
+            if s.k_padded != self.k_padded:
                 raise ValueError(f"a segment holds {s.k_padded} codes per row for K = {k}")
+        if self.input_perm is not None and self.input_perm.numel() < k:
+            raise ValueError(f"an input permutation of {self.input_perm.numel()} columns "
+                             f"for K = {k}")
+
+    @property
+    def stored_k(self) -> int:
+        """Columns as stored: K, or more where a TP shard of an act-order matrix pads its
+        runs (what the kernels read, from :func:`gather_input`'s activations)."""
+        return self.shape[1] if self.input_perm is None else self.input_perm.numel()
 
     @property
     def k_padded(self) -> int:
-        return round_up(self.shape[1], BLOCK)
+        return round_up(self.stored_k, BLOCK)
 
     @property
     def dtype(self) -> torch.dtype:  # what a dense tensor's .dtype would say
@@ -291,12 +303,17 @@ class QuantTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense matrix [N, K] (the reference; also the fallback where no kernel reads
         this kind)."""
-        stored = torch.cat([s.dequantize()[:, : self.shape[1]] for s in self.segments])
-        if self.input_perm is not None:
-            dense = torch.empty_like(stored)
-            dense[:, self.input_perm] = stored
-            stored = dense
-        return stored.to(dtype)
+        stored = torch.cat([s.dequantize()[:, : self.stored_k] for s in self.segments])
+        return self._unpermute(stored).to(dtype)
+
+    def _unpermute(self, stored: torch.Tensor) -> torch.Tensor:
+        """Stored columns [., stored_k] back in x's order [., K] (padding dropped)."""
+        if self.input_perm is None:
+            return stored
+        k = self.shape[1]
+        dense = stored.new_empty(stored.shape[0], k + 1)
+        dense[:, self.input_perm.to(stored.device)] = stored
+        return dense[:, :k]
 
     def narrow(self, dim: int, start: int, length: int) -> QuantTensor:
         """Rows (dim 0) or columns (dim 1, on group boundaries) like ``Tensor.narrow``."""
@@ -314,11 +331,10 @@ class QuantTensor:
         if dim == 1:
             if start == 0 and length == k:  # no split (tensor_parallel_size 1)
                 return self
-            if self.input_perm is not None:
-                raise ValueError("splitting the columns of an act-order (g_idx) weight: not "
-                                 "supported; use tensor_parallel_size 1 for this checkpoint")
             if start < 0 or start + length > k:
                 raise ValueError(f"columns {start}..{start + length} outside {k}")
+            if self.input_perm is not None:
+                return self._narrow_permuted_cols(start, length)
             if start + length != k and (start + length) % BLOCK:
                 raise ValueError(f"columns {start}..{start + length} do not fall on the "
                                  f"quantization blocks of {BLOCK}")
@@ -327,6 +343,42 @@ class QuantTensor:
                          for s in self.segments)
             return replace(self, shape=(n, length), segments=segs)
         raise ValueError(f"dim {dim} of a matrix")
+
+    def _narrow_permuted_cols(self, start: int, length: int) -> QuantTensor:
+        """x's columns [start, start + length) of an act-order matrix (a row-parallel TP
+        shard). Its stored columns are sorted by group, so the shard's fall in runs of any
+        size, one per group; each run is padded to whole blocks of 32 that take its group's
+        scale (and min), and the padding reads the zero column past x's (index
+        ``length``): the same products exactly, for up to 31 more columns per group."""
+        perm = self.input_perm.cpu().to(torch.int64)
+        segs = [s.one_level() for s in self.segments]
+        unit = math.gcd(*(s.group for s in segs))  # runs never cross any segment's group
+        kept = torch.nonzero((perm >= start) & (perm < start + length)).flatten()
+        chunk = kept // unit
+        cols, new_perm, block_chunk, first = [], [], [], 0
+        for c, run in zip(*torch.unique_consecutive(chunk, return_counts=True), strict=True):
+            n_run = int(run)
+            run_cols, first = kept[first:first + n_run], first + n_run
+            pad = (-n_run) % BLOCK
+            cols.append(torch.cat([run_cols, run_cols.new_full((pad,), -1)]))
+            new_perm.append(torch.cat([perm[run_cols] - start, perm.new_full((pad,), length)]))
+            block_chunk += [int(c)] * ((n_run + pad) // BLOCK)
+        col_idx = torch.cat(cols)
+        src = col_idx.clamp(min=0)
+        block_col = torch.tensor(block_chunk, dtype=torch.int64) * unit  # a column of its group
+        out = []
+        for s in segs:
+            dev = s.codes.device
+            pads = (col_idx < 0).to(dev)
+            if s.kind == QuantKind.U4:
+                codes = pack_u4(s.int_codes()[:, src.to(dev)].masked_fill(pads, 0))
+            else:  # one byte per code
+                codes = s.codes[:, src.to(dev)].masked_fill(pads, 0)
+            groups = (block_col // s.group).to(s.scales.device)
+            out.append(replace(s, group=BLOCK, codes=codes, scales=s.scales[:, groups],
+                               mins=None if s.mins is None else s.mins[:, groups]))
+        return replace(self, shape=(self.shape[0], length), segments=tuple(out),
+                       input_perm=torch.cat(new_perm).to(self.input_perm.device))
 
     @staticmethod
     def zeros(rows: int, k: int) -> QuantTensor:
@@ -338,20 +390,16 @@ class QuantTensor:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows ``ids`` [n] -> [n, K], dequantized (an embedding lookup's reference)."""
-        out = torch.empty(ids.numel(), self.shape[1], dtype=torch.float32, device=ids.device)
+        out = torch.empty(ids.numel(), self.stored_k, dtype=torch.float32, device=ids.device)
         row0 = 0
         for s in self.segments:
             here = (ids >= row0) & (ids < row0 + s.rows)
             if here.any():
                 local = ids[here] - row0
                 part = s.map_rows(lambda t, local=local: t[local])
-                out[here] = part.dequantize()[:, : self.shape[1]].to(out.device)
+                out[here] = part.dequantize()[:, : self.stored_k].to(out.device)
             row0 += s.rows
-        if self.input_perm is not None:
-            dense = torch.empty_like(out)
-            dense[:, self.input_perm] = out
-            out = dense
-        return out
+        return self._unpermute(out)
 
     def to(self, device: torch.device | str) -> QuantTensor:
         """The same matrix with every tensor on ``device``."""
@@ -388,6 +436,14 @@ class QuantTensor:
         if len(self.segments) != 1:
             raise ValueError("permuting the rows of a multi-segment matrix")
         return replace(self, segments=(self.segments[0].map_rows(lambda t: t[perm]),))
+
+
+def gather_input(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """x [M, K]'s columns in an act-order weight's stored order (``QuantTensor.input_perm``);
+    index K reads zeros (the padding of a TP shard's runs of columns)."""
+    if perm.numel() > x.shape[1]:
+        x = torch.nn.functional.pad(x, (0, 1))
+    return x.index_select(1, perm)
 
 
 def pack_u4(codes: torch.Tensor) -> torch.Tensor:

@@ -92,11 +92,15 @@ std::vector<ExpertRows> group_rows(const at::Tensor& x, const at::Tensor& weight
   return active;
 }
 
-// x's columns in a quantized weight's stored order (GPTQ act-order), when it has one.
+// x's columns in a quantized weight's stored order (GPTQ act-order), when it has one;
+// index K (one past x's columns) reads zeros, a TP shard's padding (quant.tensor's
+// gather_input).
 at::Tensor permuted(const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& perms,
                     size_t i) {
   if (i >= perms.size() || !perms[i].has_value() || !perms[i]->defined()) return x;
-  return x.index_select(1, *perms[i]).contiguous();
+  const at::Tensor& perm = *perms[i];
+  const at::Tensor src = perm.numel() > x.size(1) ? at::constant_pad_nd(x, {0, 1}) : x;
+  return src.index_select(1, perm).contiguous();
 }
 
 // The experts' weights as the op takes them: stacked dense [experts, N, K] (fp32 or bf16),
