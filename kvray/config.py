@@ -167,6 +167,10 @@ class ModelConfig(_Section):
     tokenizer: str | None = Field(
         None, description="Tokenizer directory; None = the model's own."
     )
+    skip_tokenizer_init: bool = Field(
+        False, description="Load no tokenizer (vLLM's): prompts must be token ids, outputs "
+        "are token ids with empty text; no stop strings, bad_words, structured outputs or "
+        "chat. Offline engine only: the HTTP server needs the tokenizer.")
     chat_template: str | None = Field(
         None, description="Jinja chat template for chat requests, as a file or the template "
         "text itself (vLLM's --chat-template); None = the tokenizer's own. A file is read "

@@ -276,8 +276,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is None and name not in ("n", "top_k", "min_tokens"):
                 continue
-            _check(isinstance(value, numbers.Integral) and not isinstance(value, bool), name,
-                   value, "must be an integer")
+            # True / False count as 1 / 0 log-probs, as vLLM takes them (its own tests pass
+            # prompt_logprobs=True); elsewhere a bool is a mistake
+            _check(isinstance(value, numbers.Integral) and (
+                not isinstance(value, bool) or name in ("logprobs", "prompt_logprobs")), name,
+                value, "must be an integer")
             setattr(self, name, int(value))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):

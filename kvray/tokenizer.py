@@ -54,7 +54,8 @@ def _check_gguf_tokenizer(path: Path) -> None:
     tokenizer. Read only after transformers failed: parsing a file's metadata takes seconds."""
     if path.is_file() and "tokenizer.ggml.model" not in open_gguf(path).fields:
         raise ValueError(f"{path.name} holds no tokenizer (no tokenizer.ggml.* metadata): "
-                         "pass `tokenizer`, a Hugging Face tokenizer directory")
+                         "pass `tokenizer`, a Hugging Face tokenizer directory, or run "
+                         "token ids alone with skip_tokenizer_init")
 
 
 @contextmanager

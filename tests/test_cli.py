@@ -160,6 +160,13 @@ def test_a_vllm_command_line_parses_to_the_same_settings(tmp_path, capsys):
     assert rc == 2 and "--data-parallel-size 2 and --num-replicas 3" in capsys.readouterr().err
 
 
+def test_serve_refuses_skip_tokenizer_init_before_starting_anything(capsys):
+    """The HTTP server tokenizes prompts and detokenizes outputs: no tokenizer is an error
+    naming the key, not a server that fails every request."""
+    rc = main(["serve", "--skip-tokenizer-init"])
+    assert rc == 2 and "skip_tokenizer_init" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("ingress", ["process", "replica"])
 def test_the_single_replica_front_ends_refuse_several_replicas_before_starting_anything(
         capsys, ingress):

@@ -390,6 +390,11 @@ def test_sampling_params_refuse_values_of_the_wrong_type():
             SamplingParams(**bad)
     params = SamplingParams(seed=np.int64(3), max_tokens=np.int32(5))
     assert (params.seed, params.max_tokens) == (3, 5) and type(params.seed) is int
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=True)
+    # vLLM takes a bool number of log-probs as 0 / 1 (its own tests pass True)
+    params = SamplingParams(logprobs=True, prompt_logprobs=False)
+    assert (params.logprobs, params.prompt_logprobs) == (1, 0)
 
 
 def test_stop_reason_is_the_stop_token_and_none_at_eos(llm, model_dir):
@@ -703,3 +708,44 @@ def test_a_vllm_style_script_builds_its_engine_from_cli_flags(model_dir):
         assert [out.outputs[0].token_ids for out in done] == [want]
     finally:
         engine.shutdown()
+
+
+def test_skip_tokenizer_init_runs_token_ids_without_a_tokenizer(model_dir, llm, tmp_path):
+    """vLLM's skip_tokenizer_init: no tokenizer is loaded (a folder without tokenizer files
+    runs), token-id prompts give the tokens a tokenizer-bearing engine gives with empty
+    text, and whatever needs text is a ValueError naming it."""
+    import shutil
+
+    bare = tmp_path / "no_tokenizer"
+    shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns(
+        "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt"))
+    skipped = LLM(str(bare), skip_tokenizer_init=True, dtype="float32", block_size=4,
+                  max_num_batched_tokens=64, max_num_seqs=16, num_gpu_blocks_override=96)
+    try:
+        assert skipped.llm_engine.tokenizer is None
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2,
+                                prompt_logprobs=1, detokenize=True)
+        prompts = [{"prompt_token_ids": _ids(n, seed=n)} for n in (5, 11)]
+        got = skipped.generate(prompts, params, use_tqdm=False)
+        want = llm.generate(prompts, params, use_tqdm=False)
+        for g, w in zip(got, want, strict=True):
+            assert g.outputs[0].text == "" and w.outputs[0].text != ""
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            step = g.outputs[0].logprobs[0]
+            assert all(lp.decoded_token is None for lp in step.values())
+            assert {t: lp.logprob for t, lp in step.items()} == pytest.approx(
+                {t: lp.logprob for t, lp in w.outputs[0].logprobs[0].items()})
+        with pytest.raises(ValueError, match="cannot pass text prompts when"):
+            skipped.generate("abc", params, use_tqdm=False)
+        for bad in (dict(stop=["x"]), dict(bad_words=["x"])):
+            with pytest.raises(ValueError, match=f"{next(iter(bad))} needs the tokenizer"):
+                skipped.generate(prompts, SamplingParams(max_tokens=2, **bad), use_tqdm=False)
+        with pytest.raises(ValueError, match="skip_tokenizer_init"):
+            skipped.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+        # the engine still serves the next request
+        again = skipped.generate(prompts[:1], params, use_tqdm=False)
+        assert again[0].outputs[0].token_ids == got[0].outputs[0].token_ids
+    finally:
+        skipped.shutdown()
+    with pytest.raises(Exception, match="(?i)tokenizer"):
+        LLM(str(bare), dtype="float32")

@@ -90,6 +90,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = served_model_name(config, model_path)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     _warn_if_open(args.host, api_key)
+    if config.model.skip_tokenizer_init:
+        raise ConfigError("skip_tokenizer_init: the HTTP server tokenizes prompts and "
+                          "detokenizes outputs; it is for the offline LLM engine only")
     if args.ingress in ("process", "replica") and args.num_replicas != 1:
         raise ConfigError(f"--num-replicas {args.num_replicas}: --ingress {args.ingress} "
                           "serves one replica; use --ingress serve for data parallelism")

@@ -183,7 +183,8 @@ class LLM:
         return self.llm_engine.lora_registry().names()
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        """The engine's tokenizer; ValueError with skip_tokenizer_init (vLLM's)."""
+        return self.llm_engine.get_tokenizer()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (e.g. between benchmark rounds), as vLLM's
@@ -278,7 +279,7 @@ class LLM:
                 return [top_logprobs_of(out) for out in outs]
 
             run_beam_searches([searches[i] for i in members], run_step)
-        return [search.output(self.get_tokenizer()) for search in searches]
+        return [search.output(self.llm_engine.tokenizer) for search in searches]
 
     def encode(self, prompts: PromptType | Sequence[PromptType],
                pooling_params: PoolingParams | None = None, use_tqdm: bool = True,

@@ -79,8 +79,9 @@ class LLMEngine:
         self.model_path = str(resolve_model_path(config.model.model))
         # the workers take the model's files from the object store themselves if need be
         local_path = local_model_path(self.model_path, config.model.share_weights)
-        self.tokenizer = load_tokenizer(local_path, config.model.tokenizer,
-                                        config.model.chat_template)
+        # None with skip_tokenizer_init: token ids in and out, no text
+        self.tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(
+            local_path, config.model.tokenizer, config.model.chat_template)
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprobs)
         # what a request's unset sampling parameters default to (the model's own)
         self.sampling_defaults = generation_defaults(
@@ -111,8 +112,8 @@ class LLMEngine:
         # The tokenizer's EOS ends a sequence as EOS (stop_reason None); the other ids
         # config.json and generation_config.json name end it as stop tokens do (their id
         # is the stop_reason), as vLLM adds them to each request's stop ids.
-        primary = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None \
-            else set(self.spec.eos_token_ids)
+        tok_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        primary = {tok_eos} if tok_eos is not None else set(self.spec.eos_token_ids)
         named = set(self.spec.eos_token_ids) | set(generation_eos_ids(
             config.model.generation_config, local_path))
         self._request_eos = tuple(sorted(primary))
@@ -198,6 +199,10 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("You cannot pass text prompts when "
+                                          "skip_tokenizer_init=True: give prompt_token_ids",
+                                          "prompt")
             return prompt, self.tokenizer(prompt)["input_ids"]
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -209,6 +214,17 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}: give a string, a "
                          "list of token ids or {'prompt_token_ids': [...]}")
+
+    @staticmethod
+    def _without_text(params: SamplingParams) -> SamplingParams:
+        """``params`` for an engine with no tokenizer (skip_tokenizer_init): what needs text
+        is refused naming the parameter; the output is token ids (empty text)."""
+        for name, value in (("stop", params.stop), ("bad_words", params.bad_words),
+                            ("structured_outputs", params.structured_outputs)):
+            if value:
+                raise InvalidRequestError(f"{name} needs the tokenizer, which "
+                                          "skip_tokenizer_init=True leaves out", name)
+        return dataclasses.replace(params, detokenize=False)
 
     def _bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """Each bad word as token ids, as vLLM reads them: the word alone, and after a
@@ -261,6 +277,8 @@ class LLMEngine:
         self._check_token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         self._check_token_ids(params.allowed_token_ids or [], "allowed_token_ids",
                               "allowed_token_ids")
+        if self.tokenizer is None:
+            params = self._without_text(params)
         params = dataclasses.replace(params, **self._end_ids(params),
                                      bad_words_token_ids=self._bad_words_ids(params))
         if params.pooling is not None:
@@ -353,7 +371,10 @@ class LLMEngine:
         return set(self.lora_registry().client_ids().values())
 
     def get_tokenizer(self):
-        """The tokenizer requests' text goes through (vLLM's accessor)."""
+        """The tokenizer requests' text goes through (vLLM's accessor); ValueError with
+        skip_tokenizer_init, as vLLM's."""
+        if self.tokenizer is None:
+            raise ValueError("no tokenizer: the engine runs with skip_tokenizer_init=True")
         return self.tokenizer
 
     def _adapter(self, lora_request: LoRARequest | str | None) -> LoRARequest | None:
@@ -607,6 +628,8 @@ class LLMEngine:
         """Give each logprob its token's own text (vLLM's ``decoded_token``: the token
         decoded alone), from a cache that the vocabulary bounds."""
         cache = self._token_texts
+        if self.tokenizer is None:  # skip_tokenizer_init: no text (decoded_token None)
+            return
         for entry in entries:
             for tok, lp in (entry or {}).items():
                 text = cache.get(tok)
