@@ -55,6 +55,7 @@ def test_shipped_serve_configs_pass_rays_schema_and_kvrays_config(path):
     ({"ingress": "proxy"}, "ingress = 'proxy'.*separate, replica"),
     ({"ingress": "replica", "num_replicas": 2}, "ingress = 'replica'.*num_replicas = 2"),
     ({"model": "/nonexistent/model"}, "does not exist"),
+    ({"skip_tokenizer_init": True}, "skip_tokenizer_init: the HTTP server"),
     ({"config": "/nonexistent.yaml"}, "config file not found"),
 ])
 def test_bad_builder_arguments_fail_naming_the_key(args, match):

@@ -14,6 +14,7 @@ from pathlib import Path
 from kvray.cli.flags import config_from_args, resolve_num_replicas
 from kvray.cli.serve_lifecycle import run_bounded
 from kvray.config import ConfigError, EngineConfig
+from kvray.serve.options import check_servable
 
 # Ray settings for the Serve front ends, set on the private cluster `kvray serve` starts
 # (a variable already in the environment wins); the Helm chart and the `ray up` configs set
@@ -90,9 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = served_model_name(config, model_path)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     _warn_if_open(args.host, api_key)
-    if config.model.skip_tokenizer_init:
-        raise ConfigError("skip_tokenizer_init: the HTTP server tokenizes prompts and "
-                          "detokenizes outputs; it is for the offline LLM engine only")
+    check_servable(config)
     if args.ingress in ("process", "replica") and args.num_replicas != 1:
         raise ConfigError(f"--num-replicas {args.num_replicas}: --ingress {args.ingress} "
                           "serves one replica; use --ingress serve for data parallelism")

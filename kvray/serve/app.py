@@ -18,7 +18,7 @@ from kvray.actors.placement import worker_bundles
 from kvray.config import EngineConfig
 from kvray.serve.autoscaling import serve_autoscaling_config
 from kvray.serve.ingress import LLMServerIngress, OpenAIIngress
-from kvray.serve.options import ServeOptions, check_replicas, served_model_name
+from kvray.serve.options import ServeOptions, check_replicas, check_servable, served_model_name
 from kvray.serve.replica import LLMServer
 
 # Requests Serve's proxy may queue for the ingress. The ingress answers every request at
@@ -32,6 +32,7 @@ def build_serve_app(config: EngineConfig, options: ServeOptions) -> Application:
     """The Serve application for one model. ``config.model.model`` is the model's resolved
     path (see :func:`kvray.serve.builder.with_resolved_model`); ``config`` travels to the
     replicas as it is."""
+    check_servable(config)
     check_replicas(config, options)
     model_name = served_model_name(config, config.model.model)
     replica = _replica_options(config, options)

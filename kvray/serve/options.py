@@ -21,6 +21,13 @@ def check_ingress(ingress: str, num_replicas: int) -> None:
                           f"{num_replicas}); use ingress = 'separate' for data parallelism")
 
 
+def check_servable(config: EngineConfig) -> None:
+    """Raise ConfigError for engine settings the HTTP server cannot work with."""
+    if config.model.skip_tokenizer_init:
+        raise ConfigError("skip_tokenizer_init: the HTTP server tokenizes prompts and "
+                          "detokenizes outputs; it is for the offline LLM engine only")
+
+
 def check_replicas(config: EngineConfig, options: ServeOptions) -> None:
     """Raise ConfigError when autoscaling (``max_replicas``) meets a fixed replica count
     or a front end that serves one replica."""
