@@ -180,6 +180,7 @@ def test_act_order_weights_split_their_columns_for_tensor_parallelism(cpu_kernel
                                                   desc_act=True))
     assert qt.input_perm is not None
     dense = qt.dequantize()
+    assert dense.is_contiguous()
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
     size, padded = k // tp, 0
     for r in range(tp):
@@ -188,6 +189,7 @@ def test_act_order_weights_split_their_columns_for_tensor_parallelism(cpu_kernel
         assert piece.shape == (n, size) and piece.kinds == qt.kinds
         assert piece.stored_k % 32 == 0 and piece.stored_k >= size
         assert torch.equal(piece.dequantize(), dense[:, cols])
+        assert piece.dequantize().is_contiguous()
         want = x[:, cols].double() @ dense[:, cols].double().T
         stored = torch.cat([s.dequantize() for s in piece.segments]).double()
         gathered = gather_input(x[:, cols], piece.input_perm)

@@ -310,10 +310,14 @@ class QuantTensor:
         """Stored columns [., stored_k] back in x's order [., K] (padding dropped)."""
         if self.input_perm is None:
             return stored
-        k = self.shape[1]
-        dense = stored.new_empty(stored.shape[0], k + 1)
-        dense[:, self.input_perm.to(stored.device)] = stored
-        return dense[:, :k]
+        k, perm = self.shape[1], self.input_perm.to(stored.device)
+        dense = stored.new_empty(stored.shape[0], k)
+        if perm.numel() == k:
+            dense[:, perm] = stored
+        else:  # a TP shard: its padding (index k) dropped
+            real = perm < k
+            dense[:, perm[real]] = stored[:, real]
+        return dense
 
     def narrow(self, dim: int, start: int, length: int) -> QuantTensor:
         """Rows (dim 0) or columns (dim 1, on group boundaries) like ``Tensor.narrow``."""
