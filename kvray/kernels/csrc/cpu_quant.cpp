@@ -322,7 +322,6 @@ void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, float* d, fl
 
 // Group g of 8 quantized rows (all M / 8 * 8 of them) copied interleaved per block.
 void interleave_group(QuantizedX& qx, int64_t g) {
-  constexpr int64_t kRowsX = 8;
   const int64_t nb = qx.nb, n16 = qx.Kp / 16;
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t r = 0; r < kRowsX; ++r) {
@@ -340,7 +339,6 @@ void interleave_group(QuantizedX& qx, int64_t g) {
 // streams on a 2-core Zen 4 (prefill chunks), with the other core spinning.
 QuantizedX quantize_x(const float* x, int64_t ldx, int64_t M, int64_t rows, int64_t K,
                       int64_t Kp, bool interleave) {
-  constexpr int64_t kRowsX = 8;
   QuantizedX qx;
   const int64_t nb = Kp / kBlock, n16 = Kp / 16, groups = (M + kRowsX - 1) / kRowsX;
   qx.Kp = Kp, qx.nb = nb;

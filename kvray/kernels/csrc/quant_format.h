@@ -19,5 +19,8 @@ constexpr int64_t code_bits(int32_t kind) {
 }
 constexpr int64_t kBlock = 32;  // codes per activation block (and the K padding unit)
 constexpr int64_t kTile = 8;    // weight rows interleaved per tile (one per vector lane)
+// x rows per interleaved group of the S8 pair kernel (XView::q8): quantize_x writes
+// them, dot_pair_s8x8 reads them
+constexpr int kRowsX = 8;
 
 }  // namespace

@@ -567,7 +567,6 @@ void dot_pair_s8x8(const SegView& s, const XView& x, int64_t g8, int64_t t, floa
                    int64_t ldy, const float* bias) {
   using L = TwoTiles;
   using F = L::F;
-  constexpr int kRowsX = 8;
   constexpr int64_t kBlockBytes = kTile * kBlock, kRows = 2 * kTile;
   // One flat loop over the blocks with every pointer stepped: group and block loops nested
   // recomputed ~20 addresses from spilled registers per group, i.e. per block for Q8_0
